@@ -1,0 +1,298 @@
+"""RolloutForest: a prefix forest (radix trie) of rollout token sequences.
+
+Every distinct non-empty prefix of the input trajectories is one *compact token*. Compact
+tokens are laid out in DFS pre-order (children in increasing token order), which is exactly
+the order in which the new suffixes of the lexicographically sorted trajectories appear. That
+observation makes the build a sort plus one longest-common-prefix pass, all vectorised.
+
+Legend: N compact tokens, M nodes (maximal unbranched chains), B trajectories,
+T total trajectory tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["RolloutForest"]
+
+
+def _as_ids(seq, i: int) -> np.ndarray:
+    """One trajectory as a 1-D int64 array; refuses what is not a sequence of token ids."""
+    arr = np.asarray(seq)
+    if arr.ndim != 1:
+        raise ValueError(f"trajectory {i}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"trajectory {i} is empty: every trajectory needs at least one token")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"trajectory {i}: token ids must be integers, got dtype {arr.dtype}")
+    if np.issubdtype(arr.dtype, np.signedinteger):
+        neg = np.flatnonzero(arr < 0)
+        if neg.size:
+            raise ValueError(f"trajectory {i}, position {neg[0]}: negative token id {arr[neg[0]]}")
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"trajectory {i}: token id {arr.max()} does not fit in int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_mask(mask, i: int, length: int) -> np.ndarray:
+    arr = np.asarray(mask)
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise ValueError(
+            f"loss mask {i} has shape {arr.shape} but trajectory {i} has {length} tokens: "
+            "give one mask value per token"
+        )
+    return arr.astype(bool, copy=False)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutForest:
+    """Prefix forest of trajectories; build it with :meth:`from_sequences`.
+
+    Token arrays (length N, DFS pre-order): ``tokens``, ``position`` (depth, the position the
+    token has in every trajectory through it), ``prev`` (previous token on the root path, -1 at
+    a root), ``multiplicity`` (trajectories through the token), ``subtree_end`` (exclusive end of
+    the token's subtree: k is an ancestor-or-self of q iff ``k <= q < subtree_end[k]``),
+    ``node_of`` (node index of each token).
+
+    Node arrays (length M, DFS pre-order): ``node_start``, ``node_len``, ``node_parent``,
+    ``node_level`` (0 for roots), and the DFS interval ``node_tin``/``node_tout`` (node indices:
+    node a is an ancestor-or-self of node b iff ``node_tin[a] <= b < node_tout[a]``).
+
+    Trajectory arrays: ``traj_offsets`` [B + 1] (CSR offsets into the restore index) and
+    ``restore`` [T]: the compact index of trajectory i's token t is
+    ``restore[traj_offsets[i] + t]``. ``loss_mask`` [T] (bool) is carried along when given.
+    """
+
+    tokens: np.ndarray
+    position: np.ndarray
+    prev: np.ndarray
+    multiplicity: np.ndarray
+    subtree_end: np.ndarray
+    node_of: np.ndarray
+    node_start: np.ndarray
+    node_len: np.ndarray
+    node_parent: np.ndarray
+    node_level: np.ndarray
+    node_tin: np.ndarray
+    node_tout: np.ndarray
+    traj_offsets: np.ndarray
+    restore: np.ndarray
+    loss_mask: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sequences(
+        cls, seqs: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None = None
+    ) -> RolloutForest:
+        """Build the forest of ``seqs`` (token id sequences) in time linear in their total length.
+
+        ``loss_masks`` (optional, one per trajectory, same lengths) is stored per trajectory
+        token: the trie is keyed by token ids only.
+        """
+        if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
+            seqs = list(seqs)
+        if len(seqs) == 0:
+            raise ValueError("no sequences: a RolloutForest needs at least one trajectory")
+        arrays = [_as_ids(s, i) for i, s in enumerate(seqs)]
+        masks = None
+        if loss_masks is not None:
+            if len(loss_masks) != len(arrays):
+                raise ValueError(f"got {len(loss_masks)} loss masks for {len(arrays)} trajectories")
+            masks = [_as_mask(m, i, a.size) for i, (m, a) in enumerate(zip(loss_masks, arrays))]
+
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        # Big-endian bytes compare like the id sequences (a prefix sorts before its extensions).
+        order = sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u8").tobytes())
+        order = np.asarray(order, dtype=np.int64)
+        lcp = np.zeros(len(arrays), dtype=np.int64)
+        for r in range(1, len(order)):
+            lcp[r] = _common_prefix(arrays[order[r - 1]], arrays[order[r]])
+
+        sorted_len = lengths[order]
+        new_count = sorted_len - lcp  # compact tokens each sorted trajectory adds
+        new_offset = np.concatenate(([0], np.cumsum(new_count)))
+        num_compact = int(new_offset[-1])
+
+        # Flat (sorted trajectory, depth) layout of every trajectory token.
+        flat_off = np.concatenate(([0], np.cumsum(sorted_len)))
+        total = int(flat_off[-1])
+        row = np.repeat(np.arange(len(order)), sorted_len)
+        depth = np.arange(total, dtype=np.int64) - flat_off[row]
+        is_new = depth >= lcp[row]
+        compact = np.where(is_new, new_offset[row] + depth - lcp[row], -1)
+
+        # A shared token equals the same depth of the previous sorted trajectory; walking each
+        # depth column in sorted order, forward-fill from the last trajectory that added it.
+        col = np.lexsort((row, depth))
+        filled = compact[col]
+        src = np.where(filled >= 0, np.arange(total), 0)
+        np.maximum.accumulate(src, out=src)
+        compact[col] = filled[src]
+
+        tokens = np.empty(num_compact, dtype=np.int64)
+        position = np.empty(num_compact, dtype=np.int64)
+        prev = np.full(num_compact, -1, dtype=np.int64)
+        first_row = np.empty(num_compact, dtype=np.int64)
+        flat_tokens = np.concatenate([arrays[i] for i in order])
+        tokens[compact[is_new]] = flat_tokens[is_new]
+        position[compact[is_new]] = depth[is_new]
+        first_row[compact[is_new]] = row[is_new]
+        inner = depth > 0
+        prev[compact[inner]] = compact[np.flatnonzero(inner) - 1]
+        multiplicity = np.bincount(compact, minlength=num_compact)
+        # Trajectories through a token are contiguous in sorted order, so its subtree ends
+        # where the last of them stops adding tokens.
+        subtree_end = new_offset[first_row + multiplicity]
+
+        node_of, node_arrays = cls._nodes(prev, subtree_end)
+
+        # Restore index in the caller's trajectory order.
+        inv = np.empty_like(order)
+        inv[order] = np.arange(len(order))
+        traj_offsets = np.concatenate(([0], np.cumsum(lengths)))
+        caller_row = np.repeat(np.arange(len(order)), lengths)
+        gather = flat_off[inv[caller_row]] + np.arange(total) - traj_offsets[caller_row]
+        restore = compact[gather]
+        loss_mask = np.concatenate(masks) if masks is not None else None
+        return cls(
+            tokens=tokens,
+            position=position,
+            prev=prev,
+            multiplicity=multiplicity,
+            subtree_end=subtree_end,
+            node_of=node_of,
+            **node_arrays,
+            traj_offsets=traj_offsets,
+            restore=restore,
+            loss_mask=loss_mask,
+        )
+
+    @staticmethod
+    def _nodes(prev: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Compress chains into nodes: a token starts a node unless it is its parent's only child."""
+        n = prev.size
+        children = np.bincount(prev[prev >= 0], minlength=n)
+        starts = (prev < 0) | (children[np.maximum(prev, 0)] != 1)
+        node_start = np.flatnonzero(starts)
+        node_of = np.cumsum(starts) - 1
+        node_len = np.diff(np.append(node_start, n))
+        parent_tok = prev[node_start]
+        node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
+        # Pointer jumping (list ranking): O(M log height), no per-node loop.
+        level = (node_parent >= 0).astype(np.int64)
+        jump = node_parent.copy()
+        while (active := jump >= 0).any():
+            up = jump[active]
+            level[active] = level[active] + level[up]
+            jump[active] = jump[up]
+        node_tout = node_of[subtree_end[node_start] - 1] + 1
+        return node_of, dict(
+            node_start=node_start,
+            node_len=node_len,
+            node_parent=node_parent,
+            node_level=level,
+            node_tin=np.arange(node_start.size),
+            node_tout=node_tout,
+        )
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def num_trajectories(self) -> int:
+        return self.traj_offsets.size - 1
+
+    @property
+    def num_trajectory_tokens(self) -> int:
+        return int(self.traj_offsets[-1])
+
+    @property
+    def num_compact_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_start.size)
+
+    @property
+    def compression(self) -> float:
+        """Trajectory tokens per compact token: the work prefix sharing saves, at best."""
+        return self.num_trajectory_tokens / self.num_compact_tokens
+
+    @property
+    def height(self) -> int:
+        """Number of node levels on the deepest root-to-leaf path."""
+        return int(self.node_level.max()) + 1
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """[B] length of each trajectory."""
+        return np.diff(self.traj_offsets)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max())
+
+    @property
+    def num_leaves(self) -> int:
+        """Nodes without children (every trajectory ends in a leaf or inside a chain)."""
+        has_child = np.zeros(self.num_nodes, dtype=bool)
+        has_child[self.node_parent[self.node_parent >= 0]] = True
+        return int((~has_child).sum())
+
+    @property
+    def roots(self) -> np.ndarray:
+        """Compact indices of the root tokens (depth 0)."""
+        return np.flatnonzero(self.prev < 0)
+
+    # ------------------------------------------------------------------ trajectories back
+    def trajectory_index(self, i: int) -> np.ndarray:
+        """[len_i] compact index of each token of trajectory i."""
+        if not 0 <= i < self.num_trajectories:
+            raise IndexError(f"trajectory {i} out of range for {self.num_trajectories} trajectories")
+        return self.restore[self.traj_offsets[i] : self.traj_offsets[i + 1]]
+
+    def trajectory(self, i: int) -> np.ndarray:
+        """Token ids of trajectory i, exactly as given to :meth:`from_sequences`."""
+        return self.tokens[self.trajectory_index(i)]
+
+    def trajectories(self) -> list[np.ndarray]:
+        tok = self.tokens[self.restore]
+        return np.split(tok, self.traj_offsets[1:-1])
+
+    def padded(self, values: np.ndarray, fill=0) -> np.ndarray:
+        """[B, max_len] a per-trajectory-token array (length T) in padded trajectory layout."""
+        out = np.full((self.num_trajectories, self.max_length), fill, dtype=values.dtype)
+        out[self._traj_row, self._traj_col] = values
+        return out
+
+    @cached_property
+    def _traj_row(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_trajectories), self.lengths)
+
+    @cached_property
+    def _traj_col(self) -> np.ndarray:
+        return np.arange(self.num_trajectory_tokens) - self.traj_offsets[self._traj_row]
+
+    @cached_property
+    def logprob_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where per-trajectory log-probs come from, in the ``[B, max_len - 1]`` layout.
+
+        Returns ``(predictor, target, valid)``: column t of row i is
+        ``log_softmax(logits[predictor[i, t]])[target[i, t]]`` where ``valid[i, t]``. A branch
+        point's last token predicts a different next token for each child: the same compact
+        predictor index appears once per child, never a duplicated compact token.
+        """
+        idx = self.padded(self.restore, fill=0)
+        valid = self.padded(np.ones(self.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+        predictor = np.where(valid, idx[:, :-1], 0)
+        target = np.where(valid, self.tokens[idx[:, 1:]], 0)
+        return predictor, target, valid
