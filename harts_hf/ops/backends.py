@@ -1,0 +1,84 @@
+"""One registry of tree-op backends (in the manner of fla's ``backends.py``).
+
+Each layer kind ("attention", "conv", "gated_delta", "kda", "gla", "simple_gla") has one or more
+implementations, each registered under a backend name with a test of whether the backend is
+installed and whether it accepts a given call. ``torch`` is registered for every kind and is the
+guaranteed fallback. The choice is read in ONE place, the ``HARTS_BACKEND`` environment switch:
+
+| HARTS_BACKEND | meaning |
+|---------------|---------|
+| ``auto`` (default) | the first registered non-torch backend that is available and accepts the call, else ``torch`` |
+| ``torch`` | always the pure-PyTorch backend (runs everywhere, CPU included) |
+| ``<name>`` | that backend; an error if it is unavailable or refuses the call |
+
+The chosen backend is logged once per (kind, backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["register", "implementation", "registered"]
+
+logger = logging.getLogger(__name__)
+ENV = "HARTS_BACKEND"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    fn: Callable
+    available: Callable[[], bool]
+    accepts: Callable[..., bool]
+
+
+_REGISTRY: dict[str, dict[str, _Entry]] = {}
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def register(
+    kind: str,
+    backend: str,
+    *,
+    available: Callable[[], bool] = lambda: True,
+    accepts: Callable[..., bool] = lambda *args, **kwargs: True,
+) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as ``backend``'s implementation of layer ``kind``."""
+
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(kind, {})[backend] = _Entry(fn, available, accepts)
+        return fn
+
+    return wrap
+
+
+def registered(kind: str) -> list[str]:
+    """Backend names registered for ``kind``, in registration order."""
+    return list(_REGISTRY.get(kind, {}))
+
+
+def implementation(kind: str, *args, **kwargs) -> Callable:
+    """The implementation of ``kind`` that serves this call (``args``/``kwargs`` are the call's)."""
+    if kind not in _REGISTRY:
+        raise KeyError(f"unknown tree-op kind {kind!r}; registered kinds: {sorted(_REGISTRY)}")
+    entries = _REGISTRY[kind]
+    wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if wanted == "auto":
+        candidates = [name for name in entries if name != "torch"] + ["torch"]
+    elif wanted in entries:
+        candidates = [wanted]
+    else:
+        raise ValueError(f"{ENV}={wanted!r} is not a backend of {kind!r}; choose from {sorted(entries) + ['auto']}")
+    for name in candidates:
+        entry = entries.get(name)
+        if entry is not None and entry.available() and entry.accepts(*args, **kwargs):
+            if (kind, name) not in _LOGGED:
+                _LOGGED.add((kind, name))
+                logger.info("harts-hf: %s runs on the %s backend", kind, name)
+            return entry.fn
+    raise RuntimeError(
+        f"{ENV}={wanted!r}: backend {candidates[0]!r} for {kind!r} is not available or does not "
+        f"accept this call (set {ENV}=torch to use the pure-PyTorch backend)"
+    )
