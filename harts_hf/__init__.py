@@ -1,0 +1,12 @@
+"""harts-hf: train Hugging Face hybrid-attention language models on rollout trees.
+
+Every shared prefix of a batch of agentic rollouts is computed once (forward and backward);
+per-trajectory log-probs come back in the layout TRL's objectives expect, with the same
+gradients as trajectory-wise training.
+"""
+
+from .forest import RolloutForest
+
+__version__ = "0.1.0"
+
+__all__ = ["RolloutForest", "__version__"]
