@@ -92,12 +92,17 @@ class RolloutForest:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_sequences(
-        cls, seqs: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]] | None = None
+        cls,
+        seqs: Sequence[Sequence[int]],
+        loss_masks: Sequence[Sequence[bool]] | None = None,
+        *,
+        share_prefixes: bool = True,
     ) -> RolloutForest:
         """Build the forest of ``seqs`` (token id sequences) in time linear in their total length.
 
         ``loss_masks`` (optional, one per trajectory, same lengths) is stored per trajectory
-        token: the trie is keyed by token ids only.
+        token: the trie is keyed by token ids only. ``share_prefixes=False`` makes every
+        trajectory its own root (trajectory-wise training on the same kernels: the baseline).
         """
         if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
             seqs = list(seqs)
@@ -111,12 +116,15 @@ class RolloutForest:
             masks = [_as_mask(m, i, a.size) for i, (m, a) in enumerate(zip(loss_masks, arrays))]
 
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-        # Big-endian bytes compare like the id sequences (a prefix sorts before its extensions).
-        order = sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u8").tobytes())
-        order = np.asarray(order, dtype=np.int64)
         lcp = np.zeros(len(arrays), dtype=np.int64)
-        for r in range(1, len(order)):
-            lcp[r] = _common_prefix(arrays[order[r - 1]], arrays[order[r]])
+        if share_prefixes:
+            # Big-endian bytes compare like the id sequences (a prefix sorts before its extensions).
+            order = sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u8").tobytes())
+            order = np.asarray(order, dtype=np.int64)
+            for r in range(1, len(order)):
+                lcp[r] = _common_prefix(arrays[order[r - 1]], arrays[order[r]])
+        else:
+            order = np.arange(len(arrays))
 
         sorted_len = lengths[order]
         new_count = sorted_len - lcp  # compact tokens each sorted trajectory adds
