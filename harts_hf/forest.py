@@ -131,32 +131,24 @@ class RolloutForest:
         new_offset = np.concatenate(([0], np.cumsum(new_count)))
         num_compact = int(new_offset[-1])
 
-        # Flat (sorted trajectory, depth) layout of every trajectory token.
+        # Sorted row r adds compact tokens new_offset[r]:new_offset[r + 1] (its depths from
+        # lcp[r] on); its first lcp[r] tokens are those of row r - 1. Slice copies per row.
         flat_off = np.concatenate(([0], np.cumsum(sorted_len)))
-        total = int(flat_off[-1])
-        row = np.repeat(np.arange(len(order)), sorted_len)
-        depth = np.arange(total, dtype=np.int64) - flat_off[row]
-        is_new = depth >= lcp[row]
-        compact = np.where(is_new, new_offset[row] + depth - lcp[row], -1)
-
-        # A shared token equals the same depth of the previous sorted trajectory; walking each
-        # depth column in sorted order, forward-fill from the last trajectory that added it.
-        col = np.lexsort((row, depth))
-        filled = compact[col]
-        src = np.where(filled >= 0, np.arange(total), 0)
-        np.maximum.accumulate(src, out=src)
-        compact[col] = filled[src]
-
+        compact = np.empty(int(flat_off[-1]), dtype=np.int64)  # [T] sorted-row layout
         tokens = np.empty(num_compact, dtype=np.int64)
-        position = np.empty(num_compact, dtype=np.int64)
-        prev = np.full(num_compact, -1, dtype=np.int64)
-        first_row = np.empty(num_compact, dtype=np.int64)
-        flat_tokens = np.concatenate([arrays[i] for i in order])
-        tokens[compact[is_new]] = flat_tokens[is_new]
-        position[compact[is_new]] = depth[is_new]
-        first_row[compact[is_new]] = row[is_new]
-        inner = depth > 0
-        prev[compact[inner]] = compact[np.flatnonzero(inner) - 1]
+        for r, i in enumerate(order):
+            f, k, lo, hi = flat_off[r], lcp[r], new_offset[r], new_offset[r + 1]
+            compact[f : f + k] = compact[flat_off[r - 1] : flat_off[r - 1] + k]
+            compact[f + k : flat_off[r + 1]] = np.arange(lo, hi)
+            tokens[lo:hi] = arrays[i][k:]
+        first_row = np.repeat(np.arange(len(order)), new_count)
+        position = np.arange(num_compact) - np.repeat(new_offset[:-1] - lcp, new_count)
+        # A new token's parent is the compact token before it, except at a row's first new
+        # token: its parent is the row's last shared token (none at depth 0).
+        prev = np.arange(num_compact) - 1
+        adds = np.flatnonzero(new_count > 0)
+        last_shared = compact[flat_off[adds] + np.maximum(lcp[adds] - 1, 0)]
+        prev[new_offset[adds]] = np.where(lcp[adds] > 0, last_shared, -1)
         multiplicity = np.bincount(compact, minlength=num_compact)
         # Trajectories through a token are contiguous in sorted order, so its subtree ends
         # where the last of them stops adding tokens.
@@ -168,9 +160,7 @@ class RolloutForest:
         inv = np.empty_like(order)
         inv[order] = np.arange(len(order))
         traj_offsets = np.concatenate(([0], np.cumsum(lengths)))
-        caller_row = np.repeat(np.arange(len(order)), lengths)
-        gather = flat_off[inv[caller_row]] + np.arange(total) - traj_offsets[caller_row]
-        restore = compact[gather]
+        restore = np.concatenate([compact[flat_off[r] : flat_off[r + 1]] for r in inv])
         loss_mask = np.concatenate(masks) if masks is not None else None
         return cls(
             tokens=tokens,

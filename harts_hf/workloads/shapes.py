@@ -1,0 +1,145 @@
+"""Small seeded tree shapes for tests: the corner cases tree kernels must get right.
+
+Every shape is a tree of nodes (runs of tokens) whose siblings start with distinct tokens, so
+the prefix forest has exactly the intended branching. Trajectories are root-to-node paths;
+loss masks are per node. Node lengths are free (not multiples of 64; 1-token nodes allowed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .pieces import assemble, node_pool, tree_paths
+from .workload import Workload
+
+__all__ = ["caterpillar", "deep_chain", "grpo_group", "random_tree"]
+
+
+def _tree_workload(
+    name: str,
+    rng: np.random.Generator,
+    parent: np.ndarray,
+    node_len: np.ndarray,
+    trained: np.ndarray,
+    ends: np.ndarray,
+    vocab: int,
+) -> Workload:
+    """Trajectory i = the root path of node ``ends[i]``; group = the index of its root."""
+    if node_len.min() < 1:
+        raise ValueError(f"{name}: every node needs at least one token, got lengths {node_len.tolist()}")
+    pool, start = node_pool(rng, parent, node_len, vocab)
+    traj, node = tree_paths(parent, ends)
+    seqs, masks = assemble(pool, traj, start[node], node_len[node], trained[node], ends.size)
+    first = np.flatnonzero(np.r_[True, traj[1:] != traj[:-1]])
+    roots = np.flatnonzero(parent < 0)
+    groups = np.searchsorted(roots, node[first]).astype(np.int64)
+    return Workload(name, seqs, masks, rng.random(ends.size), groups)
+
+
+def _per_node(value: int | Sequence[int], count: int, what: str) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.int64)
+    if arr.ndim == 0:
+        arr = np.full(count, arr)
+    if arr.shape != (count,):
+        raise ValueError(f"{what}: want one length or {count} lengths, got shape {arr.shape}")
+    return arr
+
+
+def grpo_group(
+    prompt_len: int = 37,
+    completion_lens: Sequence[int] | None = None,
+    G: int = 4,
+    *,
+    max_completion: int = 50,
+    seed: int = 0,
+    vocab: int = 32000,
+) -> Workload:
+    """One prompt (not trained) and G completions (trained) of random lengths in
+    [1, max_completion], or of ``completion_lens`` when given (then G = their number)."""
+    rng = np.random.default_rng(seed)
+    if completion_lens is None:
+        completion_lens = rng.integers(1, max_completion + 1, G)
+    lens = np.asarray(completion_lens, dtype=np.int64)
+    g = lens.size
+    parent = np.r_[-1, np.zeros(g, dtype=np.int64)]
+    node_len = np.r_[prompt_len, lens]
+    trained = np.r_[False, np.ones(g, dtype=bool)]
+    return _tree_workload("grpo-group", rng, parent, node_len, trained, np.arange(1, g + 1), vocab)
+
+
+def caterpillar(
+    turns: int = 6,
+    trunk_len: int | Sequence[int] = 23,
+    leaf_len: int | Sequence[int] = 9,
+    *,
+    seed: int = 0,
+    vocab: int = 32000,
+) -> Workload:
+    """The agentic shape: a trunk of ``turns`` segments with a side leaf (trained) per turn.
+
+    Trajectory k = trunk segments 0..k + leaf k. Lengths are one int or one per turn.
+    """
+    rng = np.random.default_rng(seed)
+    trunk = _per_node(trunk_len, turns, "trunk_len")
+    leaf = _per_node(leaf_len, turns, "leaf_len")
+    parent = np.r_[np.arange(-1, turns - 1), np.arange(turns)]
+    trained = np.r_[np.zeros(turns, dtype=bool), np.ones(turns, dtype=bool)]
+    ends = np.arange(turns, 2 * turns)
+    return _tree_workload("caterpillar", rng, parent, np.r_[trunk, leaf], trained, ends, vocab)
+
+
+def random_tree(
+    num_nodes: int = 24,
+    *,
+    roots: int = 2,
+    max_node_len: int = 70,
+    prefix_prob: float = 0.25,
+    duplicate_prob: float = 0.1,
+    seed: int = 0,
+    vocab: int = 32000,
+) -> Workload:
+    """A random recursive forest: node v >= ``roots`` hangs under a uniform earlier node.
+
+    Trajectories end at every leaf, at internal nodes with probability ``prefix_prob`` (strict
+    prefixes of others), and each is repeated with probability ``duplicate_prob``. Node
+    lengths are uniform in [1, max_node_len]; loss masks are random per node.
+    """
+    if not 1 <= roots <= num_nodes:
+        raise ValueError(
+            f"random_tree: need 1 <= roots <= num_nodes, got roots={roots}, num_nodes={num_nodes}"
+        )
+    rng = np.random.default_rng(seed)
+    v = np.arange(num_nodes)
+    parent = np.where(v < roots, -1, np.floor(rng.random(num_nodes) * v).astype(np.int64))
+    node_len = rng.integers(1, max_node_len + 1, num_nodes)
+    trained = rng.random(num_nodes) < 0.5
+    is_leaf = np.bincount(parent[parent >= 0], minlength=num_nodes) == 0
+    ends = np.flatnonzero(is_leaf | (rng.random(num_nodes) < prefix_prob))
+    ends = np.repeat(ends, 1 + (rng.random(ends.size) < duplicate_prob))
+    return _tree_workload("random-tree", rng, parent, node_len, trained, ends, vocab)
+
+
+def deep_chain(
+    levels: int = 48,
+    *,
+    fanout: int = 2,
+    node_len: tuple[int, int] = (1, 9),
+    seed: int = 0,
+    vocab: int = 32000,
+) -> Workload:
+    """A chain of branches: ``levels`` chain nodes, each with ``fanout`` children (the next chain
+    node and leaves; the last chain node has only leaves), so the forest is ``levels + 1`` node
+    levels high. Leaves are trained. The last chain node also ends a trajectory (a strict prefix
+    of its leaves). Node lengths are uniform in ``node_len`` (inclusive)."""
+    if levels < 1 or fanout < 2:
+        raise ValueError(f"deep_chain: need levels >= 1 and fanout >= 2, got {levels}, {fanout}")
+    rng = np.random.default_rng(seed)
+    chain_parent = np.arange(-1, levels - 1)
+    leaf_parent = np.r_[np.repeat(np.arange(levels), fanout - 1), levels - 1]
+    parent = np.r_[chain_parent, leaf_parent]
+    lens = rng.integers(node_len[0], node_len[1] + 1, parent.size)
+    trained = np.r_[np.zeros(levels, dtype=bool), np.ones(leaf_parent.size, dtype=bool)]
+    ends = np.r_[np.arange(levels, parent.size), levels - 1]
+    return _tree_workload("deep-chain", rng, parent, lens, trained, ends, vocab)

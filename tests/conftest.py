@@ -1,0 +1,16 @@
+"""Shared test settings: hypothesis runs derandomised (fixed examples) and without deadlines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+settings.register_profile("harts", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("harts")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fixed-seed generator, fresh for every test."""
+    return np.random.default_rng(0)
