@@ -1,0 +1,405 @@
+"""Gated linear attention on trees: GLA (per-channel decay) and simple GLA (per-head decay).
+
+Recurrence (no delta rule): ``S_t = exp(g_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * q_t S_t``; ``g`` is
+[.., H, K] for GLA and [.., H] for simple GLA. Mamba2's SSD and MiniMax's lightning attention are simple
+GLA with other names, so their tree ops live here as thin adapters.
+
+The chunk-scan kernels follow the shared interface (see ``linear_attention.py``): chunks of all paths of
+one round packed step-major, intra-chunk work batched over every chunk, the inter-chunk recurrence
+stepped over the active prefix of paths. The arithmetic follows fla's naive references
+(``fla/ops/gla/naive.py``, ``fla/ops/simple_gla/naive.py``); simple GLA's intra-chunk decay mask is
+transformers' Mamba2 segment sum, so Mamba2 trees match the stock torch SSD path to fp32 rounding.
+
+Shape legend: Tc chunks in a round, C chunk size, H heads, K key dim, V value dim, P paths, N tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .backends import implementation, register
+from .linear_attention import run_tree_linear_attention
+from .tree_batch import TreeBatch
+
+__all__ = [
+    "gla_chunk_scan",
+    "scan_chunk_steps",
+    "simple_gla_chunk_scan",
+    "tree_gla",
+    "tree_lightning",
+    "tree_mamba2_ssd",
+    "tree_simple_gla",
+]
+
+Step = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[N, Hk, D] -> [N, heads, D] fp32, each key head repeated for its group of value heads (GVA)."""
+    if heads % x.shape[1]:
+        raise ValueError(f"{heads} value heads is not a multiple of {x.shape[1]} key heads")
+    return x.float().repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def scan_chunk_steps(
+    h0: torch.Tensor, step_counts: list[int], step: Step
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inter-chunk recurrence of a step-major round: one ``step`` per chunk index on the active paths.
+
+    ``step(rows, S)`` gets the packed rows of this step's chunks and their start states ``S`` [n, H, K, V]
+    and returns (outputs of those chunks, end states). Paths are sorted by chunk count, so the paths that
+    finish at a step are the tail of the active prefix. Returns (o, h_start [Tc, H, K, V], h_final [P, H, K, V]).
+    """
+    state = h0  # [P, H, K, V]
+    outs, starts, finals = [], [], []
+    row = 0
+    for m, n in enumerate(step_counts):
+        state = state[:n]
+        starts.append(state)
+        o, state = step(slice(row, row + n), state)
+        outs.append(o)
+        n_next = step_counts[m + 1] if m + 1 < len(step_counts) else 0
+        finals.append(state[n_next:])  # paths n_next..n-1 end at this step
+        row += n
+    # Later steps finish lower path indices: reverse to restore path order.
+    return torch.cat(outs), torch.cat(starts), torch.cat(finals[::-1])
+
+
+def gla_chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: None,
+    h0: torch.Tensor,
+    step_counts: list[int],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GLA chunk scan (per-channel log-decay ``g`` [Tc, C, H, K]); ``beta`` must be None."""
+    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [Tc, H, C, K|V]
+    chunk = q.shape[2]
+    q = q * scale
+    g = g.cumsum(-2)
+    future = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    # [Tc, H, C, C, K]: exp(g_i - g_j) for j <= i, else 0.
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(future[..., None], float("-inf")).exp()
+    o_intra = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1) @ v  # [Tc, H, C, V]
+    q_decay = q * g.exp()  # [Tc, H, C, K]
+    kv_local = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2) @ v  # [Tc, H, K, V]
+    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [Tc, H, K, 1]
+
+    def step(rows: slice, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = q_decay[rows] @ state + o_intra[rows]
+        return o, state * chunk_decay[rows] + kv_local[rows]
+
+    o, h_start, h_final = scan_chunk_steps(h0.float(), step_counts, step)
+    return o.transpose(1, 2), h_start, h_final
+
+
+def segment_sum(g: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [..., C, C]: sum of g over (j, i] at [i, j], -inf above the diagonal.
+
+    Summed directly (masked cumsum, as transformers' Mamba2 ``segment_sum``) instead of as a difference of
+    cumulative sums, which loses ~1e-5 of the decay gradient's precision to cancellation.
+    """
+    chunk = g.shape[-1]
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device)
+    terms = g.unsqueeze(-1).expand(*g.shape, chunk).masked_fill(~ones.tril(-1), 0)  # [..., C, C]: g_i if j < i
+    return terms.cumsum(-2).masked_fill(~ones.tril(), float("-inf"))
+
+
+def simple_gla_chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: None,
+    h0: torch.Tensor,
+    step_counts: list[int],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Simple GLA chunk scan (per-head log-decay ``g`` [Tc, C, H]); ``beta`` must be None."""
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [Tc, H, C, K|V]
+    g = g.transpose(1, 2).float()  # [Tc, H, C]
+    decay = g.cumsum(-1)
+    q = q * scale
+    mask = segment_sum(g).exp()  # [Tc, H, C, C]
+    o_intra = (q @ k.transpose(-1, -2) * mask) @ v  # [Tc, H, C, V]
+    q_decay = q * decay.exp().unsqueeze(-1)  # [Tc, H, C, K]
+    kv_local = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2) @ v  # [Tc, H, K, V]
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # [Tc, H, 1, 1]
+
+    def step(rows: slice, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = q_decay[rows] @ state + o_intra[rows]
+        return o, state * chunk_decay[rows] + kv_local[rows]
+
+    o, h_start, h_final = scan_chunk_steps(h0.float(), step_counts, step)
+    return o.transpose(1, 2), h_start, h_final
+
+
+@register("gla", "torch")
+def tree_gla_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-PyTorch backend of :func:`tree_gla`."""
+    heads = v.shape[1]
+    ctx = None
+    if context is not None:
+        ctx = {"k": expand_heads(context["k"], heads), "v": context["v"].float(), "g": context["g"].float()}
+    o, states = run_tree_linear_attention(
+        gla_chunk_scan,
+        batch,
+        chunk_size,
+        q=expand_heads(q, heads),
+        k=expand_heads(k, heads),
+        v=v.float(),
+        g=g.float(),
+        beta=None,
+        scale=k.shape[-1] ** -0.5 if scale is None else scale,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    return o.to(v.dtype), states
+
+
+def tree_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GLA over the compact tokens of a tree batch; equals fla's GLA run per root-to-leaf trajectory.
+
+    Args:
+        q, k: [N, Hk, K] piece tokens; v: [N, H, V] (H a multiple of Hk); g: [N, H, K] per-channel
+            log-decay.
+        batch, chunk_size, context ({"k", "v", "g"}), initial_states, state_out_tokens: as in
+            :func:`harts_hf.ops.kda.tree_kda`.
+        scale: applied to q (default K ** -0.5).
+
+    Returns:
+        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
+    """
+    args = (q, k, v, g, batch)
+    kwargs = {
+        "scale": scale,
+        "chunk_size": chunk_size,
+        "context": context,
+        "initial_states": initial_states,
+        "state_out_tokens": state_out_tokens,
+    }
+    return implementation("gla", *args, **kwargs)(*args, **kwargs)
+
+
+@register("simple_gla", "torch")
+def tree_simple_gla_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    batch: TreeBatch,
+    *,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-PyTorch backend of :func:`tree_simple_gla` (a constant ``g_gamma`` becomes a per-token g)."""
+    if (g is None) == (g_gamma is None):
+        raise ValueError("pass exactly one of g (per-token decay) and g_gamma (constant per-head decay)")
+    heads = v.shape[1]
+
+    def decay(gates: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """[tokens, H] per-token log-decay: ``gates``, or ``g_gamma`` repeated."""
+        return gates.float() if g_gamma is None else g_gamma.float().expand(tokens, heads)
+
+    ctx = None
+    if context is not None:
+        ctx = {
+            "k": expand_heads(context["k"], heads),
+            "v": context["v"].float(),
+            "g": decay(context["g"] if g_gamma is None else None, context["v"].shape[0]),
+        }
+    o, states = run_tree_linear_attention(
+        simple_gla_chunk_scan,
+        batch,
+        chunk_size,
+        q=expand_heads(q, heads),
+        k=expand_heads(k, heads),
+        v=v.float(),
+        g=decay(g, v.shape[0]),
+        beta=None,
+        scale=k.shape[-1] ** -0.5 if scale is None else scale,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    return o.to(v.dtype), states
+
+
+def tree_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    batch: TreeBatch,
+    *,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Simple GLA over the compact tokens of a tree batch; equals fla's simple GLA per trajectory.
+
+    Args:
+        q, k: [N, Hk, K] piece tokens; v: [N, H, V] (H a multiple of Hk); g: [N, H] per-head
+            log-decay, or None with ``g_gamma`` [H], a constant per-head log-decay (fla's
+            data-independent decay, as in lightning attention).
+        batch, chunk_size, context ({"k", "v", "g"}; "g" unused with g_gamma), initial_states,
+            state_out_tokens: as in :func:`harts_hf.ops.kda.tree_kda`.
+        scale: applied to q (default K ** -0.5).
+
+    Returns:
+        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
+    """
+    args = (q, k, v, g, batch)
+    kwargs = {
+        "g_gamma": g_gamma,
+        "scale": scale,
+        "chunk_size": chunk_size,
+        "context": context,
+        "initial_states": initial_states,
+        "state_out_tokens": state_out_tokens,
+    }
+    return implementation("simple_gla", *args, **kwargs)(*args, **kwargs)
+
+
+def tree_mamba2_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    batch: TreeBatch,
+    *,
+    chunk_size: int,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba2's SSD scan (transformers' ``mamba2_chunk_scan``) over a tree batch, as simple GLA:
+    q = C, k = B, v = x * dt, g = A * dt, scale 1, plus the skip ``D * x``.
+
+    Args:
+        x: [N, H, P] piece tokens; dt: [N, H] raw time steps (``dt_bias``, ``dt_softplus`` and
+            ``dt_limit`` applied here, as ``mamba2_chunk_scan`` does); A: [H]; B, C: [N, G, S]
+            with G groups (expanded to the H heads); D: [H] or None.
+        chunk_size: the model's SSD chunk size (``config.chunk_size``).
+        context: {"x", "dt", "B"} [Nc, ...] raw inputs of the context tokens (see
+            :func:`tree_simple_gla`); initial_states [E, H, S, P] / returned states [S, H, S, P] use
+            the simple-GLA layout (mamba2's [.., H, P, S] transposed).
+
+    Returns:
+        y [N, H, P] fp32 (as ``mamba2_chunk_scan`` returns), and the requested states (or None).
+    """
+    heads = x.shape[1]
+
+    def discretize(inputs: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v = x * dt [n, H, P], g = A * dt [n, H]) with dt prepared as ``mamba2_chunk_scan`` does."""
+        if dt_bias is not None:
+            steps = steps + dt_bias.to(steps.dtype)
+        if dt_softplus:
+            steps = F.softplus(steps)
+        steps = torch.clamp(steps, min=dt_limit[0], max=dt_limit[1]).float()
+        return inputs.float() * steps[..., None], A.float() * steps
+
+    ctx = None
+    if context is not None:
+        ctx_v, ctx_g = discretize(context["x"], context["dt"])
+        ctx = {"k": expand_heads(context["B"], heads), "v": ctx_v, "g": ctx_g}
+    v, g = discretize(x, dt)
+    y, states = tree_simple_gla(
+        expand_heads(C, heads),
+        expand_heads(B, heads),
+        v,
+        g,
+        batch,
+        scale=1.0,
+        chunk_size=chunk_size,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    if D is not None:
+        y = y + D[..., None] * x.float()
+    return y, states
+
+
+def tree_lightning(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slope: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MiniMax lightning attention over a tree batch: simple GLA with the constant decay -slope
+    per head and scale 1 (``MiniMaxLightningAttention``'s block recurrence, unnormalised).
+
+    Args:
+        q, k, v: [N, H, D] piece tokens (after the layer's activation); slope: the layer's
+            ``slope_rate`` buffer ([H, 1, 1] or [H]).
+        chunk_size: the layer's ``block_size`` reproduces its blocking (and rounding) exactly.
+        context ({"k", "v"}), initial_states, state_out_tokens: as in :func:`tree_simple_gla`.
+
+    Returns:
+        o [N, H, D] in v's dtype, and the requested states [S, H, D, D] (or None).
+    """
+    return tree_simple_gla(
+        q,
+        k,
+        v,
+        None,
+        batch,
+        g_gamma=-slope.reshape(-1),
+        scale=1.0,
+        chunk_size=chunk_size,
+        context=context,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )

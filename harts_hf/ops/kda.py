@@ -1,0 +1,162 @@
+"""Kimi Delta Attention (KDA) on trees: gated delta rule with a per-channel decay.
+
+Recurrence: ``S_t = diag(exp(g_t)) S_{t-1}``, then ``S_t += beta_t k_t (v_t - k_t^T S_t)^T``,
+``o_t = scale * q_t S_t``, with ``g`` [.., H, K]. The chunk-scan kernel follows the shared interface
+(see ``linear_attention.py``) and mirrors transformers' torch ``chunk_kimi_delta_attention``
+(models/kimi_linear) formula by formula, including its forward substitution inside a chunk, so tree
+training matches what the stock model computes trajectory by trajectory.
+
+Shape legend: Tc chunks in a round, C chunk size, H heads, K key dim, V value dim, P paths, N tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .backends import implementation, register
+from .gla import expand_heads, scan_chunk_steps
+from .linear_attention import run_tree_linear_attention
+from .tree_batch import TreeBatch
+
+__all__ = ["kda_chunk_scan", "tree_kda"]
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """kimi_linear's l2norm (divide by sqrt, not multiply by rsqrt: the rounding transformers' KDA uses)."""
+    return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def kda_chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor,
+    step_counts: list[int],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA chunk scan: q, k [Tc, C, H, K], v [Tc, C, H, V], g [Tc, C, H, K], beta [Tc, C, H]."""
+    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [Tc, H, C, K|V]
+    beta = beta.transpose(1, 2).float()  # [Tc, H, C]
+    chunk = q.shape[2]
+    q = q * scale
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    g = g.cumsum(-2)
+    upper = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    future = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    # [Tc, H, C, C, K]: exp(g_i - g_j) for j <= i, else 0.
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(future[..., None], float("-inf")).exp()
+    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(upper, 0)  # [Tc, H, C, C]
+    # (I + A)^-1 by forward substitution, row by row over all chunks at once (as transformers does).
+    for i in range(1, chunk):
+        row = attn[..., i, :i].clone()
+        sub = attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
+    u = attn @ v_beta  # [Tc, H, C, V]
+    w = attn @ (k_beta * g.exp())  # [Tc, H, C, K]
+    q_decay = q * g.exp()  # [Tc, H, C, K]
+    a_qk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(future, 0)  # [Tc, H, C, C]
+    k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [Tc, H, K, C]
+    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [Tc, H, K, 1]
+
+    def step(rows: slice, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v_new = u[rows] - w[rows] @ state  # [n, H, C, V]
+        o = q_decay[rows] @ state + a_qk[rows] @ v_new
+        return o, state * chunk_decay[rows] + k_decay[rows] @ v_new
+
+    o, h_start, h_final = scan_chunk_steps(h0.float(), step_counts, step)
+    return o.transpose(1, 2), h_start, h_final
+
+
+@register("kda", "torch")
+def tree_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-PyTorch backend of :func:`tree_kda`."""
+    heads = v.shape[1]
+
+    def prep_qk(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return expand_heads(l2norm(x) if use_qk_l2norm else x, heads)
+
+    ctx = None
+    if context is not None:
+        ctx = {"k": prep_qk(context["k"]), **{n: context[n].float() for n in ("v", "g", "beta")}}
+    o, states = run_tree_linear_attention(
+        kda_chunk_scan,
+        batch,
+        chunk_size,
+        q=prep_qk(q),
+        k=prep_qk(k),
+        v=v.float(),
+        g=g.float(),
+        beta=beta.float(),
+        scale=k.shape[-1] ** -0.5 if scale is None else scale,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    return o.to(v.dtype), states
+
+
+def tree_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA over the compact tokens of a tree batch; equals running every root-to-leaf trajectory
+    through transformers' ``chunk_kimi_delta_attention`` with the same chunk size.
+
+    Args:
+        q, k: [N, Hk, K] piece tokens; v: [N, H, V] (H a multiple of Hk: q/k heads are
+            repeat_interleave'd); g: [N, H, K] per-channel log-decay; beta: [N, H].
+        batch: the tree metadata (combined index space: context, then piece).
+        scale: applied to q (default K ** -0.5); use_qk_l2norm: fp32 l2norm of q and k first.
+        chunk_size: the chunk grid of trajectory-wise training (64 in transformers).
+        context: {"k", "v", "g", "beta"} [Nc, ...] raw inputs of the context tokens; needed when
+            ``rounds_of(batch, chunk_size).context_replay`` is non-empty.
+        initial_states: [E, H, K, V] state after each of ``rounds_of(batch, C).external_tokens``.
+        state_out_tokens: [S] combined indices of piece tokens t with (position[t] + 1) % C == 0.
+
+    Returns:
+        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
+        (None when not asked).
+    """
+    args = (q, k, v, g, beta, batch)
+    kwargs = {
+        "scale": scale,
+        "use_qk_l2norm": use_qk_l2norm,
+        "chunk_size": chunk_size,
+        "context": context,
+        "initial_states": initial_states,
+        "state_out_tokens": state_out_tokens,
+    }
+    return implementation("kda", *args, **kwargs)(*args, **kwargs)
