@@ -1,0 +1,167 @@
+"""Gated DeltaNet (GDN) over a tree: the packed chunk-scan kernel and the public tree op.
+
+``gdn_chunk_scan`` follows transformers' ``torch_chunk_gated_delta_rule`` (qwen3_5) formula for
+formula (UT transform by ``solve_triangular``, decay applied once to q and k, then the scan over
+chunks), so a tree run matches trajectory-wise training to fp32 rounding. The tree driver in
+``linear_attention.py`` calls it once per round with all of that round's paths packed.
+
+Legend: Tc packed chunks, C chunk size, P paths, N tokens, H value heads, Hk key heads,
+K key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .backends import implementation, register
+from .linear_attention import run_tree_linear_attention, scan_steps
+from .tree_batch import TreeBatch
+
+__all__ = ["gdn_chunk_scan", "tree_gated_delta_rule"]
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's / transformers' l2norm (rsqrt of sum of squares + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gdn_chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor,
+    step_counts: list[int],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule over step-major packed paths (interface: ``linear_attention.py``).
+
+    q, k [Tc, C, H, K]; v [Tc, C, H, V]; g, beta [Tc, C, H]; h0 [P, H, K, V].
+    Returns o [Tc, C, H, V], h_start [Tc, H, K, V], h_final [P, H, K, V].
+    """
+    C = q.shape[1]
+    query, key, value = (x.transpose(1, 2).float() for x in (q, k, v))  # [Tc, H, C, *]
+    beta, decay = (x.transpose(1, 2).float() for x in (beta, g))  # [Tc, H, C]
+    query = query * scale
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+
+    strictly_upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    cum_decay = decay.cumsum(dim=-1)  # [Tc, H, C]
+    pairwise_decay = cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)  # [Tc, H, C, C]
+    pairwise_decay = pairwise_decay.masked_fill(strictly_upper, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay  # [Tc, H, C, C]
+    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]  # [Tc, H, 1, 1]
+
+    T = torch.Tensor
+
+    def step(state: T, u: T, w: T, q_m: T, a_m: T, k_m: T, decay_m: T) -> tuple[T, T]:  # state [n_m, H, K, V]
+        v_new = u - w @ state  # [n_m, H, C, V]
+        return q_m @ state + a_m @ v_new, state * decay_m + k_m.transpose(-1, -2) @ v_new
+
+    per_chunk = (new_values, k_cumdecay, query, intra_chunk_attn, key, chunk_decay)
+    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, step)
+    return o.transpose(1, 2), h_start, h_final  # o [Tc, C, H, V]
+
+
+@register("gated_delta", "torch")
+def tree_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-PyTorch backend of :func:`tree_gated_delta_rule`."""
+    num_k_heads, num_v_heads = k.shape[1], v.shape[1]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"{num_v_heads} value heads is not a multiple of {num_k_heads} key heads")
+
+    def prep_qk(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if use_qk_l2norm:
+            x = l2norm(x)
+        return x.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+
+    ctx = None
+    if context is not None:
+        ctx = {"k": prep_qk(context["k"]), **{n: context[n].float() for n in ("v", "g", "beta")}}
+    o, states = run_tree_linear_attention(
+        gdn_chunk_scan,
+        batch,
+        chunk_size,
+        q=prep_qk(q),
+        k=prep_qk(k),
+        v=v.float(),
+        g=g.float(),
+        beta=beta.float(),
+        scale=k.shape[-1] ** -0.5 if scale is None else scale,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    return o.to(v.dtype), states
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: TreeBatch,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over the compact tokens of a tree batch; equals running every
+    root-to-leaf trajectory through ``torch_chunk_gated_delta_rule`` with the same chunk size.
+
+    Args:
+        q, k: [N, Hk, K] piece tokens; v: [N, H, V] (H a multiple of Hk: grouped value heads,
+            q/k heads repeat_interleave'd); g: [N, H] log-decay; beta: [N, H].
+        batch: the tree metadata (combined index space: context, then piece).
+        scale: applied to q (default K ** -0.5); use_qk_l2norm: fp32 l2norm of q and k first.
+        chunk_size: the chunk grid of trajectory-wise training (64 in transformers).
+        context: {"k", "v", "g", "beta"} [Nc, ...] inputs of the context tokens (raw, like q/k/v);
+            needed when ``rounds_of(batch, chunk_size).context_replay`` is non-empty.
+        initial_states: [E, H, K, V] state after each of ``rounds_of(batch, C).external_tokens``.
+        state_out_tokens: [S] combined indices of piece tokens t with (position[t] + 1) % C == 0.
+
+    Returns:
+        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
+        (None when not asked).
+    """
+    args = (q, k, v, g, beta, batch)
+    kwargs = {
+        "scale": scale,
+        "use_qk_l2norm": use_qk_l2norm,
+        "chunk_size": chunk_size,
+        "context": context,
+        "initial_states": initial_states,
+        "state_out_tokens": state_out_tokens,
+    }
+    return implementation("gated_delta", *args, **kwargs)(*args, **kwargs)

@@ -1,0 +1,325 @@
+"""Path decomposition of a tree batch into rounds of packed chunkwise linear-attention calls.
+
+A tree is cut into *paths*: at every token with several children, ONE child continues the
+parent's path and the others start new paths one round later. Continuing the child whose
+subtree needs the most rounds gives the minimum number of rounds (sequential kernel calls):
+r(leaf) = 1, r(x) = max(r(c*), max_{c != c*} r(c) + 1) with c* = argmax r(c), i.e. the largest
+child round count, plus one when two children tie for it. A chain needs 1 round; a GRPO group,
+a caterpillar of any length, 2.
+
+Chunkwise kernels keep states at chunk boundaries only, so a path whose first own token sits at
+depth d starts at the aligned depth a = floor(d / C) * C from its parent's boundary state and
+*replays* the < C ancestors at depths [a, d) (outputs discarded). Every path then runs on the
+chunk grid of trajectory-wise training. Rounds pack their paths step-major (see
+``linear_attention.py``): chunk 0 of every path, then chunk 1 of those that have one, ...
+
+In a piece (``batch.num_context > 0``), tokens whose parent is a context token start *external*
+root paths: their state at boundary a is the state after the context token at depth a - 1, which
+the caller passes (``external_tokens``); replayed context tokens need the caller's inputs
+(``context_replay``).
+
+Legend: Nc context tokens, N piece tokens, M piece nodes, P paths, C chunk size,
+Tc chunks of a round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .tree_batch import TreeBatch
+
+__all__ = ["Round", "Rounds", "build_rounds", "rounds_of"]
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    """Index tensors of one packed kernel call.
+
+    Args:
+        step_counts: [n_0, n_1, ...] paths still running at chunk step m (non-increasing).
+        gather: [Tc * C] combined index of the token in each packed slot, -1 for padding.
+        own_slot: [n] packed slot (flat ``chunk * C + position``) of each own token of the round.
+        h0_index: [P] where each path's initial state comes from. Round 0: row of
+            ``cat([zeros(1), initial_states])``; later rounds: row of the previous round's
+            ``cat([h_start, h_final])``.
+    """
+
+    step_counts: list[int]
+    gather: torch.Tensor
+    own_slot: torch.Tensor
+    h0_index: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Rounds:
+    """The rounds of one batch and chunk size; build with :func:`rounds_of`.
+
+    Args:
+        chunk_size: C.
+        rounds: one :class:`Round` per sequential kernel call.
+        restore: [N] row of ``cat([own outputs of round 0, round 1, ...])`` holding each piece
+            token's output.
+        external_tokens: [E] combined indices of the context tokens after which the caller
+            provides the boundary state (``initial_states``), in that order.
+        context_replay: [R] combined indices of the context tokens replayed by external paths.
+        num_context: Nc; position: [Nc + N] absolute depth of every combined token.
+        token_path, path_round, path_rank, path_start, path_chunks: numpy arrays locating every
+            piece token's path (its round, rank within the round, aligned start depth, chunks),
+            used to find boundary states (:meth:`state_index`).
+    """
+
+    chunk_size: int
+    rounds: list[Round]
+    restore: torch.Tensor
+    external_tokens: torch.Tensor
+    context_replay: torch.Tensor
+    num_context: int
+    position: np.ndarray
+    token_path: np.ndarray
+    path_round: np.ndarray
+    path_rank: np.ndarray
+    path_start: np.ndarray
+    path_chunks: np.ndarray
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def num_paths(self) -> int:
+        return int(self.path_round.size)
+
+    def state_index(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(round, row of that round's ``cat([h_start, h_final])``) holding the state after each
+        of ``tokens`` (combined indices of piece tokens t with (position[t] + 1) % C == 0)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        local = tokens - self.num_context
+        n = self.token_path.size
+        if ((local < 0) | (local >= n)).any():
+            raise ValueError("state_out_tokens must be piece tokens (combined indices >= num_context)")
+        after = self.position[tokens] + 1
+        if (after % self.chunk_size).any():
+            raise ValueError(
+                f"state_out_tokens must sit just before a chunk boundary ((position + 1) % {self.chunk_size} == 0)"
+            )
+        path = self.token_path[local]
+        rnd = self.path_round[path]
+        step = (after - self.path_start[path]) // self.chunk_size
+        offsets = [np.concatenate(([0], np.cumsum(r.step_counts))) for r in self.rounds]
+        off = np.zeros(tokens.size, dtype=np.int64)
+        total = np.zeros(tokens.size, dtype=np.int64)
+        for r, o in enumerate(offsets):
+            sel = rnd == r
+            off[sel] = o[np.minimum(step[sel], o.size - 1)]
+            total[sel] = o[-1]
+        rank = self.path_rank[path]
+        row = np.where(step < self.path_chunks[path], off + rank, total + rank)
+        return rnd, row
+
+
+def _pointer_jump(parent: np.ndarray) -> np.ndarray:
+    """Root of every element of a forest given by ``parent`` (an element with parent == itself is
+    a root), in O(n log depth) vectorised steps."""
+    head = parent.copy()
+    while True:
+        nxt = head[head]
+        if np.array_equal(nxt, head):
+            return head
+        head = nxt
+
+
+def _levels(parent: np.ndarray) -> np.ndarray:
+    """Depth of every node of a forest (-1 parent = root, depth 0), by pointer jumping."""
+    level = (parent >= 0).astype(np.int64)
+    jump = parent.copy()
+    while (active := jump >= 0).any():
+        up = jump[active]
+        level[active] += level[up]
+        jump[active] = jump[up]
+    return level
+
+
+def _nodes(local_prev: np.ndarray, position: np.ndarray):
+    """Maximal chains of the piece forest: (node_of [N], node_parent [M], node_end_depth [M]).
+
+    Piece tokens need not be contiguous per chain (a context sibling subtree may sit in
+    between), so chains are found by pointer jumping, not by index ranges."""
+    n = local_prev.size
+    children = np.bincount(local_prev[local_prev >= 0], minlength=n)
+    starts = (local_prev < 0) | (children[np.maximum(local_prev, 0)] != 1)
+    head = _pointer_jump(np.where(starts, np.arange(n), local_prev))
+    node_id = np.cumsum(starts) - 1
+    node_of = node_id[head]
+    start_tok = np.flatnonzero(starts)
+    parent_tok = local_prev[start_tok]
+    node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
+    end_depth = np.zeros(start_tok.size, dtype=np.int64)
+    np.maximum.at(end_depth, node_of, position)
+    return node_of, node_parent, end_depth
+
+
+def _decompose(node_parent: np.ndarray, end_depth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(path head node, round) of every node under the min-rounds choice of continued child."""
+    m = node_parent.size
+    level = _levels(node_parent)
+    by_level = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
+    r = np.ones(m, dtype=np.int64)
+    best = np.zeros(m, dtype=np.int64)  # largest child round count
+    ties = np.zeros(m, dtype=np.int64)  # children reaching it
+    deep = end_depth.copy()  # deepest token of the subtree: tie-break, keeps long trunks in one path
+    for lvl in range(level.max(), 0, -1):
+        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
+        par = node_parent[ch]
+        np.maximum.at(best, par, r[ch])
+        np.add.at(ties, par, r[ch] == best[par])
+        r[par] = np.where(ties[par] >= 2, best[par] + 1, best[par])
+        np.maximum.at(deep, par, deep[ch])
+    # c* per parent: largest r, then deepest subtree, then first in DFS order.
+    child = np.flatnonzero(node_parent >= 0)
+    order = np.lexsort((child, -deep[child], -r[child], node_parent[child]))
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = node_parent[child[order[1:]]] != node_parent[child[order[:-1]]]
+    chosen = np.full(m, -1, dtype=np.int64)
+    chosen[node_parent[child[order[first]]]] = child[order[first]]
+
+    head = np.arange(m)
+    rnd = np.zeros(m, dtype=np.int64)
+    for lvl in range(1, level.max() + 1):
+        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
+        par = node_parent[ch]
+        cont = chosen[par] == ch
+        head[ch] = np.where(cont, head[par], ch)
+        rnd[ch] = rnd[par] + ~cont
+    return head, rnd
+
+
+def _replay(prev: np.ndarray, first: np.ndarray, replay_len: np.ndarray, C: int) -> tuple[np.ndarray, np.ndarray]:
+    """Walk up from each path's first own token (combined index ``first``): the replayed
+    ancestors [P, C - 1] (column u = depth a + u, -1 past ``replay_len``) and the token at
+    depth a - 1 [P] (-1 at a root), after which the path's initial state sits. One vectorised
+    step per depth, at most C."""
+    replay = np.full((first.size, C - 1), -1, dtype=np.int64)
+    state_tok = np.full(first.size, -1, dtype=np.int64)
+    cur = prev[first]
+    for s in range(1, C + 1):
+        live = (cur >= 0) & (s <= replay_len + 1)
+        if not live.any():
+            break
+        rows = np.flatnonzero(live)
+        at_state = s == replay_len[rows] + 1
+        replay[rows[~at_state], replay_len[rows[~at_state]] - s] = cur[rows[~at_state]]
+        state_tok[rows[at_state]] = cur[rows[at_state]]
+        cur = np.where(live, prev[np.maximum(cur, 0)], -1)
+    return replay, state_tok
+
+
+def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
+    """Decompose ``batch`` into min-rounds paths and pack each round (see module docstring)."""
+    C = chunk_size
+    nc = batch.num_context
+    position = batch.position.cpu().numpy()
+    prev = batch.prev.cpu().numpy()
+    n = position.size - nc
+    if n <= 0:
+        raise ValueError("a tree batch needs at least one piece token")
+    pos = position[nc:]
+    local_prev = np.where(prev[nc:] >= nc, prev[nc:] - nc, -1)
+
+    node_of, node_parent, end_depth = _nodes(local_prev, pos)
+    head, node_round = _decompose(node_parent, end_depth)
+    heads, path_of_head = np.unique(head, return_inverse=True)
+    token_path = path_of_head[node_of]  # [N]
+    num_paths = heads.size
+
+    # Own tokens of every path, by depth.
+    own_order = np.lexsort((pos, token_path))
+    own_len = np.bincount(token_path, minlength=num_paths)
+    own_off = np.concatenate(([0], np.cumsum(own_len)))
+    start = own_order[own_off[:-1]]  # [P] piece index of each path's first own token
+    a = pos[start] // C * C  # [P] aligned start depth
+    replay_len = pos[start] - a
+    chunks = -(-(replay_len + own_len) // C)
+    path_round = node_round[node_of[start]]
+    replay, state_tok = _replay(prev, nc + start, replay_len, C)
+
+    parent_tok = local_prev[start]
+    external = (parent_tok < 0) & (prev[nc + start] >= 0)
+    needs_state = external & (a > 0)
+    if (state_tok[needs_state] >= nc).any():
+        raise ValueError(
+            "a piece path starts below another piece token across a context gap: pieces must "
+            "be connected subtrees (their external boundary states come from context tokens)"
+        )
+    external_tokens, ext_id = np.unique(state_tok[needs_state], return_inverse=True)
+    root_h0 = np.zeros(num_paths, dtype=np.int64)  # row of cat([zeros(1), initial_states])
+    root_h0[needs_state] = 1 + ext_id
+    rep = replay[external]
+    context_replay = np.unique(rep[(rep >= 0) & (rep < nc)])
+
+    # Rank of each path within its round: by chunk count, descending.
+    num_rounds = int(path_round.max()) + 1
+    order = np.lexsort((np.arange(num_paths), -chunks, path_round))
+    round_off = np.searchsorted(path_round[order], np.arange(num_rounds + 1))
+    path_rank = np.empty(num_paths, dtype=np.int64)
+    path_rank[order] = np.arange(num_paths) - round_off[path_round[order]]
+    parent_path = np.where(parent_tok >= 0, token_path[np.maximum(parent_tok, 0)], -1)
+
+    # Every computed token as (path, u = depth - a), replayed ones first, grouped by round.
+    rp, ru = np.nonzero(replay >= 0)
+    own_path = token_path[own_order]
+    comp_path = np.concatenate((rp, own_path))
+    comp_u = np.concatenate((ru, replay_len[own_path] + np.arange(n) - own_off[own_path]))
+    comp_tok = np.concatenate((replay[rp, ru], nc + own_order))
+    comp_own = np.arange(comp_tok.size) >= rp.size
+    by_round = np.argsort(path_round[comp_path], kind="stable")
+    comp_off = np.searchsorted(path_round[comp_path][by_round], np.arange(num_rounds + 1))
+
+    as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=batch.device)
+    rounds: list[Round] = []
+    own_tokens: list[np.ndarray] = []
+    prev_offsets = np.zeros(1, dtype=np.int64)  # chunk offsets of the previous round's steps
+    for r in range(num_rounds):
+        paths = order[round_off[r] : round_off[r + 1]]  # by rank
+        step_counts = (chunks[paths][None, :] > np.arange(chunks[paths[0]])[:, None]).sum(1)
+        offsets = np.concatenate(([0], np.cumsum(step_counts)))
+        sel = by_round[comp_off[r] : comp_off[r + 1]]
+        slot = (offsets[comp_u[sel] // C] + path_rank[comp_path[sel]]) * C + comp_u[sel] % C
+        gather = np.full(int(offsets[-1]) * C, -1, dtype=np.int64)
+        gather[slot] = comp_tok[sel]
+        own = comp_own[sel]
+        own_tokens.append(comp_tok[sel][own] - nc)
+        if r == 0:
+            h0 = root_h0[paths]
+        else:  # the parent path ran in the previous round: its state at boundary a
+            q = parent_path[paths]
+            step = (a[paths] - a[q]) // C
+            inner = step < chunks[q]
+            h0 = np.where(inner, prev_offsets[np.where(inner, step, 0)], prev_offsets[-1]) + path_rank[q]
+        rounds.append(Round([int(c) for c in step_counts], as_t(gather), as_t(slot[own]), as_t(h0)))
+        prev_offsets = offsets
+
+    restore = np.empty(n, dtype=np.int64)
+    restore[np.concatenate(own_tokens)] = np.arange(n)
+    return Rounds(
+        chunk_size=C,
+        rounds=rounds,
+        restore=as_t(restore),
+        external_tokens=as_t(external_tokens),
+        context_replay=as_t(context_replay),
+        num_context=nc,
+        position=position,
+        token_path=token_path,
+        path_round=path_round,
+        path_rank=path_rank,
+        path_start=a,
+        path_chunks=chunks,
+    )
+
+
+def rounds_of(batch: TreeBatch, chunk_size: int) -> Rounds:
+    """The rounds of ``batch`` for ``chunk_size``, derived once per batch."""
+    return batch.cached(("rounds", chunk_size), lambda b: build_rounds(b, chunk_size))
