@@ -1,0 +1,130 @@
+"""Short causal depthwise convolution on a tree batch (the conv in front of GDN / KDA / Mamba2 /
+LFM2 mixers).
+
+On a trajectory ``out[t] = act(bias + sum_j weight[:, W-1-j] * x[t-j])``; on a tree ``t - j``
+becomes ``prev^j(t)``, the j-th ancestor, and the input is zero past a root, exactly as the
+zero padding of every trajectory's conv. A per-batch gather table [N, W] of ancestor indices
+turns it into W gathers; context tokens (ancestors from an earlier microbatch) provide the halo.
+
+Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), D channels, W width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+from transformers.activations import ACT2FN
+
+from .backends import implementation, register
+from .tree_batch import TreeBatch
+
+__all__ = ["tree_causal_conv1d", "tree_causal_conv1d_torch"]
+
+
+def _gather_table(batch: TreeBatch, width: int) -> torch.Tensor:
+    """[N, W] combined index of ``prev^(W-1-c)(t)`` in column c; Nk (a zero row) past a root."""
+    nk = batch.prev.numel()
+    up = torch.where(batch.prev >= 0, batch.prev, nk)
+    up = torch.cat((up, up.new_tensor([nk])))  # the zero row is its own parent
+    table = torch.empty(batch.num_tokens, width, dtype=torch.long, device=batch.device)
+    cur = torch.arange(batch.num_context, nk, device=batch.device)
+    table[:, -1] = cur
+    for c in range(width - 2, -1, -1):  # one vectorised pointer jump per tap
+        cur = up[cur]
+        table[:, c] = cur
+    return table
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half precision, else the input's."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _Conv(torch.autograd.Function):
+    """``out[t] = sum_c weight[:, c] * xa[table[t, c]]``, one [N, D] gather live at a time."""
+
+    @staticmethod
+    def forward(ctx, xa: torch.Tensor, weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        acc = _acc(xa)
+        out = xa.new_zeros(table.shape[0], xa.shape[1], dtype=acc)  # [N, D]
+        for c in range(table.shape[1]):
+            out.addcmul_(xa.index_select(0, table[:, c]).to(acc), weight[:, c].to(acc))
+        ctx.save_for_backward(xa, weight, table)
+        return out.to(xa.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        xa, weight, table = ctx.saved_tensors
+        acc = _acc(xa)
+        grad = grad.to(acc)
+        dxa = torch.zeros_like(xa, dtype=acc)  # [Nk + 1, D]
+        dweight = torch.empty_like(weight, dtype=acc)  # [D, W]
+        for c in range(table.shape[1]):
+            dxa.index_add_(0, table[:, c], grad * weight[:, c].to(acc))
+            dweight[:, c] = (grad * xa.index_select(0, table[:, c]).to(acc)).sum(0)
+        return dxa.to(xa.dtype), dweight.to(weight.dtype), None
+
+
+def _check(x, weight, bias, batch, context_x) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: need x [N, D] and weight [D, W]")
+    if bias is not None and bias.shape != (x.shape[1],):
+        raise ValueError(f"bias must have shape ({x.shape[1]},), got {tuple(bias.shape)}")
+    if x.shape[0] != batch.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} tokens but the batch has {batch.num_tokens}")
+    if (context_x is None) != (batch.num_context == 0):
+        raise ValueError(f"the batch has {batch.num_context} context tokens: pass context_x iff it has any")
+    if context_x is not None and context_x.shape != (batch.num_context, x.shape[1]):
+        raise ValueError(f"context_x must have shape ({batch.num_context}, {x.shape[1]}), got {tuple(context_x.shape)}")
+
+
+@register("conv", "torch")
+def tree_causal_conv1d_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    batch: TreeBatch,
+    *,
+    activation: str | None = None,
+    context_x: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch tree causal conv (see :func:`tree_causal_conv1d`)."""
+    _check(x, weight, bias, batch, context_x)
+    parts = (x,) if context_x is None else (context_x, x)
+    xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [Nk + 1, D]
+    table = batch.cached(("conv", weight.shape[1]), lambda b: _gather_table(b, weight.shape[1]))
+    out = _Conv.apply(xa, weight, table)
+    if bias is not None:
+        out = out + bias
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype)
+
+
+def tree_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    batch: TreeBatch,
+    *,
+    activation: str | None = None,
+    context_x: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv of every piece token over its W-1 ancestors (zero past a root).
+
+    Args:
+        x: [N, D] inputs of the batch's own tokens, DFS order.
+        weight: [D, W] depthwise kernel, as transformers' ``causal_conv1d_fn`` takes it
+            (``weight[:, W-1]`` multiplies the token itself).
+        bias: [D] or None.
+        batch: the microbatch's tree metadata.
+        activation: an ``ACT2FN`` name ("silu") or None.
+        context_x: [Nc, D] inputs of the context tokens (the halo from an earlier microbatch);
+            gradients flow into it.
+
+    Returns:
+        [N, D] in x's dtype (computed in weight's dtype, like ``causal_conv1d_fn``).
+    """
+    kwargs = {"activation": activation, "context_x": context_x}
+    return implementation("conv", x, weight, bias, batch, **kwargs)(x, weight, bias, batch, **kwargs)
