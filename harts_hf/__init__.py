@@ -6,7 +6,34 @@ gradients as trajectory-wise training.
 """
 
 from .forest import RolloutForest
+from .modeling import (
+    TreeOutput,
+    UnsupportedModelError,
+    VerifyReport,
+    from_pretrained,
+    is_patched,
+    patch_model,
+    supported_families,
+    tree_forward,
+    tree_logprobs,
+    unpatch_model,
+    verify,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["RolloutForest", "__version__"]
+__all__ = [
+    "RolloutForest",
+    "TreeOutput",
+    "UnsupportedModelError",
+    "VerifyReport",
+    "__version__",
+    "from_pretrained",
+    "is_patched",
+    "patch_model",
+    "supported_families",
+    "tree_forward",
+    "tree_logprobs",
+    "unpatch_model",
+    "verify",
+]

@@ -50,6 +50,8 @@ class _Blocks:
     query_global: torch.Tensor  # [nb, Bq] forest index of each query slot; -1 where padded
     key_lo: torch.Tensor  # [Nk + 1] forest index of each key; key serves q iff lo <= q < hi
     key_hi: torch.Tensor  # [Nk + 1] subtree end of each key; the pad key (Nk) has lo = hi = 0
+    query_pos: torch.Tensor  # [nb, Bq] depth of each query slot (sliding windows)
+    key_pos: torch.Tensor  # [Nk + 1] depth of each key
     buckets: tuple[_Bucket, ...]
 
 
@@ -103,12 +105,17 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     )
     query_global = np.full(nb * block_size, -1, dtype=np.int64)
     query_global[:n] = piece
+    pos = batch.position.cpu().numpy()
+    query_pos = np.zeros(nb * block_size, dtype=np.int64)
+    query_pos[:n] = pos[nc:]
     return _Blocks(
         block_size=block_size,
         num_blocks=nb,
         query_global=as_t(query_global.reshape(nb, block_size)),
         key_lo=as_t(np.append(lo, 0)),
         key_hi=as_t(np.append(hi, 0)),
+        query_pos=as_t(query_pos.reshape(nb, block_size)),
+        key_pos=as_t(np.append(pos, 0)),
         buckets=buckets,
     )
 
@@ -162,17 +169,18 @@ class _Layout:
     vt: torch.Tensor  # [Hkv, Nk + 1, Dv]
     sinks: torch.Tensor | None  # [Hkv, 1, R, 1, 1] sink logits, softmax dtype
     softcap: float | None
+    window: int | None
     dropout: float
     seed: int
 
     @classmethod
-    def of(cls, q, k, v, sinks, blocks: _Blocks, scale, softcap, dropout, seed) -> _Layout:
+    def of(cls, q, k, v, sinks, blocks: _Blocks, scale, softcap, window, dropout, seed) -> _Layout:
         hkv = k.shape[1]
         qb = _to_blocks(q, blocks.num_blocks, blocks.block_size, hkv)
         qb.mul_(_q_factor(scale, softcap))
         if sinks is not None:
             sinks = sinks.to(_acc(q)).view(hkv, 1, -1, 1, 1)
-        return cls(blocks, qb, _with_pad_row(k), _with_pad_row(v), sinks, softcap, dropout, seed)
+        return cls(blocks, qb, _with_pad_row(k), _with_pad_row(v), sinks, softcap, window, dropout, seed)
 
     def queries(self, blk: torch.Tensor) -> torch.Tensor:
         return self.qb.index_select(1, blk).flatten(2, 3)  # [Hkv, G, R * Bq, D]
@@ -202,7 +210,12 @@ class _Layout:
         lo = self.blocks.key_lo.index_select(0, flat).view(keys.shape)[:, None]  # [G, 1, K]
         hi = self.blocks.key_hi.index_select(0, flat).view(keys.shape)[:, None]
         # Additive mask (a bool masked_fill is several times slower on CPU): 0 kept, -1e30 not.
-        bias = ((lo <= qg) & (qg < hi)).to(s.dtype).sub_(1).mul_(1e30)  # [G, Bq, K]
+        keep = (lo <= qg) & (qg < hi)  # [G, Bq, K]
+        if self.window is not None:  # HF's sliding_window_overlay: keep iff q - k < window
+            qp = self.blocks.query_pos.index_select(0, blk)[:, :, None]  # [G, Bq, 1]
+            kp = self.blocks.key_pos.index_select(0, flat).view(keys.shape)[:, None]  # [G, 1, K]
+            keep &= qp - kp < self.window
+        bias = keep.to(s.dtype).sub_(1).mul_(1e30)
         return s.add_(bias[None, :, None]), dcap
 
 
@@ -219,8 +232,8 @@ class _Attention(torch.autograd.Function):
     """Block-sparse ancestor attention; saves output + log-sum-exp, recomputes scores in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, blocks: _Blocks, scale, softcap, dropout, seed, group_elements):
-        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, dropout, seed)
+    def forward(ctx, q, k, v, sinks, blocks: _Blocks, scale, softcap, window, dropout, seed, group_elements):
+        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
         acc = _acc(q)
         out = lay.qb.new_zeros(*lay.qb.shape[:4], v.shape[-1], dtype=acc)  # [Hkv, nb, R, Bq, Dv]
         lse = lay.qb.new_zeros(lay.qb.shape[:4], dtype=acc)  # [Hkv, nb, R, Bq]
@@ -239,15 +252,15 @@ class _Attention(torch.autograd.Function):
             out.index_copy_(1, blk, o.view(*p.shape[:4], -1) / total)
             lse.index_copy_(1, blk, (m + total.log()).squeeze(-1))
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.args = (blocks, scale, softcap, dropout, seed, group_elements)
+        ctx.args = (blocks, scale, softcap, window, dropout, seed, group_elements)
         return _from_blocks(out, q.shape[0]).to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        blocks, scale, softcap, dropout, seed, group_elements = ctx.args
-        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, dropout, seed)
+        blocks, scale, softcap, window, dropout, seed, group_elements = ctx.args
+        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
         acc = _acc(q)
         dob = _to_blocks(grad, blocks.num_blocks, blocks.block_size, k.shape[1])  # [Hkv, nb, R, Bq, Dv]
         delta = (dob.to(acc) * out).sum(-1)  # [Hkv, nb, R, Bq] rowsum(dO * O)
@@ -281,7 +294,7 @@ class _Attention(torch.autograd.Function):
             dk[:, :-1].transpose(0, 1).to(k.dtype),
             dv[:, :-1].transpose(0, 1).to(v.dtype),
             dsinks,
-            *(None,) * 6,
+            *(None,) * 7,
         )
 
 
@@ -312,6 +325,7 @@ def tree_attention_torch(
     sinks: torch.Tensor | None = None,
     context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     block_size: int = BLOCK_SIZE,
     group_elements: int = GROUP_ELEMENTS,
 ) -> torch.Tensor:
@@ -323,7 +337,7 @@ def tree_attention_torch(
         v = torch.cat((context_kv[1], v))
     blocks = batch.cached(("attention", block_size), lambda b: _build_blocks(b, block_size))
     seed = int(torch.randint(1 << 62, (), device="cpu")) if dropout else 0
-    return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, dropout, seed, group_elements)
+    return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, sliding_window, dropout, seed, group_elements)
 
 
 def tree_attention(
@@ -337,6 +351,7 @@ def tree_attention(
     sinks: torch.Tensor | None = None,
     context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of every piece token over its ancestors-or-self (causal attention per trajectory).
 
@@ -350,9 +365,18 @@ def tree_attention(
         context_kv: ([Nc, Hkv, D], [Nc, Hkv, Dv]) K/V of the context tokens (ancestors computed in
             an earlier microbatch); gradients flow into them.
         dropout: probability of dropping an attention weight (after the softmax).
+        sliding_window: keys with ``position[q] - position[k] >= sliding_window`` are masked
+            (transformers' ``sliding_window_overlay``); None attends to every ancestor.
 
     Returns:
         [N, Hq, Dv] in q's dtype; the softmax runs in fp32.
     """
-    kwargs = {"scale": scale, "softcap": softcap, "sinks": sinks, "context_kv": context_kv, "dropout": dropout}
+    kwargs = {
+        "scale": scale,
+        "softcap": softcap,
+        "sinks": sinks,
+        "context_kv": context_kv,
+        "dropout": dropout,
+        "sliding_window": sliding_window,
+    }
     return implementation("attention", q, k, v, batch, **kwargs)(q, k, v, batch, **kwargs)

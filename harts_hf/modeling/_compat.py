@@ -1,0 +1,141 @@
+"""Every shim that depends on transformers / PEFT internals, in one place.
+
+Checked against transformers 5.23 and PEFT 0.21. Each function names the internal it relies on;
+when a release moves one, this is the only file to touch (adapters additionally refuse a family
+whose modeling module lost the functions they wrap, see ``adapters.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import transformers
+from peft import PeftModel
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = [
+    "CHECKED_TRANSFORMERS",
+    "attention_function",
+    "attention_name",
+    "check_version",
+    "family_name",
+    "forward_source",
+    "hf_model",
+    "load_balancing_loss",
+    "mask_function",
+    "modeling_module",
+    "module_eager_attention",
+    "parameters",
+    "placeholder_mask",
+    "register_attention",
+    "set_attention",
+    "source",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKED_TRANSFORMERS = "5.23"
+
+
+@functools.cache
+def check_version() -> None:
+    """Warn once when transformers is not the release these shims were checked against."""
+    if not transformers.__version__.startswith(CHECKED_TRANSFORMERS + "."):
+        logger.warning(
+            "harts-hf: modeling patches were checked against transformers %s.x, found %s; "
+            "run harts_hf.verify(model) before training",
+            CHECKED_TRANSFORMERS,
+            transformers.__version__,
+        )
+
+
+def hf_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model inside ``model`` (a PEFT wrapper keeps it at ``get_base_model()``)."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    raise TypeError(f"expected a transformers PreTrainedModel (or a PEFT model around one), got {type(model).__name__}")
+
+
+def family_name(model: PreTrainedModel) -> str:
+    """``qwen3_5`` for a class defined in ``transformers.models.qwen3_5.modeling_qwen3_5``."""
+    module = type(model).__module__
+    prefix, _, leaf = module.rpartition(".modeling_")
+    return leaf if prefix.startswith("transformers.models.") else module
+
+
+def parameters(fn: Callable) -> tuple[str, ...]:
+    """Parameter names of a kernel function; hub-kernel decorators keep the torch function at
+    ``__wrapped__``, which ``inspect.signature`` follows."""
+    return tuple(inspect.signature(fn).parameters)
+
+
+def modeling_module(model: PreTrainedModel) -> ModuleType:
+    """The generated ``modeling_<family>.py`` module the model class lives in."""
+    return sys.modules[type(model).__module__]
+
+
+def forward_source(cls: type) -> str:
+    """Source of ``cls.forward``: adapters check that the mixer still calls the functions they wrap."""
+    return source(cls.forward)
+
+
+@functools.cache
+def source(fn: Callable) -> str:
+    """Source of a (possibly wrapped) function: the original's, once harts-hf wrapped it."""
+    return inspect.getsource(inspect.unwrap(fn))
+
+
+def attention_function(name: str) -> Callable | None:
+    """The registered attention function ``name`` (None for "eager": each module has its own)."""
+    if name == "eager":
+        return None
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def mask_function(name: str) -> Callable:
+    """The mask builder transformers uses for attention implementation ``name``."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[name]
+
+
+def register_attention(name: str, attention: Callable, mask: Callable) -> None:
+    """Register ``name`` globally for attention and for mask creation (masking_utils only builds
+    masks for names its ``AttentionMaskInterface`` knows)."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+
+
+def module_eager_attention(module: nn.Module) -> Callable:
+    """The ``eager_attention_forward`` of the modeling module that defines ``module``'s class:
+    transformers resolves "eager" to this per-family function, not to a registered one."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def set_attention(model: PreTrainedModel, name: str) -> None:
+    """Switch the model (and its sub-models) to attention implementation ``name`` at once."""
+    model.set_attn_implementation(name)
+
+
+def attention_name(model: PreTrainedModel) -> str:
+    return model.config._attn_implementation
+
+
+def placeholder_mask(device: torch.device) -> torch.Tensor:
+    """A 4-D empty tensor: ``create_causal_mask`` returns a 4-D mask unchanged and the recurrent
+    mask builder ignores it, so tree calls build no O(N^2) mask (tree attention ignores it)."""
+    return torch.zeros(1, 1, 0, 0, device=device)
+
+
+def load_balancing_loss(model: PreTrainedModel) -> Callable:
+    """The family's ``load_balancing_loss_func`` (its CausalLM calls it with a [B, L] row mask)."""
+    return modeling_module(model).load_balancing_loss_func

@@ -1,0 +1,225 @@
+"""One declarative adapter per model family, registered by modeling-module name.
+
+An adapter says which module-level kernel functions of the family's generated modeling module
+take trees (and of which kind), which mixer / attention classes must still call them, which
+attention-mask keys a tree call passes (hybrid models then build no mask), which layer kinds the
+family may contain, and how its CausalLM post-processes logits. The mechanism lives in
+``patch.py``; nothing here runs per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+from transformers import PreTrainedModel
+
+from . import _compat
+from .errors import UnsupportedModelError
+from .kinds import KINDS
+
+__all__ = ["ADAPTERS", "REFUSED", "FamilyAdapter", "adapter_for", "supported_families"]
+
+HYBRID_MASKS = ("full_attention", "linear_attention")
+SLIDING_MASKS = ("full_attention", "sliding_attention")
+INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """How one family takes trees.
+
+    Args:
+        family: the modeling module's name (``transformers.models.<family>.modeling_<family>``).
+        kernels: module global -> kernel kind (``kinds.KINDS``) it is replaced by on tree calls.
+        mixers: classes whose ``forward`` must call every kernel (checked in their source).
+        mixer_forwards: class -> kind replacing its whole ``forward`` on tree calls, for mixers
+            without a module-level kernel function.
+        attention: classes that must reach attention through ``ALL_ATTENTION_FUNCTIONS``.
+        mask_keys: ``attention_mask`` dict keys of a tree call (None: a 4-D placeholder mask, for
+            models whose forward does not take a dict).
+        layer_kinds: values ``config.layer_types`` may hold.
+        logits: the CausalLM's post-processing of ``lm_head`` output, ``(model, logits) -> logits``.
+        aux_loss: the CausalLM computes the module's ``load_balancing_loss_func``.
+    """
+
+    family: str
+    kernels: Mapping[str, str] = field(default_factory=dict)
+    mixers: tuple[str, ...] = ()
+    mixer_forwards: Mapping[str, str] = field(default_factory=dict)
+    attention: tuple[str, ...] = ()
+    mask_keys: tuple[str, ...] | None = HYBRID_MASKS
+    layer_kinds: frozenset[str] = frozenset(HYBRID_MASKS)
+    logits: Callable[[PreTrainedModel, torch.Tensor], torch.Tensor] | None = None
+    aux_loss: bool = False
+
+    def targets(self, module: ModuleType) -> list[tuple[ModuleType | type, str, str]]:
+        """(owner, attribute, kernel kind) of every function the patch replaces."""
+        return [(module, name, kind) for name, kind in self.kernels.items()] + [
+            (vars(module)[cls], "forward", kind) for cls, kind in self.mixer_forwards.items()
+        ]
+
+    def check(self, model: PreTrainedModel, module: ModuleType) -> None:
+        """Refuse a module whose internals no longer match this declaration."""
+        missing = [
+            name
+            for name in (*self.kernels, *self.mixers, *self.mixer_forwards, *self.attention)
+            if name not in vars(module)
+        ]
+        problems = [f"{module.__name__}.{name} is missing" for name in missing]
+        if not missing:
+            problems += self._drift(module)
+        kinds = set(getattr(model.config, "layer_types", None) or ()) - self.layer_kinds
+        if kinds:
+            problems.append(f"layer kinds {sorted(kinds)} are not covered (known: {sorted(self.layer_kinds)})")
+        if problems:
+            raise UnsupportedModelError(
+                f"the {self.family} modeling code does not match harts-hf's adapter "
+                f"(checked against transformers {_compat.CHECKED_TRANSFORMERS}): " + "; ".join(problems)
+            )
+
+    def _drift(self, module: ModuleType) -> list[str]:
+        problems = []
+        for owner, name, kind in self.targets(module):
+            fn = vars(owner)[name]
+            where = f"{owner.__name__}.{name}"
+            lost = [p for p in KINDS[kind].params if p not in _compat.parameters(fn)]
+            if lost:
+                problems.append(f"{where} lost parameters {lost}")
+            gone = [m for m in KINDS[kind].source_markers if m not in _compat.source(fn)]
+            if gone:
+                problems.append(f"{where} no longer contains {gone}")
+        sources = [_compat.forward_source(vars(module)[c]) for c in self.mixers]
+        problems += [
+            f"no mixer forward calls {name}" for name in self.kernels if not any(f"{name}(" in s for s in sources)
+        ]
+        problems += [
+            f"{cls}.forward no longer calls {INTERFACE_CALL}...)"
+            for cls in self.attention
+            if INTERFACE_CALL not in _compat.forward_source(vars(module)[cls])
+        ]
+        return problems
+
+
+def _gemma_softcap(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
+    cap = model.config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _granite_scaling(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
+    return logits / model.config.logits_scaling
+
+
+def _falcon_multiplier(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
+    return logits * model.model.lm_head_multiplier
+
+
+GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta"}
+KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "kda"}
+CONV = {"causal_conv1d_fn": "conv"}
+MAMBA2 = {
+    "causal_conv1d_fn": "conv",
+    "mamba2_chunk_scan": "mamba2_scan",
+    "mamba2_split_conv1d_scan_combined": "mamba2_fused",
+}
+
+
+def _hybrid(family: str, prefix: str, kernels: Mapping[str, str], mixer: str, **kwargs) -> FamilyAdapter:
+    return FamilyAdapter(family, kernels, mixers=(prefix + mixer,), attention=(prefix + "Attention",), **kwargs)
+
+
+def _dense(family: str, prefix: str, **kwargs) -> FamilyAdapter:
+    kwargs.setdefault("mask_keys", None)
+    kwargs.setdefault("layer_kinds", frozenset({"full_attention"}))
+    return FamilyAdapter(family, attention=(prefix + "Attention",), **kwargs)
+
+
+ADAPTERS: dict[str, FamilyAdapter] = {
+    a.family: a
+    for a in (
+        _hybrid("qwen3_5", "Qwen3_5", GDN, "GatedDeltaNet"),
+        _hybrid("qwen3_5_moe", "Qwen3_5Moe", GDN, "GatedDeltaNet", aux_loss=True),
+        _hybrid("qwen3_next", "Qwen3Next", GDN, "GatedDeltaNet", aux_loss=True),
+        _hybrid("olmo_hybrid", "OlmoHybrid", GDN, "GatedDeltaNet"),
+        _hybrid("kimi_linear", "KimiLinear", KDA, "DeltaAttention"),
+        _hybrid("bailing_hybrid", "BailingHybrid", KDA, "DeltaAttention"),
+        _hybrid(
+            "lfm2",
+            "Lfm2",
+            CONV,
+            "ShortConv",
+            mask_keys=("full_attention", "conv"),
+            layer_kinds=frozenset({"full_attention", "conv"}),
+        ),
+        _hybrid(
+            "lfm2_moe",
+            "Lfm2Moe",
+            CONV,
+            "ShortConv",
+            mask_keys=("full_attention", "conv"),
+            layer_kinds=frozenset({"full_attention", "conv"}),
+        ),
+        _hybrid(
+            "nemotron_h",
+            "NemotronH",
+            MAMBA2,
+            "Mamba2Mixer",
+            layer_kinds=frozenset({"full_attention", "linear_attention", "mlp", "moe"}),
+        ),
+        _hybrid("falcon_h1", "FalconH1", MAMBA2, "Mixer", layer_kinds=frozenset({"hybrid"}), logits=_falcon_multiplier),
+        _hybrid("granitemoehybrid", "GraniteMoeHybrid", MAMBA2, "MambaLayer", logits=_granite_scaling, aux_loss=True),
+        _hybrid("bamba", "Bamba", MAMBA2, "Mixer"),
+        _hybrid("zamba2", "Zamba2", MAMBA2, "MambaMixer", layer_kinds=frozenset({"hybrid", "linear_attention"})),
+        FamilyAdapter(
+            "minimax",
+            mixer_forwards={"MiniMaxLightningAttention": "lightning_mixer"},
+            attention=("MiniMaxAttention",),
+            aux_loss=True,
+        ),
+        _dense("llama", "Llama"),
+        _dense("mistral", "Mistral"),
+        _dense("qwen2", "Qwen2", mask_keys=SLIDING_MASKS, layer_kinds=frozenset(SLIDING_MASKS)),
+        _dense("qwen3", "Qwen3", mask_keys=SLIDING_MASKS, layer_kinds=frozenset(SLIDING_MASKS)),
+        _dense("qwen3_moe", "Qwen3Moe", aux_loss=True),
+        _dense(
+            "gemma2", "Gemma2", mask_keys=SLIDING_MASKS, layer_kinds=frozenset(SLIDING_MASKS), logits=_gemma_softcap
+        ),
+        _dense(
+            "gemma3", "Gemma3", mask_keys=SLIDING_MASKS, layer_kinds=frozenset(SLIDING_MASKS), logits=_gemma_softcap
+        ),
+    )
+}
+
+# Families whose mixers have no function-level hook: named in the refusal so users know why.
+REFUSED: dict[str, str] = {
+    "jamba": "its Mamba (v1) selective scan has no tree kernel in harts-hf, and its Mamba decoder layer "
+    "drops the forward kwargs that carry the tree",
+    "zamba": "its Mamba (v1) selective scan has no tree kernel in harts-hf",
+}
+
+
+def supported_families() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def adapter_for(model: PreTrainedModel) -> FamilyAdapter:
+    """The adapter of ``model``'s family; refuses other families and non-causal-LM classes."""
+    family = _compat.family_name(model)
+    if family in REFUSED:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the {family} family is not supported ({REFUSED[family]}); "
+            f"supported families: {supported_families()}"
+        )
+    if family not in ADAPTERS:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (family {family!r}) is not supported by harts-hf; "
+            f"supported families: {supported_families()}"
+        )
+    name = type(model).__name__
+    if not name.endswith(("ForCausalLM", "Model")):
+        raise UnsupportedModelError(
+            f"{name}: harts-hf patches causal LMs and their base models (*ForCausalLM / *Model) only"
+        )
+    return ADAPTERS[family]

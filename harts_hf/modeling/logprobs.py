@@ -1,0 +1,178 @@
+"""Per-trajectory log-probs (and entropies) of a rollout forest from ONE pass over its compact tokens.
+
+The base model runs once over the forest's compact tokens (DFS order, depth positions, the tree
+as the ``harts_tree`` kwarg). Every non-root compact token j is one (predictor, target) pair:
+``log_softmax(head(h[prev[j]]) / T)[tokens[j]]``. A branch point's hidden state serves each of its
+children, each child being its own pair, so no token is duplicated and there are fewer than N
+pairs. The LM head runs over the pairs in chunks under activation checkpointing: peak memory
+for the head is one chunk of logits, forward and backward, however large the forest. The pairs
+are then gathered into TRL's trajectory layout ``[B, max_len - 1]`` (exactly 0 past each row's end).
+
+Legend: N compact tokens, P pairs (non-root compact tokens), B trajectories, V vocabulary, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..forest import RolloutForest
+from ..ops.tree_batch import TreeBatch
+from . import _compat
+from .adapters import FamilyAdapter
+from .errors import UnsupportedModelError
+from .kinds import TREE_KWARG
+from .moe import expert_load, router_aux_loss
+from .patch import patched_adapter
+
+__all__ = ["HEAD_CHUNK_ELEMENTS", "TreeOutput", "tree_forward", "tree_logprobs"]
+
+HEAD_CHUNK_ELEMENTS = 1 << 24  # logits held at once by the chunked head (64 MiB in fp32)
+
+
+@dataclass
+class TreeOutput:
+    """What one tree pass yields, in trajectory layout where per token.
+
+    Attributes:
+        logprobs: [B, max_len - 1] log p(seq_i[t + 1] | seq_i[:t + 1]); 0 past each row's end.
+        entropy: [B, max_len - 1] entropy of the distribution predicting column t (when asked).
+        aux_loss: the family's router load-balancing loss, weighted by token multiplicity so it
+            equals the loss of a padded batch of all trajectories (when asked).
+        expert_load: [MoE layers, E] fraction of top-k assignments per expert, weighted the same way.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
+
+
+def _validate(hf, forest: RolloutForest, head: torch.nn.Module | None) -> None:
+    if head is None:
+        raise UnsupportedModelError(f"{type(hf).__name__} has no LM head: pass the *ForCausalLM model")
+    vocab = min(hf.get_input_embeddings().num_embeddings, head.weight.shape[0])
+    top = int(forest.tokens.max())
+    if top >= vocab:
+        raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab} ids")
+    limit = getattr(hf.config, "max_position_embeddings", None)
+    if limit is not None and forest.max_length > limit:
+        raise ValueError(
+            f"the forest's longest trajectory has {forest.max_length} tokens, more than the model's "
+            f"max_position_embeddings ({limit})"
+        )
+
+
+def _head_chunk(
+    hidden: torch.Tensor,  # [N, H]
+    rows: torch.Tensor,  # [C] predictor index of each pair
+    targets: torch.Tensor,  # [C] target token id of each pair
+    *,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits_of(hidden.index_select(0, rows)).float() / temperature  # [C, V]
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(-1, targets[:, None])[:, 0]  # [C]
+    ent = -(logp.exp() * logp).sum(-1) if entropy else chosen.new_zeros(())
+    return chosen, ent
+
+
+def _pair_values(
+    hidden: torch.Tensor, forest: RolloutForest, logits_of: Callable, temperature: float, entropy: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[P] log-prob (and entropy) of every (predictor, target) pair, the head run chunk by chunk."""
+    pairs = np.flatnonzero(forest.prev >= 0)
+    rows = torch.as_tensor(forest.prev[pairs], device=hidden.device)
+    targets = torch.as_tensor(forest.tokens[pairs], device=hidden.device)
+    fn = functools.partial(_head_chunk, logits_of=logits_of, temperature=temperature, entropy=entropy)
+    lps, ents = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
+    for s in range(0, pairs.size, chunk):
+        args = (hidden, rows[s : s + chunk], targets[s : s + chunk])
+        lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+        lps.append(lp)
+        ents.append(ent.reshape(-1))
+    return torch.cat(lps), torch.cat(ents) if entropy else None
+
+
+def _to_layout(values: torch.Tensor, forest: RolloutForest) -> torch.Tensor:
+    """[P] pair values -> [B, max_len - 1]: column t of row i is the pair whose target is token t + 1."""
+    pair_of = np.zeros(forest.num_compact_tokens, dtype=np.int64)
+    pairs = np.flatnonzero(forest.prev >= 0)
+    pair_of[pairs] = np.arange(pairs.size)
+    target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
+    valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+    index = torch.as_tensor(pair_of[target], device=values.device)
+    if values.numel() == 0:
+        return values.new_zeros(index.shape)
+    return torch.where(torch.as_tensor(valid, device=values.device), values[index], 0.0)
+
+
+def _logits_fn(hf, adapter: FamilyAdapter, head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if adapter.logits is None:
+        return head
+    return lambda h: adapter.logits(hf, head(h))
+
+
+def tree_forward(
+    model: torch.nn.Module,
+    forest: RolloutForest,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    output_router_logits: bool = False,
+    head_chunk_tokens: int | None = None,
+) -> TreeOutput:
+    """Run a patched model over ``forest`` once; see :class:`TreeOutput`.
+
+    ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
+    computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
+    routing depends only on its own hidden state, so each compact token stands for all of its
+    ``multiplicity`` trajectory copies. ``head_chunk_tokens`` overrides the pairs per head chunk.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    hf, adapter = patched_adapter(model)
+    head = hf.get_output_embeddings()
+    _validate(hf, forest, head)
+    if output_router_logits and not adapter.aux_loss:
+        raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
+    device = head.weight.device
+    batch = TreeBatch.from_forest(forest, device=device)
+    masks = (
+        {key: None for key in adapter.mask_keys} if adapter.mask_keys is not None else _compat.placeholder_mask(device)
+    )
+    extra = {"output_router_logits": True} if output_router_logits else {}
+    out = hf.base_model(
+        input_ids=torch.as_tensor(forest.tokens, device=device)[None],  # [1, N]
+        position_ids=torch.as_tensor(forest.position, device=device)[None],  # [1, N]
+        attention_mask=masks,
+        use_cache=False,
+        **{TREE_KWARG: batch},
+        **extra,
+    )
+    hidden = out.last_hidden_state[0]  # [N, H]
+    chunk = head_chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+    lp, ent = _pair_values(hidden, forest, _logits_fn(hf, adapter, head), temperature, return_entropy, chunk)
+    result = TreeOutput(_to_layout(lp, forest), _to_layout(ent, forest) if return_entropy else None)
+    if output_router_logits:
+        weights = torch.as_tensor(forest.multiplicity, device=device, dtype=torch.float32)  # [N]
+        result.aux_loss = router_aux_loss(hf, out.router_logits, weights)
+        result.expert_load = expert_load(out.router_logits, weights, hf.num_experts_per_tok)
+    return result
+
+
+def tree_logprobs(
+    model: torch.nn.Module, forest: RolloutForest, *, temperature: float = 1.0, return_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-trajectory log-probs of ``forest`` under a patched ``model``: [B, max_len - 1], row i
+    column t = log p(seq_i[t + 1] | seq_i[:t + 1]), 0 past the row's end, differentiable w.r.t.
+    the model's parameters. With ``return_entropy`` also the entropies, same layout."""
+    out = tree_forward(model, forest, temperature=temperature, return_entropy=return_entropy)
+    return (out.logprobs, out.entropy) if return_entropy else out.logprobs

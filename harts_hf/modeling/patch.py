@@ -1,0 +1,167 @@
+"""The one patching mechanism every family adapter shares.
+
+``patch_model`` (in place, idempotent, reversible with ``unpatch_model``):
+1. checks the family adapter against the model's modeling module (refusing drifted internals);
+2. replaces each declared module-level kernel function by a wrapper that calls the original when
+   the call carries no ``harts_tree`` and the kernel kind's tree implementation otherwise;
+3. switches the model to the tree-aware attention name registered for its original attention.
+
+Kernel wrappers are process-wide but transparent: a call without a tree reaches the original
+function with the original arguments, so unpatched instances of the family behave as before.
+The tree itself only ever travels as a forward kwarg (gradient checkpointing recomputes layers
+outside any context manager, so nothing is held in globals or context variables).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from . import _compat
+from .adapters import FamilyAdapter, adapter_for, supported_families
+from .attention import PREFIX, original_attention_name, tree_attention_name
+from .errors import UnsupportedModelError
+from .kinds import KINDS, TREE_KWARG, KernelKind
+
+__all__ = ["from_pretrained", "is_patched", "patch_model", "patched_adapter", "unpatch_model"]
+
+# The model remembers its original attention implementation in this attribute (deep copies,
+# e.g. TRL's reference model, stay patched); the registry only decides when a module's kernels
+# may be restored.
+ORIGINAL_ATTENTION = "_harts_original_attention"
+
+# (owner's qualified name, attribute) -> (original function, its wrapper); owners are modeling
+# modules (kernel functions) or mixer classes (forward methods)
+_KERNELS: dict[tuple[str, str], tuple[Callable, Callable]] = {}
+_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def kernel(*args, **kwargs):
+        batch = kwargs.get(TREE_KWARG)
+        if batch is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return kind.tree_call(batch, bound.arguments)
+
+    return kernel
+
+
+def _key(owner: ModuleType | type, name: str) -> tuple[str, str]:
+    qualified = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+    return qualified, name
+
+
+def _kernels_wrapped(module: ModuleType, adapter: FamilyAdapter) -> bool:
+    return all(
+        _key(owner, name) in _KERNELS and vars(owner)[name] is _KERNELS[_key(owner, name)][1]
+        for owner, name, _ in adapter.targets(module)
+    )
+
+
+def _patch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
+    for owner, name, kind in adapter.targets(module):
+        current, key = vars(owner)[name], _key(owner, name)
+        if key in _KERNELS and current is _KERNELS[key][1]:
+            continue
+        _KERNELS[key] = (current, _wrap_kernel(current, KINDS[kind]))
+        setattr(owner, name, _KERNELS[key][1])
+
+
+def _unpatch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
+    for owner, name, _ in adapter.targets(module):
+        original, wrapper = _KERNELS.pop(_key(owner, name), (None, None))
+        if original is not None and vars(owner)[name] is wrapper:
+            setattr(owner, name, original)
+
+
+def patch_model(model: nn.Module, *, verify: bool = False, **verify_kwargs) -> nn.Module:
+    """Make ``model`` (a transformers causal LM, or a PEFT model around one) accept rollout trees.
+
+    In place and idempotent (a second call re-checks and re-applies what was undone); returns
+    ``model``. Calls without ``harts_tree`` behave exactly as before. With ``verify=True`` a probe
+    forest runs both ways first (``harts_hf.verify``) and a model that fails it is unpatched and
+    refused.
+
+    Raises:
+        UnsupportedModelError: the family is not supported, or its modeling code drifted.
+    """
+    hf = _compat.hf_model(model)
+    _compat.check_version()
+    adapter = adapter_for(hf)
+    module = _compat.modeling_module(hf)
+    try:
+        adapter.check(hf, module)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{err}; supported families: {supported_families()}") from None
+    current = _compat.attention_name(hf)
+    name = tree_attention_name(current)
+    _patch_module(module, adapter)
+    if current != name or not is_patched(hf):
+        setattr(hf, ORIGINAL_ATTENTION, original_attention_name(current))
+    if current != name:
+        _compat.set_attention(hf, name)
+    _MODELS.add(hf)
+    if verify:
+        from .verify import verify as run_verify
+
+        report = run_verify(model, **verify_kwargs)
+        if not report.ok:
+            unpatch_model(model)
+            raise UnsupportedModelError(f"{type(hf).__name__} failed harts-hf verification: {report}")
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: the model's original attention, and the family's original kernel
+    functions once no other patched model of that family is alive."""
+    hf = _compat.hf_model(model)
+    if not is_patched(hf):
+        return model
+    _compat.set_attention(hf, getattr(hf, ORIGINAL_ATTENTION))
+    delattr(hf, ORIGINAL_ATTENTION)
+    _MODELS.discard(hf)
+    module = _compat.modeling_module(hf)
+    if not any(_compat.modeling_module(other) is module for other in _MODELS):
+        _unpatch_module(module, adapter_for(hf))
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return ORIGINAL_ATTENTION in vars(_compat.hf_model(model))
+
+
+def patched_adapter(model: nn.Module) -> tuple[PreTrainedModel, FamilyAdapter]:
+    """The transformers model inside ``model`` and its adapter; refuses a model whose patch is
+    not (or no longer) in place, because a tree would then reach unpatched kernels silently."""
+    hf = _compat.hf_model(model)
+    if not is_patched(hf):
+        raise UnsupportedModelError(f"{type(hf).__name__} is not patched: call harts_hf.patch_model(model) first")
+    adapter = adapter_for(hf)
+    module = _compat.modeling_module(hf)
+    if not _kernels_wrapped(module, adapter):
+        raise UnsupportedModelError(
+            f"the kernel functions of {module.__name__} are no longer harts-hf's (unpatched or replaced); "
+            "call harts_hf.patch_model(model) again"
+        )
+    if not _compat.attention_name(hf).startswith(PREFIX):
+        raise UnsupportedModelError(
+            f"{type(hf).__name__} switched its attention to {_compat.attention_name(hf)!r} after patching; "
+            "call harts_hf.patch_model(model) again"
+        )
+    return hf, adapter
+
+
+def from_pretrained(name: str, *, verify: bool = False, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(name, **kwargs)``, patched for trees."""
+    return patch_model(AutoModelForCausalLM.from_pretrained(name, **kwargs), verify=verify)

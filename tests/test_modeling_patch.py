@@ -1,0 +1,197 @@
+"""patch_model: refusals, idempotence, reversibility, and calls without a tree left untouched."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from tiny_models import FAMILIES, VOCAB, family_forest, tiny_model
+
+from harts_hf.forest import RolloutForest
+from harts_hf.modeling import (
+    UnsupportedModelError,
+    from_pretrained,
+    is_patched,
+    patch_model,
+    supported_families,
+    tree_logprobs,
+    unpatch_model,
+)
+from harts_hf.modeling.attention import tree_attention_name
+
+GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def _no_tree_outputs(model: tf.PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a right-padded batch with a mask, and 4 greedy tokens generated with the cache."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, 70), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 50:] = 0
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        tokens = model.generate(ids[:1, :20], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return logits, tokens
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_calls_without_a_tree_are_unchanged(family):
+    """The patched model and an unpatched instance of the same family (whose module kernels are
+    now wrapped) return bit-identical logits and generations, in eval and train mode."""
+    model, other = tiny_model(family), tiny_model(family, seed=1)
+    before, other_before = _no_tree_outputs(model), _no_tree_outputs(other)
+    patch_model(model)
+    assert model.config._attn_implementation.startswith("harts_")
+    for got, want in zip(_no_tree_outputs(model) + _no_tree_outputs(other), before + other_before):
+        assert torch.equal(got, want)
+    model.train()
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    train_logits = model(input_ids=ids).logits
+    unpatch_model(model)
+    assert torch.equal(model(input_ids=ids).logits, train_logits)
+
+
+def test_patch_is_idempotent_and_reversible():
+    gc.collect()  # patched models of other tests keep the family's kernels wrapped while alive
+    model = tiny_model("qwen3_5")
+    module = sys.modules[GDN_MODULE]
+    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    unpatch_model(patch_model(model))
+    originals = {n: vars(module)[n] for n in names}
+    assert patch_model(model) is model
+    wrapped = {n: vars(module)[n] for n in names}
+    assert all(wrapped[n] is not originals[n] for n in names)
+    patch_model(model)
+    assert all(vars(module)[n] is wrapped[n] for n in names)
+    assert model.config._attn_implementation == "harts_sdpa" and is_patched(model)
+    unpatch_model(model)
+    assert model.config._attn_implementation == "sdpa" and not is_patched(model)
+    assert all(vars(module)[n] is originals[n] for n in names)
+
+
+def test_kernels_stay_wrapped_while_another_model_of_the_family_is_patched():
+    first, second = patch_model(tiny_model("qwen3_5")), patch_model(tiny_model("qwen3_5", seed=1))
+    unpatch_model(first)
+    forest = RolloutForest.from_sequences(family_forest(np.random.default_rng(0), small=True))
+    assert tree_logprobs(second, forest).shape == (forest.num_trajectories, forest.max_length - 1)
+    unpatch_model(second)
+    with pytest.raises(UnsupportedModelError, match="not patched"):
+        tree_logprobs(second, forest)
+
+
+def test_deep_copy_stays_patched():
+    """TRL builds its reference model as a deep copy of the policy."""
+    model = patch_model(tiny_model("qwen3_5"))
+    forest = RolloutForest.from_sequences(family_forest(np.random.default_rng(0), small=True))
+    with torch.no_grad():
+        assert torch.equal(tree_logprobs(copy.deepcopy(model), forest), tree_logprobs(model, forest))
+
+
+def test_tree_calls_refuse_a_model_whose_patch_is_gone():
+    forest = RolloutForest.from_sequences([[3, 4, 5]])
+    model = tiny_model("llama")
+    with pytest.raises(UnsupportedModelError, match="patch_model"):
+        tree_logprobs(model, forest)
+    patch_model(model)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(UnsupportedModelError, match="switched its attention"):
+        tree_logprobs(model, forest)
+    patch_model(model)
+    assert tree_logprobs(model, forest).shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2), id="gpt2"),
+        pytest.param(
+            tf.JambaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                num_experts=2,
+                mamba_d_state=4,
+                mamba_dt_rank=4,
+                attn_layer_offset=1,
+                attn_layer_period=2,
+                expert_layer_offset=1,
+                expert_layer_period=2,
+            ),
+            id="jamba",
+        ),
+    ],
+)
+def test_unsupported_families_are_refused(config):
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError) as err:
+        patch_model(model)
+    assert str(supported_families()) in str(err.value)
+    assert not is_patched(model)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(lambda m, mp: mp.delattr(m, "torch_chunk_gated_delta_rule"), id="kernel_removed"),
+        pytest.param(
+            lambda m, mp: mp.setattr(m, "torch_chunk_gated_delta_rule", lambda query, key, value, **kwargs: None),
+            id="kernel_signature_changed",
+        ),
+        pytest.param(
+            lambda m, mp: mp.setattr(
+                m.Qwen3_5GatedDeltaNet, "forward", lambda self, hidden_states, **kw: hidden_states
+            ),
+            id="mixer_no_longer_calls_kernels",
+        ),
+        pytest.param(lambda m, mp: mp.delattr(m, "Qwen3_5GatedDeltaNet"), id="mixer_class_removed"),
+    ],
+)
+def test_tampered_modeling_module_is_refused(tamper, monkeypatch):
+    model = tiny_model("qwen3_5")
+    tamper(sys.modules[GDN_MODULE], monkeypatch)
+    with pytest.raises(UnsupportedModelError, match="does not match") as err:
+        patch_model(model)
+    assert str(supported_families()) in str(err.value)
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_drifted_mixer_forward_is_refused(monkeypatch):
+    """MiniMax's lightning mixer is replaced whole on tree calls: a forward that no longer holds
+    the projections the tree version re-implements is refused."""
+    model = tiny_model("minimax")
+    mixer = sys.modules["transformers.models.minimax.modeling_minimax"].MiniMaxLightningAttention
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        return self.out_proj(self.act_fn(self.qkv_proj(hidden_states))), None
+
+    monkeypatch.setattr(mixer, "forward", forward)
+    with pytest.raises(UnsupportedModelError, match="no longer contains"):
+        patch_model(model)
+
+
+def test_unknown_layer_kind_is_refused():
+    model = tiny_model("qwen3")
+    model.config.layer_types = ["full_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
+        patch_model(model)
+
+
+def test_attention_without_tree_support_is_refused():
+    with pytest.raises(UnsupportedModelError, match="flash_attention_2"):
+        tree_attention_name("flash_attention_2")
+
+
+def test_from_pretrained_patches(tmp_path):
+    tiny_model("lfm2").save_pretrained(tmp_path)
+    model = from_pretrained(str(tmp_path))
+    assert is_patched(model)
+    forest = RolloutForest.from_sequences(family_forest(np.random.default_rng(0), small=True))
+    assert tree_logprobs(model, forest).requires_grad

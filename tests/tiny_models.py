@@ -1,0 +1,352 @@
+"""Tiny random causal LMs of every supported family, built offline from config classes.
+
+Each builder covers every layer kind of its family in 2-4 layers (hidden 32-64, vocab 128), so a
+tree test exercises every patched kernel. Mamba2 families use a 16-token SSD chunk so short trees
+cross several chunk boundaries; GDN/KDA keep transformers' fixed 64-token chunk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers as tf
+
+from harts_hf.forest import RolloutForest
+from harts_hf.modeling import tree_forward
+
+__all__ = [
+    "FAMILIES",
+    "VOCAB",
+    "Run",
+    "as_layout",
+    "family_forest",
+    "in_vocab",
+    "loss_weights",
+    "max_diffs",
+    "oracle_run",
+    "padded_run",
+    "padding_is_zero",
+    "sharpen_routers",
+    "tiny_model",
+    "trainable",
+    "trajectory_logprobs",
+    "tree_run",
+]
+
+VOCAB = 128
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+_HYBRID = ["linear_attention", "full_attention", "linear_attention"]
+_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+_MLA = dict(
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+)
+EXPERTS = 4
+_MOE = dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
+
+# family -> (config class, model class, config kwargs beyond the shared ones)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(**_ATTN, **_GDN, layer_types=_HYBRID)),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(**_ATTN, **_GDN, **_MOE, shared_expert_intermediate_size=16, layer_types=_HYBRID),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(**_ATTN, **_GDN, **_MOE, shared_expert_intermediate_size=16, layer_types=_HYBRID),
+    ),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(**_ATTN, **_GDN, layer_types=_HYBRID)),
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            **_MLA,
+            linear_num_heads=2,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            layer_types=_HYBRID,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+    ),
+    "bailing_hybrid": (
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(
+            **_MLA,
+            head_dim=8,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            layer_group_size=3,
+            layer_types=_HYBRID,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+    ),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(**_ATTN, layer_types=["conv", "full_attention", "conv"])),
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(**_ATTN, **_MOE, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            **_ATTN,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,
+            n_routed_experts=EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            layers_block_type=["mamba", "attention", "moe", "mlp"],
+        ),
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(**_ATTN, **_MAMBA, mamba_d_ssm=64, lm_head_multiplier=0.5),
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **_MAMBA,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+            shared_intermediate_size=16,
+            logits_scaling=2.0,
+            position_embedding_type="rope",
+            layer_types=["mamba", "attention", "mamba"],
+        ),
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, **_MAMBA, attn_layer_indices=[1]),
+    ),
+    "zamba2": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_ngroups=2,
+            n_mamba_heads=4,
+            chunk_size=16,
+            layers_block_type=["mamba", "hybrid", "mamba"],
+        ),
+    ),
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(**_ATTN, num_local_experts=EXPERTS, num_experts_per_tok=2, block_size=16, layer_types=_HYBRID),
+    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(**_ATTN)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(**_ATTN, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(**_ATTN)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(**_ATTN)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**_ATTN, **_MOE)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(**_ATTN, sliding_window=24, final_logit_softcapping=5.0, attn_logit_softcapping=4.0, layer_types=_SLIDING),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(**_ATTN, sliding_window=24, final_logit_softcapping=5.0, layer_types=_SLIDING),
+    ),
+}
+
+_SHARED = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+
+
+def tiny_model(
+    family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str = "sdpa"
+) -> tf.PreTrainedModel:
+    """A freshly initialised tiny ``family`` causal LM (eval mode), reproducible from ``seed``;
+    ``attn`` falls back to "eager" for families without sdpa support (gemma2)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**_SHARED, **extra}
+    for key in ("layer_types", "layers_block_type", "mlp_layer_types"):
+        if key in kwargs:
+            kwargs["num_hidden_layers"] = len(kwargs[key])
+    config = getattr(tf, config_cls)(**kwargs)
+    cls = getattr(tf, model_cls)
+    config._attn_implementation = attn if cls._supports_sdpa or attn != "sdpa" else "eager"
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def sharpen_routers(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
+    """Scale every MoE router's weight: wide top-k margins, so bf16 rounding differences between
+    two valid summation orders do not flip which experts a token reaches (the deterministic
+    routing the MoE statistics assume; near-ties flip under any reordering, baseline included)."""
+    for name, param in model.named_parameters():
+        if re.search(r"\.(gate|router)\.weight$", name) and param.shape[0] == EXPERTS:
+            param.mul_(factor)
+    return model
+
+
+# ---------------------------------------------------------------- forests and oracles
+def _seg(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(3, VOCAB, size=n).tolist()
+
+
+def family_forest(rng: np.random.Generator, *, small: bool = False) -> list[list[int]]:
+    """The nasty shapes in few trajectories (the oracle runs each one): branches at depth 63, 64
+    and 65 of one chain (the 64-token chunk edge; 16-token SSD chunks too), a 1-token leaf, a
+    strict prefix and, unless ``small``, a duplicate, a trajectory past 80 tokens, a caterpillar
+    under a second root and a 1-token trajectory (nothing to predict)."""
+    chain = _seg(rng, 70)
+    seqs = [chain[:63] + _seg(rng, 3), chain[:64] + _seg(rng, 1), chain[:65] + _seg(rng, 6), chain, chain[:30]]
+    if small:
+        return seqs
+    seqs += [chain + _seg(rng, 12), list(chain)]
+    trunk = _seg(rng, 4)
+    for _ in range(3):
+        seqs.append(trunk + _seg(rng, int(rng.integers(1, 4))))
+        trunk = trunk + _seg(rng, int(rng.integers(2, 6)))
+    seqs += [trunk, _seg(rng, 1)]
+    return seqs
+
+
+def in_vocab(seqs: list[list[int]]) -> list[list[int]]:
+    """Map the shared nasty trees (ids up to 2^20) into the tiny vocabulary (ids 3..VOCAB-1)."""
+    return [[t % (VOCAB - 3) + 3 for t in s] for s in seqs]
+
+
+def trajectory_logprobs(model: torch.nn.Module, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Oracle: the model's own forward (no tree) on each trajectory, logits -> log_softmax ->
+    gather; returns (log-probs [L - 1], entropies [L - 1]) per trajectory. Trajectories of equal
+    length share one batch (rows never interact, no padding)."""
+    out: list = [None] * len(seqs)
+    lengths = np.array([len(s) for s in seqs])
+    for length in np.unique(lengths):
+        rows = np.flatnonzero(lengths == length)
+        ids = torch.tensor([seqs[i] for i in rows])  # [b, L]
+        logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)  # [b, L - 1, V]
+        lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        ent = -(logp.exp() * logp).sum(-1)
+        for r, i in enumerate(rows):
+            out[i] = (lp[r], ent[r])
+    return out
+
+
+def as_layout(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-trajectory [L_i - 1] tensors -> [B, width] zero-padded (the tree_logprobs layout)."""
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+
+# ---------------------------------------------------------------- tree vs oracle runs
+@dataclass
+class Run:
+    """Log-probs [B, W] (detached, tree layout) and the gradients of ``sum(weights * logprobs)``."""
+
+    logprobs: torch.Tensor
+    grads: list[torch.Tensor]
+    entropy: torch.Tensor | None = None
+
+
+def loss_weights(forest: RolloutForest, seed: int = 0) -> torch.Tensor:
+    """[B, W] fixed random per-token weights (an RL objective's dL/dlogp)."""
+    return torch.rand(forest.num_trajectories, forest.max_length - 1, generator=torch.Generator().manual_seed(seed))
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _grads(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def oracle_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Tensor) -> Run:
+    rows = trajectory_logprobs(model, seqs)
+    loss = sum((lp * weights[i, : lp.numel()].to(lp.dtype)).sum() for i, (lp, _) in enumerate(rows))
+    width = weights.shape[1]
+    return Run(
+        as_layout([lp.detach() for lp, _ in rows], width),
+        _grads(loss, trainable(model)),
+        as_layout([ent.detach() for _, ent in rows], width),
+    )
+
+
+def padded_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Tensor) -> Run:
+    """The model on all trajectories as ONE right-padded batch with an attention mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # [B, width]
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    logp = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+    keep = mask[:, 1:].bool()
+    lp = torch.where(keep, logp.gather(-1, ids[:, 1:, None])[..., 0], 0.0)
+    ent = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
+    return Run(lp.detach(), _grads((lp * weights.to(lp.dtype)).sum(), trainable(model)), ent.detach())
+
+
+def tree_run(model: torch.nn.Module, forest: RolloutForest, weights: torch.Tensor) -> Run:
+    out = tree_forward(model, forest, return_entropy=True)
+    grads = _grads((out.logprobs * weights).sum(), trainable(model))
+    return Run(out.logprobs.detach(), grads, out.entropy.detach())
+
+
+def max_diffs(ref: Run, got: Run) -> tuple[float, float, float]:
+    """(max |log-prob diff|, max |entropy diff|, max |grad diff| / max |ref grad|)."""
+    lp = float((got.logprobs - ref.logprobs).abs().max())
+    ent = float((got.entropy - ref.entropy).abs().max())
+    scale = max(float(g.abs().max()) for g in ref.grads)
+    grad = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got.grads, ref.grads))
+    return lp, ent, grad / scale
+
+
+def padding_is_zero(forest: RolloutForest, run: Run) -> bool:
+    """Every entry past a row's end is exactly 0 (log-probs and entropies)."""
+    past = torch.as_tensor(np.arange(forest.max_length - 1)[None] >= forest.lengths[:, None] - 1)
+    return bool((run.logprobs[past] == 0).all() and (run.entropy[past] == 0).all())
