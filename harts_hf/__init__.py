@@ -19,10 +19,13 @@ from .modeling import (
     unpatch_model,
     verify,
 )
+from .planner import CostModel, Plan, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CostModel",
+    "Plan",
     "RolloutForest",
     "TreeOutput",
     "UnsupportedModelError",
@@ -31,6 +34,7 @@ __all__ = [
     "from_pretrained",
     "is_patched",
     "patch_model",
+    "plan",
     "supported_families",
     "tree_forward",
     "tree_logprobs",

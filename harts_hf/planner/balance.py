@@ -1,0 +1,27 @@
+"""Balance of a slot-cost table: the two numbers every plan and baseline reports."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["rank_imbalance", "slot_imbalance", "step_seconds"]
+
+
+def slot_imbalance(cost: np.ndarray) -> float:
+    """max over slots of (max rank cost in the slot / mean rank cost in the slot), for ``cost``
+    [R, S]. Ranks synchronise at every microbatch (FSDP gathers, MoE all-to-alls, lockstep
+    backward), so each slot lasts as long as its slowest rank. Empty slots (all zero) are skipped."""
+    mean = cost.mean(axis=0)
+    busy = mean > 0
+    return float((cost.max(axis=0)[busy] / mean[busy]).max()) if busy.any() else 1.0
+
+
+def rank_imbalance(cost: np.ndarray) -> float:
+    """max rank total / mean rank total, for ``cost`` [R, S]."""
+    total = cost.sum(axis=1)
+    return float(total.max() / total.mean()) if total.mean() > 0 else 1.0
+
+
+def step_seconds(cost: np.ndarray) -> float:
+    """Predicted step time in lockstep: the sum over slots of the slowest rank's cost."""
+    return float(cost.max(axis=0).sum())

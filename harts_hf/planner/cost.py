@@ -1,0 +1,91 @@
+"""The planner's cost model: seconds of one microbatch's forward + backward, linear in four features.
+
+``seconds = token * compact_tokens + pair * attended_pairs + round * rounds + microbatch``
+
+- compact tokens: projections, MLP/MoE, norms, LM head (token-wise work);
+- attended pairs: sum over attention queries of the keys they read (depth + 1 for a token at
+  depth p: every ancestor and itself), the quadratic part of full attention;
+- rounds: sequential packed linear-attention calls (kernel launches per linear layer);
+- one per microbatch: fixed overhead (launch latency, FSDP gathers, optimizer-free bookkeeping).
+
+:data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
+H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
+as the rest). ``calibrate`` (``harts_hf.planner.calibrate``) fits the coefficients on this machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["DEFAULT_COST_MODEL", "CostModel", "fit_cost_model"]
+
+FEATURES = ("token", "pair", "round", "microbatch")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per compact token, per attended pair, per round and per microbatch (all >= 0)."""
+
+    token: float
+    pair: float
+    round: float
+    microbatch: float
+
+    def __post_init__(self) -> None:
+        values = asdict(self)
+        if any(not np.isfinite(v) or v < 0 for v in values.values()):
+            raise ValueError(f"cost model coefficients must be finite and >= 0, got {values}")
+        if self.token <= 0 and self.pair <= 0:
+            raise ValueError("a cost model needs a positive token or pair coefficient: tokens must cost something")
+
+    def __call__(self, tokens, pairs, rounds, microbatches=1) -> np.ndarray:
+        """Predicted seconds (broadcasts over arrays)."""
+        return (
+            self.token * np.asarray(tokens, dtype=np.float64)
+            + self.pair * np.asarray(pairs, dtype=np.float64)
+            + self.round * np.asarray(rounds, dtype=np.float64)
+            + self.microbatch * np.asarray(microbatches, dtype=np.float64)
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+DEFAULT_COST_MODEL = CostModel(token=2e-5, pair=1e-9, round=1e-3, microbatch=5e-3)
+
+
+def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:
+    """Non-negative least squares fit of ``seconds`` [n] on ``features`` [n, 4] (tokens, pairs,
+    rounds, microbatches), relative error weighted so small and large microbatches count alike.
+
+    Exact NNLS by enumerating the supports (four coefficients): the best unconstrained fit on
+    each support, kept when non-negative; supports without a positive token or pair coefficient
+    are skipped (tokens must cost something for the planner to balance them).
+    """
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(FEATURES) or y.shape != (x.shape[0],):
+        raise ValueError(f"want features [n, {len(FEATURES)}] and seconds [n], got {x.shape} and {y.shape}")
+    if (y <= 0).any():
+        raise ValueError("measured seconds must be positive")
+    xw, yw = x / y[:, None], np.ones_like(y)  # relative residuals
+    scale = np.abs(xw).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = xw / scale
+    best, best_err = None, np.inf
+    for k in range(1, len(FEATURES) + 1):
+        for support in itertools.combinations(range(len(FEATURES)), k):
+            sel = np.array(support)
+            coef, *_ = np.linalg.lstsq(xs[:, sel], yw, rcond=None)
+            if (coef < 0).any() or not (coef[sel < 2] > 0).any():  # features 0, 1: token, pair
+                continue
+            err = float(np.sum((xs[:, sel] @ coef - yw) ** 2))
+            if err < best_err:
+                best_err, best = err, np.zeros(len(FEATURES))
+                best[sel] = coef
+    if best is None:
+        raise ValueError("no non-negative fit gives tokens or attended pairs a positive cost")
+    return CostModel(**dict(zip(FEATURES, (best / scale).tolist())))

@@ -1,0 +1,312 @@
+"""``plan(forests, world_size=..., max_tokens_per_microbatch=...)``: who computes which tokens when.
+
+A pure, deterministic function of token-id structure, world size, budget and cost model (no
+torch, no torch.distributed): every rank computes the same plan and runs its own row.
+
+1. Ranks (``assign.py``): whole subtrees to ranks, balanced on the cost model; each rank also
+   recomputes the shared chains above its subtrees (ranks exchange only gradients), which is the
+   plan's redundancy besides the bounded replay.
+2. Slots (``slots.py``): each rank's whole trees packed into S microbatches (``pack.py``), the
+   rest of its DFS sequence cut at the cost quantiles that fill every slot (``split.py``), the
+   same S on every rank (the smallest S whose microbatches all fit the budget), cuts on
+   chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
+3. Handoffs (``segments.py``): per microbatch, the entries (paths whose parent token ran in an
+   earlier slot of the same rank), the boundary states and replays they need, and the pieces
+   holding their attention context.
+
+Legend: R ranks, S slots, P pieces, D dependencies, E entries, F forests, C chunk size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..forest import RolloutForest
+from .assign import Assignment, assign_ranks, rank_intervals
+from .balance import rank_imbalance, slot_imbalance, step_seconds
+from .cost import DEFAULT_COST_MODEL, CostModel
+from .geometry import Geometry
+from .pieces import Pieces
+from .segments import Segments, find_in, segments_of
+from .slots import slot_pieces
+
+__all__ = ["CHUNK_SIZE", "DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
+
+CHUNK_SIZE = 64
+"""Chunk grid of the linear-attention kernels (transformers' torch fallbacks and fla use 64)."""
+
+DEFAULT_MAX_TOKENS = 65_536
+"""Default microbatch budget (compact tokens + ancestor context): one 64K-token sequence, what a
+1-8B hybrid model trains per H100/H200-class GPU with activation checkpointing; it holds the
+deepest SWE-like context (32K) with room for as many own tokens."""
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Microbatch slots per rank, their pieces and the handoffs between them.
+
+    Pieces [P], ordered by (rank, slot), in a microbatch the cut pieces (DFS order) before whole
+    trees: ``piece_rank``, ``piece_slot``, ``piece_forest`` and the forest-local DFS range
+    ``piece_start:piece_end`` (a shared chain above the rank's subtrees, a whole tree, or a DFS
+    range of one subtree; never two trees). ``piece_replica``: the tokens are owned by another
+    rank and recomputed here as context (their losses belong to the owner: see ``traj_rank``).
+    ``piece_unit``: the balancing unit (subtree) of the piece, -1 for a shared chain.
+
+    Microbatches [R, S] (slot s of rank r): predicted ``cost`` (seconds), own ``tokens``,
+    ``context`` tokens (ancestors in earlier slots its attention reads; tokens + context <=
+    ``max_tokens``) and linear-attention ``rounds``. Empty microbatches cost 0.
+
+    Dependencies [D]: microbatch (``dep_rank``, ``dep_slot``) reads ``dep_tokens`` context tokens
+    held by piece ``dep_piece`` (always the same rank, an earlier slot). Ranks never exchange
+    activations.
+
+    Entries [E]: paths of microbatch (``entry_rank``, ``entry_slot``) whose first token
+    ``entry_token`` (forest ``entry_forest``) hangs under a context token. Such a path starts on the
+    chunk grid at depth a = depth - depth % C from the recurrent state after ``entry_state`` (the
+    context token at depth a - 1, produced by piece ``entry_state_piece``; -1 when a = 0) and
+    replays ``entry_replay`` context tokens (depths a .. depth - 1, outputs discarded); a short
+    conv reads the entry's last k - 1 context tokens. This is what ``TreeBatch.from_forest`` and
+    ``ops.rounds`` derive for the microbatch; the plan says where each input comes from.
+
+    ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
+    last token; its whole path is on that rank).
+    """
+
+    world_size: int
+    num_slots: int
+    max_tokens: int
+    chunk_size: int
+    cost_model: CostModel
+    piece_rank: np.ndarray
+    piece_slot: np.ndarray
+    piece_forest: np.ndarray
+    piece_start: np.ndarray
+    piece_end: np.ndarray
+    piece_replica: np.ndarray
+    piece_unit: np.ndarray
+    cost: np.ndarray
+    tokens: np.ndarray
+    context: np.ndarray
+    rounds: np.ndarray
+    dep_piece: np.ndarray
+    dep_rank: np.ndarray
+    dep_slot: np.ndarray
+    dep_tokens: np.ndarray
+    entry_rank: np.ndarray
+    entry_slot: np.ndarray
+    entry_forest: np.ndarray
+    entry_token: np.ndarray
+    entry_state: np.ndarray
+    entry_state_piece: np.ndarray
+    entry_replay: np.ndarray
+    traj_rank: list[np.ndarray]
+    num_compact_tokens: int
+    replicated_tokens: int
+    replay_tokens: int
+    plan_seconds: float
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.piece_rank.size)
+
+    @property
+    def slot_imbalance(self) -> float:
+        """max over slots of (max rank cost / mean rank cost) in the slot (see ``balance.py``)."""
+        return slot_imbalance(self.cost)
+
+    @property
+    def rank_imbalance(self) -> float:
+        """max rank total cost / mean rank total cost."""
+        return rank_imbalance(self.cost)
+
+    @property
+    def redundancy(self) -> float:
+        """Extra compact tokens computed over the unsplit forest (replicated shared chains plus the
+        replay cuts add, an upper bound), per compact token."""
+        return (self.replicated_tokens + self.replay_tokens) / self.num_compact_tokens
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted lockstep step time: per slot, the slowest rank."""
+        return step_seconds(self.cost)
+
+    def microbatch(self, rank: int, slot: int) -> list[tuple[int, np.ndarray]]:
+        """(forest index, compact indices) of the tokens of slot ``slot`` on rank ``rank``, one
+        entry per forest it touches: what ``TreeBatch.from_forest(forest, tokens=...)`` takes."""
+        sel = np.flatnonzero((self.piece_rank == rank) & (self.piece_slot == slot))
+        out = []
+        for f in np.unique(self.piece_forest[sel]):
+            mine = sel[self.piece_forest[sel] == f]
+            idx = np.concatenate([np.arange(s, e) for s, e in zip(self.piece_start[mine], self.piece_end[mine])])
+            out.append((int(f), idx))
+        return out
+
+    def summary(self) -> dict:
+        """The numbers ``harts-hf plan`` reports."""
+        return {
+            "world_size": self.world_size,
+            "slots": self.num_slots,
+            "pieces": self.num_pieces,
+            "imbalance": {"slot": self.slot_imbalance, "rank": self.rank_imbalance},
+            "redundancy": self.redundancy,
+            "plan_seconds": self.plan_seconds,
+        }
+
+
+def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[RolloutForest]:
+    out = [forests] if isinstance(forests, RolloutForest) else list(forests)
+    if not out or not all(isinstance(f, RolloutForest) for f in out):
+        raise TypeError("plan() takes a RolloutForest or a non-empty sequence of them")
+    return out
+
+
+def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int):
+    """(src piece, dst microbatch, tokens) for the context of every microbatch: the union of its
+    entries' root paths, intersected with the rank's pieces."""
+    which, lo, hi = geo.path_intervals(entry)
+    mb = entry_mb[which]
+    span = geo.num_tokens + 1
+    key, inv = np.unique(mb * span + lo, return_inverse=True)  # one interval per (microbatch, node)
+    top = np.zeros(key.size, dtype=np.int64)
+    np.maximum.at(top, inv, hi)
+    mb, lo, hi = key // span, key % span, top
+    rank = mb // pieces.num_slots
+    p_lo, p_hi, p_span = pieces.keys()
+    k1 = np.searchsorted(p_hi, rank * p_span + lo, side="right")
+    k2 = np.searchsorted(p_lo, rank * p_span + hi, side="left")
+    n = k2 - k1
+    src = pieces.by_token[np.repeat(k1, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
+    dst = np.repeat(mb, n)
+    count = np.minimum(np.repeat(hi, n), pieces.hi[src]) - np.maximum(np.repeat(lo, n), pieces.lo[src])
+    pair, inv = np.unique(src * num_mb + dst, return_inverse=True)
+    return pair // num_mb, pair % num_mb, np.bincount(inv, weights=count).astype(np.int64)
+
+
+def _replay(
+    geo: Geometry, pieces: Pieces, seg: Segments, entry_parent: np.ndarray, entry_rank: np.ndarray, chunk: int
+) -> int:
+    """Replay the cuts add: a parent token whose microbatch holds none of its children makes one
+    more path start off the chunk grid than in the unsplit rank (see ``ops/rounds.py``)."""
+    span = geo.num_tokens + 1
+    key = np.unique(entry_rank * span + entry_parent)
+    rank, pt = key // span, key % span
+    mb = pieces.microbatch[pieces.locate(rank, pt)]
+    s = find_in(seg.mb * span + seg.lo, seg.mb * span + seg.hi, mb * span + pt)
+    has_child = np.bincount(seg.parent[seg.parent >= 0], minlength=seg.lo.size) > 0
+    lonely = ~has_child[s]
+    return int(((geo.token_depth(pt[lonely]) + 1) % chunk).sum())
+
+
+def _traj_rank(geo: Geometry, forests: list[RolloutForest], pieces: Pieces) -> list[np.ndarray]:
+    owned = np.flatnonzero(~pieces.replica)
+    order = owned[np.argsort(pieces.lo[owned], kind="stable")]
+    out = []
+    for f, forest in enumerate(forests):
+        last = forest.restore[forest.traj_offsets[1:] - 1] + geo.forest_tokens[f]
+        out.append(pieces.rank[order[find_in(pieces.lo[order], pieces.hi[order], last)]])
+    return out
+
+
+def plan(
+    forests: RolloutForest | Sequence[RolloutForest],
+    *,
+    world_size: int,
+    max_tokens_per_microbatch: int,
+    cost_model: CostModel | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> Plan:
+    """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
+    on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
+
+    Each microbatch holds at most ``max_tokens_per_microbatch`` compact tokens plus the ancestor
+    context its attention reads. ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`.
+    """
+    began = time.perf_counter()
+    forests = as_forests(forests)
+    if world_size < 1 or max_tokens_per_microbatch < 1 or chunk_size < 1:
+        raise ValueError("world_size, max_tokens_per_microbatch and chunk_size must be positive")
+    cost = cost_model or DEFAULT_COST_MODEL
+    geo = Geometry.of(forests, cost)
+    deepest = int((geo.depth + geo.length).max())
+    if deepest > max_tokens_per_microbatch:
+        raise ValueError(
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch} is below the longest trajectory "
+            f"({deepest} tokens): a microbatch holds each of its tokens' whole root path"
+        )
+    asg: Assignment = assign_ranks(geo, world_size, max_tokens_per_microbatch)
+    iv = rank_intervals(geo, asg, world_size, max_tokens_per_microbatch)
+    pieces = slot_pieces(geo, iv, world_size, max_tokens_per_microbatch, chunk_size, cost)
+    return build_plan(geo, forests, pieces, cost, max_tokens_per_microbatch, chunk_size, began, world_size)
+
+
+def build_plan(
+    geo: Geometry,
+    forests: list[RolloutForest],
+    pieces: Pieces,
+    cost: CostModel,
+    max_tokens: int,
+    chunk_size: int,
+    began: float,
+    world_size: int,
+) -> Plan:
+    """The :class:`Plan` of ``pieces`` (any rank-closed cut of the forests: ours or a baseline's):
+    costs, handoffs, trajectory owners; ``plan_seconds`` counts from ``began``."""
+    num_mb = world_size * pieces.num_slots
+    mb = pieces.microbatch
+    seg = segments_of(geo, mb, pieces.lo, pieces.hi, num_mb)
+
+    tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=num_mb).astype(np.int64)
+    token_cost = np.bincount(mb, weights=geo.prefix(pieces.hi) - geo.prefix(pieces.lo), minlength=num_mb)
+    cost_table = token_cost + cost.round * seg.rounds + cost.microbatch * (tokens > 0)
+
+    ext = seg.external
+    entry, entry_mb, entry_parent = seg.lo[ext], seg.mb[ext], seg.parent_token[ext]
+    entry_rank = entry_mb // pieces.num_slots
+    depth = geo.token_depth(entry)
+    aligned = depth - depth % chunk_size
+    state = np.where(aligned > 0, geo.ancestor_at(entry, np.maximum(aligned - 1, 0)), -1)
+    state_piece = np.where(state >= 0, pieces.locate(entry_rank, np.maximum(state, 0)), -1)
+    dep_piece, dep_mb, dep_tokens = _dependencies(geo, pieces, entry, entry_mb, num_mb)
+    context = np.bincount(dep_mb, weights=dep_tokens, minlength=num_mb).astype(np.int64)
+
+    forest_of = geo.forest_of(pieces.lo)
+    entry_forest = geo.forest_of(entry)
+    shape = (world_size, pieces.num_slots)
+    return Plan(
+        world_size=world_size,
+        num_slots=pieces.num_slots,
+        max_tokens=max_tokens,
+        chunk_size=chunk_size,
+        cost_model=cost,
+        piece_rank=pieces.rank,
+        piece_slot=pieces.slot,
+        piece_forest=forest_of,
+        piece_start=pieces.lo - geo.forest_tokens[forest_of],
+        piece_end=pieces.hi - geo.forest_tokens[forest_of],
+        piece_replica=pieces.replica,
+        piece_unit=pieces.unit,
+        cost=cost_table.reshape(shape),
+        tokens=tokens.reshape(shape),
+        context=context.reshape(shape),
+        rounds=seg.rounds.reshape(shape),
+        dep_piece=dep_piece,
+        dep_rank=dep_mb // pieces.num_slots,
+        dep_slot=dep_mb % pieces.num_slots,
+        dep_tokens=dep_tokens,
+        entry_rank=entry_rank,
+        entry_slot=entry_mb % pieces.num_slots,
+        entry_forest=entry_forest,
+        entry_token=entry - geo.forest_tokens[entry_forest],
+        entry_state=np.where(state >= 0, state - geo.forest_tokens[entry_forest], -1),
+        entry_state_piece=state_piece,
+        entry_replay=depth - aligned,
+        traj_rank=_traj_rank(geo, forests, pieces),
+        num_compact_tokens=geo.num_tokens,
+        replicated_tokens=int((pieces.hi - pieces.lo)[pieces.replica].sum()),
+        replay_tokens=_replay(geo, pieces, seg, entry_parent, entry_rank, chunk_size),
+        plan_seconds=time.perf_counter() - began,
+    )

@@ -1,0 +1,107 @@
+"""Microbatches as node segments: their linear-attention rounds, entries and handoff replay.
+
+A *segment* is the part of one node inside one piece. Inside a microbatch a segment hangs under
+the segment holding its parent token; when that token lies in an earlier microbatch the segment
+starts an *external* path (an entry): its state and context come from earlier slots.
+
+Rounds follow ``harts_hf.ops.rounds``: r(leaf) = 1 and r(x) = the largest child round count, plus
+one when two children reach it; a microbatch needs the maximum over its segments.
+
+Legend: P pieces, Q segments, B microbatches, C chunk size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import Geometry
+
+__all__ = ["Segments", "segment_rounds", "segments_of"]
+
+
+def _levels(parent: np.ndarray) -> np.ndarray:
+    """Depth of every element of a forest given by ``parent`` (-1 at roots), by pointer jumping."""
+    level = (parent >= 0).astype(np.int64)
+    jump = parent.copy()
+    while (active := jump >= 0).any():
+        up = jump[active]
+        level[active] += level[up]
+        jump[active] = jump[up]
+    return level
+
+
+def segment_rounds(parent: np.ndarray) -> np.ndarray:
+    """[Q] min-rounds count of the subtree under every element of a forest (``parent``, -1 at
+    roots): one vectorised step per level."""
+    q = parent.size
+    r = np.ones(q, dtype=np.int64)
+    if not q:
+        return r
+    level = _levels(parent)
+    by_level = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
+    best = np.zeros(q, dtype=np.int64)
+    ties = np.zeros(q, dtype=np.int64)
+    for lvl in range(int(level.max()), 0, -1):
+        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
+        par = parent[ch]
+        np.maximum.at(best, par, r[ch])
+        np.add.at(ties, par, r[ch] == best[par])
+        r[par] = np.where(ties[par] >= 2, best[par] + 1, best[par])
+    return r
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """Node segments of a set of pieces.
+
+    Args:
+        piece, mb, lo, hi: [Q] piece, microbatch and global token range of every segment.
+        parent: [Q] segment holding the parent token in the same microbatch, -1 if none.
+        parent_token: [Q] global parent token of the segment's first token (-1 at a tree root).
+        rounds: [B] rounds of every microbatch (0 when empty).
+    """
+
+    piece: np.ndarray
+    mb: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    parent: np.ndarray
+    parent_token: np.ndarray
+    rounds: np.ndarray
+
+    @property
+    def external(self) -> np.ndarray:
+        """[Q] segments whose first token is an entry (parent token in an earlier microbatch)."""
+        return (self.parent < 0) & (self.parent_token >= 0)
+
+
+def find_in(keys_lo: np.ndarray, keys_hi: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Index of the sorted, disjoint key range [lo, hi) holding each query, -1 if none."""
+    i = np.searchsorted(keys_lo, query, side="right") - 1
+    ok = (i >= 0) & (query < keys_hi[np.maximum(i, 0)])
+    return np.where(ok, i, -1)
+
+
+def segments_of(geo: Geometry, mb: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_mb: int) -> Segments:
+    """Segments of pieces ``lo:hi`` (global tokens) in microbatches ``mb``, sorted by (mb, lo)."""
+    first, last = geo.node_of(lo), geo.node_of(hi - 1)
+    count = last - first + 1
+    piece = np.repeat(np.arange(lo.size), count)
+    v = np.repeat(first, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    s_lo = np.maximum(geo.start[v], lo[piece])
+    s_hi = np.minimum(geo.start[v] + geo.length[v], hi[piece])
+    s_mb = mb[piece]
+    pt = geo.parent_token(s_lo)
+    span = geo.num_tokens + 1
+    key = s_mb * span + s_lo
+    order = np.argsort(key, kind="stable")
+    piece, v, s_lo, s_hi, s_mb, pt, key = (a[order] for a in (piece, v, s_lo, s_hi, s_mb, pt, key))
+    parent = find_in(key, s_mb * span + s_hi, s_mb * span + pt)
+    parent = np.where(pt >= 0, parent, -1)
+    r = segment_rounds(parent)
+    rounds = np.zeros(num_mb, dtype=np.int64)
+    np.maximum.at(rounds, s_mb, r)
+    return Segments(piece, s_mb, s_lo, s_hi, parent, pt, rounds)

@@ -1,0 +1,64 @@
+"""How many slots, and which pieces in each: the same S on every rank, every microbatch in budget.
+
+Legend: R ranks, S slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .assign import RankIntervals
+from .cost import CostModel
+from .geometry import Geometry
+from .pack import pack_whole_trees
+from .pieces import Pieces, merge
+from .segments import segments_of
+from .split import budget_cuts, capped_cuts, equal_cost_cuts
+
+__all__ = ["footprint", "slot_pieces"]
+
+
+def _packed(
+    geo: Geometry, iv: RankIntervals, world_size: int, slots: int, chunk: int, overhead: np.ndarray | None
+) -> Pieces:
+    """Whole trees packed into the slots, the rest cut at the quantiles that fill every slot to its
+    rank's share (trees and ``overhead`` [R, S] counted in)."""
+    rest, trees, tree_cost = pack_whole_trees(geo, iv, world_size, slots)
+    extra = tree_cost if overhead is None else tree_cost + overhead
+    return merge(equal_cost_cuts(geo, rest, world_size, slots, chunk, extra), trees)
+
+
+def slot_pieces(
+    geo: Geometry, iv: RankIntervals, world_size: int, max_tokens: int, chunk: int, cost: CostModel
+) -> Pieces:
+    """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
+    the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
+    rounds and launch overhead; budget-capped cuts when quantile cuts never fit."""
+    fewest = budget_cuts(geo, iv, world_size, max_tokens).num_slots
+
+    def fits(pieces: Pieces) -> bool:
+        return bool((footprint(geo, pieces, world_size) <= max_tokens).all())
+
+    for slots in range(fewest, 2 * fewest + 1):
+        pieces = _packed(geo, iv, world_size, slots, chunk, None)
+        if fits(pieces):
+            num_mb = world_size * slots
+            seg = segments_of(geo, pieces.microbatch, pieces.lo, pieces.hi, num_mb)
+            busy = np.bincount(pieces.microbatch, minlength=num_mb) > 0
+            overhead = (cost.round * seg.rounds + cost.microbatch * busy).reshape(world_size, slots)
+            tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
+            return tuned if fits(tuned) else pieces
+    slots = fewest
+    while not fits(pieces := capped_cuts(geo, iv, world_size, slots, chunk, max_tokens)):
+        slots += 1
+    return pieces
+
+
+def footprint(geo: Geometry, pieces: Pieces, world_size: int) -> np.ndarray:
+    """[R * S] tokens + depth of the first token of every microbatch (0 when empty)."""
+    mb = pieces.microbatch
+    tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=world_size * pieces.num_slots)
+    first_mb, first = np.unique(mb, return_index=True)  # a microbatch's first piece has its context
+    out = tokens.copy()
+    out[first_mb] += geo.token_depth(pieces.lo[first])
+    return out

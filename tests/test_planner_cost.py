@@ -1,0 +1,87 @@
+"""The cost model: its non-negative least-squares fit recovers known coefficients, its features
+match the forest and ``ops.rounds``, and ``calibrate`` fits a real (tiny) model's timings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+from trees import nasty_tree_params
+
+from harts_hf.forest import RolloutForest
+from harts_hf.ops.rounds import build_rounds
+from harts_hf.ops.tree_batch import TreeBatch
+from harts_hf.planner import CostModel, fit_cost_model
+from harts_hf.planner.calibrate import calibrate, calibration_forests, forest_features
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        pytest.param((2e-5, 1e-9, 1e-3, 5e-3), id="all-terms"),
+        pytest.param((3e-4, 0.0, 0.0, 2e-2), id="no-pairs-no-rounds"),
+        pytest.param((0.0, 4e-8, 7e-3, 0.0), id="pairs-only-quadratic"),
+    ],
+)
+def test_fit_recovers_known_coefficients(truth, rng):
+    tokens = rng.integers(10, 100_000, 40).astype(float)
+    features = np.stack([tokens, tokens * rng.uniform(10, 5000, 40), rng.integers(1, 6, 40), np.ones(40)], axis=1)
+    seconds = features @ np.array(truth)
+    fitted = fit_cost_model(features, seconds)
+    got = [fitted.token, fitted.pair, fitted.round, fitted.microbatch]
+    np.testing.assert_allclose(got, truth, rtol=1e-6, atol=1e-15)
+
+
+def test_fit_stays_non_negative_on_noisy_data(rng):
+    tokens = rng.integers(100, 10_000, 30).astype(float)
+    features = np.stack([tokens, tokens * 50, rng.integers(1, 4, 30), np.ones(30)], axis=1)
+    seconds = features @ np.array([1e-4, 0.0, 0.0, 1e-2]) * rng.uniform(0.8, 1.2, 30)
+    fitted = fit_cost_model(features, seconds)
+    assert min(fitted.as_dict().values()) >= 0 and max(fitted.token, fitted.pair) > 0
+    assert np.abs(fitted(*features.T) / seconds - 1).max() < 0.3
+
+
+@pytest.mark.parametrize(
+    "features, seconds, match",
+    [
+        pytest.param(np.ones((3, 3)), np.ones(3), "want features", id="three-features"),
+        pytest.param(np.ones((3, 4)), np.array([1.0, 0.0, 1.0]), "positive", id="zero-seconds"),
+    ],
+)
+def test_fit_refuses_bad_input(features, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        fit_cost_model(features, seconds)
+
+
+@pytest.mark.parametrize(
+    "coefficients, match",
+    [
+        pytest.param((-1.0, 0.0, 0.0, 0.0), "finite and >= 0", id="negative"),
+        pytest.param((float("nan"), 1.0, 0.0, 0.0), "finite and >= 0", id="nan"),
+        pytest.param((0.0, 0.0, 1.0, 1.0), "token or pair", id="free-tokens"),
+    ],
+)
+def test_cost_model_validates(coefficients, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(*coefficients)
+
+
+@pytest.mark.parametrize("build", nasty_tree_params())
+def test_features_match_the_forest_and_ops_rounds(build, rng):
+    forest = RolloutForest.from_sequences(build(rng))
+    tokens, pairs, rounds, one = forest_features(forest)
+    assert tokens == forest.num_compact_tokens and one == 1
+    k = np.arange(forest.num_compact_tokens)
+    ancestor_or_self = (k[:, None] <= k[None, :]) & (k[None, :] < forest.subtree_end[:, None])  # [key, query]
+    assert pairs == ancestor_or_self.sum()
+    assert rounds == build_rounds(TreeBatch.from_forest(forest), 64).num_rounds
+
+
+def test_calibrate_fits_a_tiny_model():
+    model = tiny_model("qwen3_5")
+    forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25, 0.5))[::2]
+    fitted = calibrate(model, forests, repeats=1)
+    values = np.array(list(fitted.as_dict().values()))
+    assert np.isfinite(values).all() and (values >= 0).all() and max(fitted.token, fitted.pair) > 0
+    features = np.stack([forest_features(f) for f in forests])
+    assert (fitted(*features.T) > 0).all()
