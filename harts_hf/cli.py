@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .workloads import WORKLOADS, forest_stats, get_workload
+from .planner import DEFAULT_MAX_TOKENS, plan, plan_record, plot_plan, record_table
+from .workloads import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 
 __all__ = ["build_parser", "main"]
 
@@ -64,7 +65,101 @@ def cmd_workload(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = (_workload_parser,)
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan a workload's microbatch slots on R ranks and compare the baselines")
+    names = sorted(WORKLOADS)
+    p.add_argument("--workload", required=True, metavar="NAME", choices=names, help=", ".join(names))
+    p.add_argument("--scale", type=float, help="length multiplier (swe-like; default 1: planning is cheap)")
+    p.add_argument("--world-size", type=int, required=True, metavar="R", help="data-parallel ranks")
+    p.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="T",
+        help=f"microbatch budget: compact tokens + ancestor context (default {DEFAULT_MAX_TOKENS:,})",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
+    p.set_defaults(run=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan ``args.workload``, measure the baselines beside it, print (and optionally save) them."""
+    kwargs = {} if args.scale is None else {"scale": args.scale}
+    try:
+        forest = get_workload(args.workload, **kwargs).forest()
+        result = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"harts-hf plan: {err}") from err
+    record = plan_record([forest], result)
+    print(record_table(record))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    if args.plot is not None:
+        plot_plan(result, args.plot)
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time stock, trajectory-wise and forest training steps of one model")
+    p.add_argument("--quick", action="store_true", help="a small model and workload (CI's check; under 45 s)")
+    p.add_argument("--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)")
+    p.add_argument("--workload", metavar="NAME", choices=sorted(WORKLOADS), help="default swe-like; " + ", ".join(sorted(WORKLOADS)))
+    p.add_argument("--scale", type=float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="draw seconds per phase and mode, the ideal marked")
+    p.set_defaults(run=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark (imported here: it loads torch and transformers), print and save it."""
+    from .bench import bench_record, default_config, plot_bench, run_bench, table
+
+    try:
+        config = default_config(
+            args.quick, model=args.model, workload=args.workload, scale=args.scale, dtype=args.dtype, device=args.device
+        )
+    except ValueError as err:
+        raise SystemExit(f"harts-hf bench: {err}") from err
+    record = bench_record(run_bench(config))
+    print(table(record))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    if args.plot is not None:
+        plot_bench(record, args.plot)
+    return 0
+
+
+def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-ops", help="time each tree kernel vs the same kernel run trajectory by trajectory")
+    p.add_argument("--scale", type=float, default=CPU_SCALE, help=f"swe-like length multiplier (default {CPU_SCALE})")
+    p.add_argument("--tasks", type=int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)")
+    p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.ops.bench.KINDS)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: ratios free of thread-scheduling noise)"
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results to this JSON file")
+    p.set_defaults(run=cmd_bench_ops)
+
+
+def cmd_bench_ops(args: argparse.Namespace) -> int:
+    """Benchmark the tree kernels on a SWE-like forest (imported here: it loads torch), print and save."""
+    from .ops.bench import bench_ops, format_table
+
+    kinds = {} if args.kinds is None else {"kinds": args.kinds}
+    try:
+        workload = get_workload("swe-like", scale=args.scale, num_tasks=args.tasks)
+        record = {"workload": "swe-like", "scale": args.scale, "tasks": args.tasks}
+        record |= bench_ops(workload.sequences, repeats=args.repeats, threads=args.threads, keep_memory=True, **kinds)
+    except ValueError as err:
+        raise SystemExit(f"harts-hf bench-ops: {err}") from err
+    print(format_table(record))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+_COMMANDS = (_workload_parser, _plan_parser, _bench_parser, _bench_ops_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

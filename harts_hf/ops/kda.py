@@ -2,9 +2,11 @@
 
 Recurrence: ``S_t = diag(exp(g_t)) S_{t-1}``, then ``S_t += beta_t k_t (v_t - k_t^T S_t)^T``,
 ``o_t = scale * q_t S_t``, with ``g`` [.., H, K]. The chunk-scan kernel follows the shared interface
-(see ``linear_attention.py``) and mirrors transformers' torch ``chunk_kimi_delta_attention``
-(models/kimi_linear) formula by formula, including its forward substitution inside a chunk, so tree
-training matches what the stock model computes trajectory by trajectory.
+(see ``linear_attention.py``) and follows transformers' torch ``chunk_kimi_delta_attention``
+(models/kimi_linear) step by step, so tree training matches what the stock model computes trajectory
+by trajectory to fp32 rounding. Two intra-chunk pieces are computed differently for speed, with the
+same values: the decayed scores by sub-chunks (:func:`harts_hf.ops.gla.channel_decay_scores`, no
+[C, C, K] tensor) and the UT transform by a triangular solve (not row-wise forward substitution).
 
 Shape legend: Tc chunks in a round, C chunk size, H heads, K key dim, V value dim, P paths, N tokens.
 """
@@ -16,8 +18,8 @@ from collections.abc import Mapping
 import torch
 
 from .backends import implementation, register
-from .gla import expand_heads, scan_chunk_steps
-from .linear_attention import run_tree_linear_attention
+from .gla import channel_decay_scores
+from .linear_attention import expand_heads, run_tree_linear_attention, scan_steps
 from .tree_batch import TreeBatch
 
 __all__ = ["kda_chunk_scan", "tree_kda"]
@@ -42,35 +44,28 @@ def kda_chunk_scan(
     """KDA chunk scan: q, k [Tc, C, H, K], v [Tc, C, H, V], g [Tc, C, H, K], beta [Tc, C, H]."""
     q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [Tc, H, C, K|V]
     beta = beta.transpose(1, 2).float()  # [Tc, H, C]
-    chunk = q.shape[2]
     q = q * scale
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
     g = g.cumsum(-2)
-    upper = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
-    future = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
-    # [Tc, H, C, C, K]: exp(g_i - g_j) for j <= i, else 0.
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(future[..., None], float("-inf")).exp()
-    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(upper, 0)  # [Tc, H, C, C]
-    # (I + A)^-1 by forward substitution, row by row over all chunks at once (as transformers does).
-    for i in range(1, chunk):
-        row = attn[..., i, :i].clone()
-        sub = attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
-    u = attn @ v_beta  # [Tc, H, C, V]
-    w = attn @ (k_beta * g.exp())  # [Tc, H, C, K]
+    # UT transform: (I + L)^-1, L the strictly lower part of the k_beta . k decayed scores (the solve
+    # ignores the diagonal). transformers inverts by row-wise forward substitution; a triangular
+    # solve gives the same to fp32 rounding.
+    ut_system, a_qk = channel_decay_scores((k_beta, q), k, g)  # [Tc, H, C, C]
+    u = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)  # [Tc, H, C, V]
+    w = torch.linalg.solve_triangular(ut_system, k_beta * g.exp(), upper=False, unitriangular=True)  # [Tc, H, C, K]
     q_decay = q * g.exp()  # [Tc, H, C, K]
-    a_qk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(future, 0)  # [Tc, H, C, C]
     k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [Tc, H, K, C]
     chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [Tc, H, K, 1]
 
-    def step(rows: slice, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        v_new = u[rows] - w[rows] @ state  # [n, H, C, V]
-        o = q_decay[rows] @ state + a_qk[rows] @ v_new
-        return o, state * chunk_decay[rows] + k_decay[rows] @ v_new
+    T = torch.Tensor
 
-    o, h_start, h_final = scan_chunk_steps(h0.float(), step_counts, step)
+    def step(state: T, u_m: T, w_m: T, q_m: T, a_m: T, decay_m: T, k_m: T) -> tuple[T, T]:  # state [n_m, H, K, V]
+        v_new = u_m - w_m @ state  # [n_m, H, C, V]
+        return q_m @ state + a_m @ v_new, state * decay_m + k_m @ v_new
+
+    per_chunk = (u, w, q_decay, a_qk, chunk_decay, k_decay)
+    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, step)
     return o.transpose(1, 2), h_start, h_final
 
 

@@ -38,10 +38,17 @@ import torch
 from .rounds import rounds_of
 from .tree_batch import TreeBatch
 
-__all__ = ["ChunkScan", "run_tree_linear_attention", "scan_steps"]
+__all__ = ["ChunkScan", "expand_heads", "run_tree_linear_attention", "scan_steps"]
 
 # (q, k, v, g, beta, h0, step_counts, *, scale) -> (o [Tc, C, H, V], h_start [Tc, H, K, V], h_final [P, H, K, V])
 ChunkScan = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[N, Hk, D] -> [N, heads, D] fp32, each key head repeated for its group of value heads (GVA)."""
+    if heads % x.shape[1]:
+        raise ValueError(f"{heads} value heads is not a multiple of {x.shape[1]} key heads")
+    return x.float().repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def scan_steps(

@@ -1,0 +1,36 @@
+"""``harts-hf bench``: stock vs trajectory-wise vs forest training of one model on one workload.
+
+Times forward, backward and the whole step of each mode (interleaved repetitions, medians),
+measures peak memory and the numerics (log-probs and gradients against the stock model), and
+compares the measured speedup with the ideal one from an analytic FLOP count.
+"""
+
+from .config import BenchConfig, default_config
+from .flops import FlopModel, Work, compact_work, ideal_speedup, trajectory_work
+from .models import BENCH_FAMILIES, SIZES, Arch, BenchModel, ModelSize, build_model
+from .plot import plot_bench
+from .report import bench_record, table
+from .run import MODES, PHASES, BenchRun, run_bench
+
+__all__ = [
+    "BENCH_FAMILIES",
+    "MODES",
+    "PHASES",
+    "SIZES",
+    "Arch",
+    "BenchConfig",
+    "BenchModel",
+    "BenchRun",
+    "FlopModel",
+    "ModelSize",
+    "Work",
+    "bench_record",
+    "build_model",
+    "compact_work",
+    "default_config",
+    "ideal_speedup",
+    "plot_bench",
+    "run_bench",
+    "table",
+    "trajectory_work",
+]

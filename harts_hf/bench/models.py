@@ -1,0 +1,258 @@
+"""Benchmark models: randomly initialised causal LMs of each family, built offline from config classes.
+
+Every family is a short declaration: its transformers config / model classes, the config keywords
+that give it a :class:`ModelSize`, and :func:`Arch` numbers (layer counts and mixer dimensions)
+the analytic FLOP count needs. Hybrids follow a 3 : 1 pattern of linear (or SSM / conv) mixers
+to full-attention layers, like Qwen3.5, Kimi-Linear and Nemotron-H.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers as tf
+
+__all__ = ["BENCH_FAMILIES", "SIZES", "Arch", "BenchModel", "ModelSize", "build_model"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shared size knobs; each family maps them onto its own config keywords.
+
+    Args:
+        hidden, intermediate: model width and dense MLP width.
+        groups: repeats of the family's layer pattern (3 mixers + 1 attention for hybrids).
+        heads, kv_heads, head_dim: full attention.
+        linear_heads, linear_head_dim: linear-attention / SSM heads (value heads for GDN).
+        experts, top_k, expert_intermediate: MoE layers of MoE families.
+        vocab: vocabulary size (the workload draws token ids below it).
+    """
+
+    hidden: int
+    intermediate: int
+    groups: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    linear_heads: int
+    linear_head_dim: int
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    vocab: int
+
+    @property
+    def layers(self) -> int:
+        return 4 * self.groups
+
+
+# default: the benchmark's model, sized for a 2-core CPU (a step of the default workload in ~5-20 s)
+# with Qwen3.5's proportions at scale: token-wise work ~96% of the FLOPs, linear mixers ~3%.
+# quick: CI's smoke run. tiny: unit tests (hidden 32, vocab 128).
+SIZES: dict[str, ModelSize] = {
+    "default": ModelSize(
+        hidden=256, intermediate=768, groups=1, heads=4, kv_heads=2, head_dim=64, linear_heads=4,
+        linear_head_dim=32, experts=8, top_k=2, expert_intermediate=256, vocab=8192,
+    ),
+    "quick": ModelSize(
+        hidden=64, intermediate=192, groups=1, heads=4, kv_heads=2, head_dim=16, linear_heads=4,
+        linear_head_dim=16, experts=4, top_k=2, expert_intermediate=64, vocab=1024,
+    ),
+    "tiny": ModelSize(
+        hidden=32, intermediate=48, groups=1, heads=4, kv_heads=2, head_dim=8, linear_heads=2,
+        linear_head_dim=8, experts=4, top_k=2, expert_intermediate=16, vocab=128,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the analytic FLOP count needs beyond the parameter shapes.
+
+    Args:
+        attention_layers, attention_heads, qk_dim, v_dim: full-attention layers and their heads.
+        linear_kind: "delta" (GDN, KDA), "ssd" (Mamba2) or None (conv-only or dense families).
+        linear_layers, linear_heads, key_dim, value_dim, chunk: the linear mixers (SSD: key_dim
+            is the state size, value_dim the head dim).
+        experts, top_k: routed experts (0 for dense MLPs).
+    """
+
+    attention_layers: int
+    attention_heads: int
+    qk_dim: int
+    v_dim: int
+    linear_kind: str | None = None
+    linear_layers: int = 0
+    linear_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    chunk: int = 64
+    experts: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class _Family:
+    config: str
+    model: str
+    kwargs: Callable[[ModelSize], dict]
+    arch: Callable[[tf.PretrainedConfig], Arch]
+
+
+def _hybrid_types(s: ModelSize, mixer: str = "linear_attention", attention: str = "full_attention") -> list[str]:
+    return [mixer, mixer, mixer, attention] * s.groups
+
+
+def _attn(s: ModelSize) -> dict:
+    return dict(num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim)
+
+
+def _gdn(s: ModelSize) -> dict:
+    return dict(
+        **_attn(s), layer_types=_hybrid_types(s), linear_num_key_heads=max(1, s.linear_heads // 2),
+        linear_num_value_heads=s.linear_heads, linear_key_head_dim=s.linear_head_dim,
+        linear_value_head_dim=s.linear_head_dim, linear_conv_kernel_dim=4,
+    )
+
+
+def _moe(s: ModelSize) -> dict:
+    return dict(num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate)
+
+
+def _mla(s: ModelSize) -> dict:
+    return dict(
+        num_attention_heads=s.heads, num_key_value_heads=s.heads, kv_lora_rank=s.hidden // 4,
+        qk_rope_head_dim=s.head_dim // 2, qk_nope_head_dim=s.head_dim // 2, v_head_dim=s.head_dim,
+    )
+
+
+def _kimi(s: ModelSize) -> dict:
+    return dict(
+        **_mla(s), layer_types=_hybrid_types(s), mlp_layer_types=["dense"] + ["sparse"] * (s.layers - 1),
+        linear_num_heads=s.linear_heads, linear_head_dim=s.linear_head_dim, linear_conv_kernel_dim=4,
+        num_local_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate,
+    )
+
+
+def _bailing(s: ModelSize) -> dict:
+    return dict(
+        **_kimi(s), head_dim=s.head_dim, n_group=1, topk_group=1, first_k_dense_replace=1, layer_group_size=4,
+    )
+
+
+def _nemotron(s: ModelSize) -> dict:
+    # Nemotron-H blocks are single sublayers: a mixer or attention block, then an MoE block.
+    blocks = ["mamba", "moe", "mamba", "moe", "mamba", "moe", "attention", "moe"] * s.groups
+    return dict(
+        **_attn(s), layers_block_type=blocks, mamba_num_heads=s.linear_heads, mamba_head_dim=s.linear_head_dim,
+        n_groups=1, ssm_state_size=s.linear_head_dim, conv_kernel=4, chunk_size=64, n_routed_experts=s.experts,
+        num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate,
+        moe_shared_expert_intermediate_size=s.expert_intermediate,
+    )
+
+
+def _count(config: tf.PretrainedConfig, kind: str) -> int:
+    return list(config.layer_types).count(kind)
+
+
+def _gdn_arch(c: tf.PretrainedConfig, experts: int = 0, top_k: int = 0) -> Arch:
+    return Arch(
+        _count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim, "delta",
+        _count(c, "linear_attention"), c.linear_num_value_heads, c.linear_key_head_dim,
+        c.linear_value_head_dim, 64, experts, top_k,
+    )
+
+
+def _gdn_moe_arch(c: tf.PretrainedConfig) -> Arch:
+    return _gdn_arch(c, c.num_experts, c.num_experts_per_tok)
+
+
+def _kda_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(
+        _count(c, "full_attention"), c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
+        c.v_head_dim, "delta", _count(c, "linear_attention"), c.linear_num_heads, c.linear_head_dim,
+        c.linear_head_dim, 64, c.num_local_experts, c.num_experts_per_tok,
+    )
+
+
+def _nemotron_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(
+        _count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim, "ssd",
+        _count(c, "linear_attention"), c.mamba_num_heads, c.ssm_state_size, c.mamba_head_dim,
+        c.chunk_size, c.n_routed_experts, c.num_experts_per_tok,
+    )
+
+
+def _dense_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.head_dim)
+
+
+def _lfm2_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(_count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim)
+
+
+BENCH_FAMILIES: dict[str, _Family] = {
+    "qwen3_5": _Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _gdn, _gdn_arch),
+    "qwen3_5_moe": _Family(
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate), _gdn_moe_arch,
+    ),
+    "qwen3_next": _Family(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate), _gdn_moe_arch,
+    ),
+    "olmo_hybrid": _Family("OlmoHybridConfig", "OlmoHybridForCausalLM", _gdn, _gdn_arch),
+    "kimi_linear": _Family("KimiLinearConfig", "KimiLinearForCausalLM", _kimi, _kda_arch),
+    "bailing_hybrid": _Family("BailingHybridConfig", "BailingHybridForCausalLM", _bailing, _kda_arch),
+    "nemotron_h": _Family("NemotronHConfig", "NemotronHForCausalLM", _nemotron, _nemotron_arch),
+    "lfm2": _Family(
+        "Lfm2Config", "Lfm2ForCausalLM", lambda s: dict(**_attn(s), layer_types=_hybrid_types(s, "conv")), _lfm2_arch
+    ),
+    "llama": _Family("LlamaConfig", "LlamaForCausalLM", _attn, _dense_arch),
+}
+
+
+@dataclass
+class BenchModel:
+    """A benchmark model and the numbers its FLOP count needs."""
+
+    family: str
+    model: tf.PreTrainedModel
+    arch: Arch
+
+
+def build_model(
+    family: str,
+    size: ModelSize | str = "default",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int = 32768,
+    attn: str = "sdpa",
+) -> BenchModel:
+    """A freshly initialised ``family`` causal LM of ``size`` (eval mode: no dropout
+    nor router noise, so every mode sees the same function),
+    reproducible from ``seed``."""
+    if family not in BENCH_FAMILIES:
+        raise ValueError(f"unknown bench model family {family!r}; choose one of {', '.join(sorted(BENCH_FAMILIES))}")
+    if isinstance(size, str):
+        if size not in SIZES:
+            raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(sorted(SIZES))}")
+        size = SIZES[size]
+    spec = BENCH_FAMILIES[family]
+    kwargs = dict(
+        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers, max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False,
+    )
+    kwargs.update(spec.kwargs(size))
+    for key in ("layer_types", "layers_block_type"):
+        if key in kwargs:
+            kwargs["num_hidden_layers"] = len(kwargs[key])
+    config = getattr(tf, spec.config)(**kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = getattr(tf, spec.model)(config).to(dtype)
+    return BenchModel(family, model.eval(), spec.arch(config))

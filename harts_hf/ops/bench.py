@@ -1,0 +1,259 @@
+"""Micro-benchmark of the tree kernels: one layer's forward + backward on a rollout forest vs the
+same kernel run trajectory by trajectory.
+
+The trajectory-wise baseline is the same op on ``RolloutForest.from_sequences(seqs,
+share_prefixes=False)``: every trajectory its own root, so the kernel, its packing and its
+overheads are identical and only the sharing differs. Ideal speedups: the token compression for
+the token-linear kinds (conv, linear attention), the attended-pair ratio for attention (pairs of a
+forest = sum over compact tokens of position + 1). Linear kinds also report ``grid_ideal``, the
+ratio of chunk slots (chunk-padded paths, replays included) the two runs compute: at small scales
+paths are not much longer than a chunk, and the chunk grid, not the kernel, caps the speedup (swe-like
+with one task: grid 1.66x vs tokens 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02; the grid reaches
+0.9 of the token compression near scale 0.2, ~1M trajectory tokens).
+
+``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
+(:func:`keep_freed_memory`), so the numbers measure the kernels rather than thread scheduling on a
+shared machine or page faults on the bigger trajectory-wise tensors.
+
+Legend: N tokens of a forest (compact or trajectory-wise), H heads, K key dim, V value dim,
+D conv channels, W conv width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..forest import RolloutForest
+from .attention import tree_attention
+from .conv import tree_causal_conv1d
+from .gated_delta import tree_gated_delta_rule
+from .gla import tree_gla, tree_simple_gla
+from .kda import tree_kda
+from .rounds import rounds_of
+from .tree_batch import TreeBatch
+
+__all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
+
+LINEAR_KINDS = ("gated_delta", "kda", "gla", "simple_gla")
+KINDS = ("attention", "conv", *LINEAR_KINDS)
+CHUNK = 64  # the chunk grid of transformers' and fla's linear-attention kernels
+HEADS, HEAD_DIM = 4, 64  # linear kinds: H = 4, K = V = 64
+ATTN_HEADS = 8  # attention: 8 heads x 64
+CONV_DIM, CONV_WIDTH = 256, 4
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One kind on one forest: leaf inputs, an output gradient and the op."""
+
+    inputs: tuple[torch.Tensor, ...]
+    grad: torch.Tensor
+    op: Callable[..., torch.Tensor]
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse: no fresh mapping per big block, no trimming.
+
+    Eager CPU ops allocate a new tensor per op; glibc maps every block above 32 MiB anew and the
+    kernel zero-fills it page by page, so a forest-sized baseline spends more time in page faults
+    than in arithmetic (85 of 210 s were system time at scale 0.01), which inflates speedups. A
+    process-wide setting, for the benchmark process only; False where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters, glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
+
+
+def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
+    """Realistic small-layer inputs (fp32) for ``kind`` on ``batch``."""
+    n = batch.num_tokens
+    if kind == "attention":
+        q, k, v = (_randn(gen, n, ATTN_HEADS, HEAD_DIM) for _ in range(3))
+        out_shape = (n, ATTN_HEADS, HEAD_DIM)
+        op = lambda q, k, v: tree_attention(q, k, v, batch, scale=HEAD_DIM**-0.5)
+        inputs = (q, k, v)
+    elif kind == "conv":
+        inputs = (_randn(gen, n, CONV_DIM), _randn(gen, CONV_DIM, CONV_WIDTH, scale=0.5), _randn(gen, CONV_DIM))
+        out_shape = (n, CONV_DIM)
+        op = lambda x, w, b: tree_causal_conv1d(x, w, b, batch, activation="silu")
+    else:
+        q, k, v = (_randn(gen, n, HEADS, HEAD_DIM) for _ in range(3))
+        gate_shape = (n, HEADS, HEAD_DIM) if kind in ("kda", "gla") else (n, HEADS)
+        g = (-F.softplus(torch.randn(*gate_shape, generator=gen)) * 0.1).requires_grad_()  # log-decay < 0
+        out_shape = (n, HEADS, HEAD_DIM)
+        if kind in ("gated_delta", "kda"):
+            beta = torch.rand(n, HEADS, generator=gen).requires_grad_()
+            fn = tree_gated_delta_rule if kind == "gated_delta" else tree_kda
+            op = lambda q, k, v, g, beta: fn(q, k, v, g, beta, batch, use_qk_l2norm=True, chunk_size=CHUNK)[0]
+            inputs = (q, k, v, g, beta)
+        else:
+            fn = tree_gla if kind == "gla" else tree_simple_gla
+            op = lambda q, k, v, g: fn(q, k, v, g, batch, chunk_size=CHUNK)[0]
+            inputs = (q, k, v, g)
+    return _Case(inputs, torch.randn(*out_shape, generator=gen), op)
+
+
+def _run(case: _Case) -> float:
+    """Seconds of one forward + backward (input gradients reset first)."""
+    for x in case.inputs:
+        x.grad = None
+    start = time.perf_counter()
+    case.op(*case.inputs).backward(case.grad)
+    return time.perf_counter() - start
+
+
+def _attended_pairs(forest: RolloutForest) -> int:
+    """(query, key) pairs causal attention computes on ``forest``: sum over tokens of position + 1."""
+    return int(forest.position.sum()) + forest.num_compact_tokens
+
+
+def _chunk_slots(batch: TreeBatch) -> int:
+    """Packed token slots the linear kinds compute: every round's chunks times the chunk size."""
+    return sum(r.gather.numel() for r in rounds_of(batch, CHUNK).rounds)
+
+
+def bench_ops(
+    sequences: Sequence[Sequence[int]],
+    kinds: Sequence[str] = KINDS,
+    *,
+    repeats: int = 3,
+    seed: int = 0,
+    threads: int | None = None,
+    keep_memory: bool = False,
+    progress: bool = True,
+) -> dict[str, object]:
+    """Time each kind's forward + backward on the forest of ``sequences`` and trajectory-wise.
+
+    One warm-up run per variant builds the per-batch index structures (shared by every layer of a
+    model, so not timed) and warms the allocator; then ``repeats`` interleaved tree / trajectory
+    runs, of which the medians are kept. ``threads`` sets torch's CPU threads for the run (on a
+    shared machine one thread is steadier: a stalled thread delays every parallel op);
+    ``keep_memory`` calls :func:`keep_freed_memory` (process-wide) once the arguments are checked.
+
+    Returns the forest statistics and, per kind: ``tree_ms``, ``traj_ms``, ``speedup``, ``ideal``,
+    ``of_ideal`` (speedup / ideal), ``rounds`` / ``traj_rounds`` (sequential kernel calls per
+    layer), and ``grid_ideal`` for the linear kinds (see the module docstring); ``kept_memory``
+    says whether freed memory was kept.
+    """
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown kinds {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    kept = keep_memory and keep_freed_memory()
+    with _torch_threads(threads):
+        return _bench(sequences, kinds, repeats, seed, progress) | {"kept_memory": kept}
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU thread count set to ``threads`` (unchanged if None) inside the block."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench(
+    sequences: Sequence[Sequence[int]], kinds: Sequence[str], repeats: int, seed: int, progress: bool
+) -> dict[str, object]:
+    """:func:`bench_ops` with validated arguments."""
+    forests = {
+        "tree": RolloutForest.from_sequences(sequences),
+        "traj": RolloutForest.from_sequences(sequences, share_prefixes=False),
+    }
+    batches = {name: TreeBatch.from_forest(f) for name, f in forests.items()}
+    tree, traj = forests["tree"], forests["traj"]
+    pair_ratio = _attended_pairs(traj) / _attended_pairs(tree)
+    gen = torch.Generator().manual_seed(seed)
+    results: dict[str, dict[str, object]] = {}
+    bar = tqdm(total=len(kinds) * (repeats + 1) * 2, desc="bench-ops", unit="run", disable=not progress)
+    for kind in kinds:
+        bar.set_postfix_str(kind)
+        cases = {name: _case(kind, b, gen) for name, b in batches.items()}
+        times: dict[str, list[float]] = {"tree": [], "traj": []}
+        for rep in range(repeats + 1):
+            for name, case in cases.items():
+                seconds = _run(case)
+                if rep:  # rep 0 is the warm-up
+                    times[name].append(seconds)
+                bar.update()
+        tree_s, traj_s = (statistics.median(times[name]) for name in ("tree", "traj"))
+        linear = kind in LINEAR_KINDS
+        ideal = pair_ratio if kind == "attention" else tree.compression
+        row: dict[str, object] = {
+            "tree_ms": 1e3 * tree_s,
+            "traj_ms": 1e3 * traj_s,
+            "speedup": traj_s / tree_s,
+            "ideal": ideal,
+            "of_ideal": traj_s / tree_s / ideal,
+            "rounds": rounds_of(batches["tree"], CHUNK).num_rounds if linear else 1,
+            "traj_rounds": rounds_of(batches["traj"], CHUNK).num_rounds if linear else 1,
+        }
+        if linear:
+            row["grid_ideal"] = _chunk_slots(batches["traj"]) / _chunk_slots(batches["tree"])
+        results[kind] = row
+    bar.close()
+    return {
+        "trajectories": tree.num_trajectories,
+        "trajectory_tokens": tree.num_trajectory_tokens,
+        "compact_tokens": tree.num_compact_tokens,
+        "compression": tree.compression,
+        "attended_pair_ratio": pair_ratio,
+        "chunk_size": CHUNK,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "kinds": results,
+    }
+
+
+def format_table(report: dict[str, object]) -> str:
+    """The forest line and per-kind results of :func:`bench_ops` as an aligned text table."""
+    forest = (
+        f"{report['trajectories']:,} trajectories, {report['trajectory_tokens']:,} trajectory tokens -> "
+        f"{report['compact_tokens']:,} compact ({report['compression']:.2f}x), attended pairs "
+        f"{report['attended_pair_ratio']:.2f}x; median of {report['repeats']}, {report['threads']} thread(s)"
+    )
+    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "rounds")
+    rows = [head]
+    for kind, r in report["kinds"].items():
+        grid = r.get("grid_ideal")
+        rows.append(
+            (
+                kind,
+                f"{r['tree_ms']:.1f}",
+                f"{r['traj_ms']:.1f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['ideal']:.2f}x",
+                f"{r['of_ideal']:.2f}",
+                "-" if grid is None else f"{grid:.2f}x",
+                f"{r['rounds']} (vs {r['traj_rounds']})",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    return forest + "\n" + "\n".join(
+        "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )

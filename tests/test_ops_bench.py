@@ -1,0 +1,80 @@
+"""``harts-hf bench-ops``: the JSON record and the ideals it reports (not the timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harts_hf.cli import main
+from harts_hf.ops.bench import KINDS, LINEAR_KINDS, bench_ops
+
+TOP_FIELDS = {
+    "trajectories",
+    "trajectory_tokens",
+    "compact_tokens",
+    "compression",
+    "attended_pair_ratio",
+    "chunk_size",
+    "repeats",
+    "threads",
+    "kept_memory",
+    "kinds",
+}
+KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds"}
+
+
+def grpo_group(prompt: int, completions: list[int]) -> list[list[int]]:
+    """A shared prompt of ``prompt`` tokens and one completion per length (distinct first tokens)."""
+    return [list(range(prompt)) + [1000 * (i + 1) + t for t in range(n)] for i, n in enumerate(completions)]
+
+
+def test_cli_writes_the_json_record(tmp_path) -> None:
+    """End to end in a subprocess: the command changes process-wide malloc settings."""
+    path = tmp_path / "ops.json"
+    argv = ["bench-ops", "--scale", "0.0005", "--kinds", "attention", "conv", "--repeats", "1", "--json", str(path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "harts_hf", *argv], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(path.read_text())
+    assert set(record) == TOP_FIELDS | {"workload", "scale", "tasks"}
+    assert (record["workload"], record["scale"], record["tasks"], record["repeats"]) == ("swe-like", 0.0005, 1, 1)
+    assert record["threads"] == 1 and record["kept_memory"] == sys.platform.startswith("linux")
+    assert list(record["kinds"]) == ["attention", "conv"]
+    for row in record["kinds"].values():
+        assert set(row) == KIND_FIELDS
+        assert row["tree_ms"] > 0 and row["traj_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["traj_ms"] / row["tree_ms"])
+        assert row["of_ideal"] == pytest.approx(row["speedup"] / row["ideal"])
+    assert record["kinds"]["conv"]["ideal"] == pytest.approx(record["trajectory_tokens"] / record["compact_tokens"])
+    assert record["kinds"]["attention"]["ideal"] == record["attended_pair_ratio"] > 1
+    assert "of ideal" in done.stdout and f"{record['trajectories']:,} trajectories" in done.stdout
+
+
+def test_ideals_and_rounds_of_a_grpo_group() -> None:
+    """Prompt of one chunk + two 10-token completions: every number but the timings is known."""
+    report = bench_ops(grpo_group(64, [10, 10]), repeats=1, progress=False)
+    assert set(report) == TOP_FIELDS and list(report["kinds"]) == list(KINDS) and not report["kept_memory"]
+    assert (report["trajectories"], report["trajectory_tokens"], report["compact_tokens"]) == (2, 148, 84)
+    pairs_tree = sum(range(1, 65)) + 2 * sum(range(65, 75))  # sum of position + 1 over compact tokens
+    pairs_traj = 2 * sum(range(1, 75))
+    assert report["attended_pair_ratio"] == pytest.approx(pairs_traj / pairs_tree)
+    for kind, row in report["kinds"].items():
+        linear = kind in LINEAR_KINDS
+        assert set(row) == KIND_FIELDS | ({"grid_ideal"} if linear else set())
+        assert row["ideal"] == pytest.approx(pairs_traj / pairs_tree if kind == "attention" else 148 / 84)
+        # Linear kinds: 2 rounds (the prompt path, then the second completion); 4 chunks of 64
+        # trajectory-wise vs 3 on the tree (the second completion starts on a chunk boundary).
+        assert (row["rounds"], row["traj_rounds"]) == ((2, 1) if linear else (1, 1))
+        if linear:
+            assert row["grid_ideal"] == pytest.approx(4 / 3)
+
+
+def test_unknown_kind_and_bad_repeats_are_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown kinds mamba; choose from attention"):
+        main(["bench-ops", "--scale", "0.0005", "--kinds", "mamba"])
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        bench_ops(grpo_group(3, [1, 2]), repeats=0, progress=False)
