@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["register", "implementation", "registered"]
+__all__ = ["implementation", "register", "registered"]
 
 logger = logging.getLogger(__name__)
 ENV = "HARTS_BACKEND"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from .backends import implementation, register
-from .linear_attention import run_tree_linear_attention, scan_steps
+from .linear_attention import run_tree_kind, scan_steps
 from .tree_batch import TreeBatch
 
 __all__ = ["gdn_chunk_scan", "tree_gated_delta_rule"]
@@ -92,34 +92,21 @@ def tree_gated_delta_rule_torch(
     state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gated_delta_rule`."""
-    num_k_heads, num_v_heads = k.shape[1], v.shape[1]
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"{num_v_heads} value heads is not a multiple of {num_k_heads} key heads")
-
-    def prep_qk(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        if use_qk_l2norm:
-            x = l2norm(x)
-        return x.repeat_interleave(num_v_heads // num_k_heads, dim=1)
-
-    ctx = None
-    if context is not None:
-        ctx = {"k": prep_qk(context["k"]), **{n: context[n].float() for n in ("v", "g", "beta")}}
-    o, states = run_tree_linear_attention(
+    return run_tree_kind(
         gdn_chunk_scan,
         batch,
         chunk_size,
-        q=prep_qk(q),
-        k=prep_qk(k),
-        v=v.float(),
-        g=g.float(),
-        beta=beta.float(),
-        scale=k.shape[-1] ** -0.5 if scale is None else scale,
-        context=ctx,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        qk_norm=l2norm if use_qk_l2norm else None,
+        context=context,
         initial_states=initial_states,
         state_out_tokens=state_out_tokens,
     )
-    return o.to(v.dtype), states
 
 
 def tree_gated_delta_rule(

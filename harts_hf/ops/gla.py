@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from .backends import implementation, register
-from .linear_attention import expand_heads, run_tree_linear_attention, scan_steps
+from .linear_attention import (
+    expand_heads,
+    run_tree_kind,
+    scan_steps,
+)
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -161,25 +165,19 @@ def tree_gla_torch(
     state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gla`."""
-    heads = v.shape[1]
-    ctx = None
-    if context is not None:
-        ctx = {"k": expand_heads(context["k"], heads), "v": context["v"].float(), "g": context["g"].float()}
-    o, states = run_tree_linear_attention(
+    return run_tree_kind(
         gla_chunk_scan,
         batch,
         chunk_size,
-        q=expand_heads(q, heads),
-        k=expand_heads(k, heads),
-        v=v.float(),
-        g=g.float(),
-        beta=None,
-        scale=k.shape[-1] ** -0.5 if scale is None else scale,
-        context=ctx,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        scale=scale,
+        context=context,
         initial_states=initial_states,
         state_out_tokens=state_out_tokens,
     )
-    return o.to(v.dtype), states
 
 
 def tree_gla(
@@ -242,28 +240,21 @@ def tree_simple_gla_torch(
         """[tokens, H] per-token log-decay: ``gates``, or ``g_gamma`` repeated."""
         return gates.float() if g_gamma is None else g_gamma.float().expand(tokens, heads)
 
-    ctx = None
     if context is not None:
-        ctx = {
-            "k": expand_heads(context["k"], heads),
-            "v": context["v"].float(),
-            "g": decay(context["g"] if g_gamma is None else None, context["v"].shape[0]),
-        }
-    o, states = run_tree_linear_attention(
+        context = {**context, "g": decay(context["g"] if g_gamma is None else None, context["v"].shape[0])}
+    return run_tree_kind(
         simple_gla_chunk_scan,
         batch,
         chunk_size,
-        q=expand_heads(q, heads),
-        k=expand_heads(k, heads),
-        v=v.float(),
+        q=q,
+        k=k,
+        v=v,
         g=decay(g, v.shape[0]),
-        beta=None,
-        scale=k.shape[-1] ** -0.5 if scale is None else scale,
-        context=ctx,
+        scale=scale,
+        context=context,
         initial_states=initial_states,
         state_out_tokens=state_out_tokens,
     )
-    return o.to(v.dtype), states
 
 
 def tree_simple_gla(

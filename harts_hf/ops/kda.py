@@ -19,7 +19,7 @@ import torch
 
 from .backends import implementation, register
 from .gla import channel_decay_scores
-from .linear_attention import expand_heads, run_tree_linear_attention, scan_steps
+from .linear_attention import run_tree_kind, scan_steps
 from .tree_batch import TreeBatch
 
 __all__ = ["kda_chunk_scan", "tree_kda"]
@@ -86,30 +86,21 @@ def tree_kda_torch(
     state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_kda`."""
-    heads = v.shape[1]
-
-    def prep_qk(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return expand_heads(l2norm(x) if use_qk_l2norm else x, heads)
-
-    ctx = None
-    if context is not None:
-        ctx = {"k": prep_qk(context["k"]), **{n: context[n].float() for n in ("v", "g", "beta")}}
-    o, states = run_tree_linear_attention(
+    return run_tree_kind(
         kda_chunk_scan,
         batch,
         chunk_size,
-        q=prep_qk(q),
-        k=prep_qk(k),
-        v=v.float(),
-        g=g.float(),
-        beta=beta.float(),
-        scale=k.shape[-1] ** -0.5 if scale is None else scale,
-        context=ctx,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        qk_norm=l2norm if use_qk_l2norm else None,
+        context=context,
         initial_states=initial_states,
         state_out_tokens=state_out_tokens,
     )
-    return o.to(v.dtype), states
 
 
 def tree_kda(

@@ -148,3 +148,48 @@ def run_tree_linear_attention(
     by_round = np.argsort(rnd_of, kind="stable")
     picked = [st[torch.as_tensor(row[rnd_of == r], device=st.device)] for r, st in enumerate(states)]
     return o, torch.cat(picked)[torch.as_tensor(np.argsort(by_round), device=o.device)]
+
+
+def run_tree_kind(
+    kernel: ChunkScan,
+    batch: TreeBatch,
+    chunk_size: int,
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    qk_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The common body of every kind's torch backend: fp32 inputs, ``qk_norm`` (fp32) of q and k,
+    key heads expanded to the value heads (GVA), scale K^-0.5 by default; output in v's dtype."""
+    heads = v.shape[1]
+
+    def prep_qk(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return expand_heads(x if qk_norm is None else qk_norm(x), heads)
+
+    ctx = None
+    if context is not None:
+        names = ("k", "v", "g") + (() if beta is None else ("beta",))
+        ctx = {n: prep_qk(context[n]) if n == "k" else context[n].float() for n in names}
+    o, states = run_tree_linear_attention(
+        kernel,
+        batch,
+        chunk_size,
+        q=prep_qk(q),
+        k=prep_qk(k),
+        v=v.float(),
+        g=g.float(),
+        beta=None if beta is None else beta.float(),
+        scale=k.shape[-1] ** -0.5 if scale is None else scale,
+        context=ctx,
+        initial_states=initial_states,
+        state_out_tokens=state_out_tokens,
+    )
+    return o.to(v.dtype), states

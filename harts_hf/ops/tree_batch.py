@@ -73,7 +73,7 @@ class TreeBatch:
         local[combined] = np.arange(combined.size)
         parent = forest.prev[combined]
         prev = np.where(parent >= 0, local[np.maximum(parent, 0)], -1)
-        as_t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
+        as_t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)
         return cls(
             position=as_t(forest.position[combined]),
             prev=as_t(prev),
