@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends import implementation, register
+from .backends import dispatch, register
 from .tree_batch import TreeBatch
 
 __all__ = ["tree_attention", "tree_attention_torch"]
@@ -340,6 +340,7 @@ def tree_attention_torch(
     return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, sliding_window, dropout, seed, group_elements)
 
 
+@dispatch("attention")
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -371,12 +372,3 @@ def tree_attention(
     Returns:
         [N, Hq, Dv] in q's dtype; the softmax runs in fp32.
     """
-    kwargs = {
-        "scale": scale,
-        "softcap": softcap,
-        "sinks": sinks,
-        "context_kv": context_kv,
-        "dropout": dropout,
-        "sliding_window": sliding_window,
-    }
-    return implementation("attention", q, k, v, batch, **kwargs)(q, k, v, batch, **kwargs)

@@ -16,12 +16,13 @@ The chosen backend is logged once per (kind, backend).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["implementation", "register", "registered"]
+__all__ = ["dispatch", "implementation", "register", "registered"]
 
 logger = logging.getLogger(__name__)
 ENV = "HARTS_BACKEND"
@@ -82,3 +83,17 @@ def implementation(kind: str, *args, **kwargs) -> Callable:
         f"{ENV}={wanted!r}: backend {candidates[0]!r} for {kind!r} is not available or does not "
         f"accept this call (set {ENV}=torch to use the pure-PyTorch backend)"
     )
+
+
+def dispatch(kind: str) -> Callable[[Callable], Callable]:
+    """Decorator for a public op: it keeps the op's signature and docstring (its body is only the
+    docstring) and runs each call on the implementation :func:`implementation` picks for it."""
+
+    def wrap(public: Callable) -> Callable:
+        @functools.wraps(public)
+        def call(*args, **kwargs):
+            return implementation(kind, *args, **kwargs)(*args, **kwargs)
+
+        return call
+
+    return wrap

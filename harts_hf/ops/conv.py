@@ -15,7 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from transformers.activations import ACT2FN
 
-from .backends import implementation, register
+from .backends import dispatch, register
 from .tree_batch import TreeBatch
 
 __all__ = ["tree_causal_conv1d", "tree_causal_conv1d_torch"]
@@ -102,6 +102,7 @@ def tree_causal_conv1d_torch(
     return out.to(x.dtype)
 
 
+@dispatch("conv")
 def tree_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -126,5 +127,3 @@ def tree_causal_conv1d(
     Returns:
         [N, D] in x's dtype (computed in weight's dtype, like ``causal_conv1d_fn``).
     """
-    kwargs = {"activation": activation, "context_x": context_x}
-    return implementation("conv", x, weight, bias, batch, **kwargs)(x, weight, bias, batch, **kwargs)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .backends import implementation, register
+from .backends import dispatch, register
 from .linear_attention import run_tree_kind, scan_steps
 from .tree_batch import TreeBatch
 
@@ -109,6 +109,7 @@ def tree_gated_delta_rule_torch(
     )
 
 
+@dispatch("gated_delta")
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,13 +143,3 @@ def tree_gated_delta_rule(
         o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
         (None when not asked).
     """
-    args = (q, k, v, g, beta, batch)
-    kwargs = {
-        "scale": scale,
-        "use_qk_l2norm": use_qk_l2norm,
-        "chunk_size": chunk_size,
-        "context": context,
-        "initial_states": initial_states,
-        "state_out_tokens": state_out_tokens,
-    }
-    return implementation("gated_delta", *args, **kwargs)(*args, **kwargs)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .backends import implementation, register
+from .backends import dispatch, register
 from .linear_attention import (
     expand_heads,
     run_tree_kind,
@@ -180,6 +180,7 @@ def tree_gla_torch(
     )
 
 
+@dispatch("gla")
 def tree_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -205,15 +206,6 @@ def tree_gla(
     Returns:
         o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
     """
-    args = (q, k, v, g, batch)
-    kwargs = {
-        "scale": scale,
-        "chunk_size": chunk_size,
-        "context": context,
-        "initial_states": initial_states,
-        "state_out_tokens": state_out_tokens,
-    }
-    return implementation("gla", *args, **kwargs)(*args, **kwargs)
 
 
 @register("simple_gla", "torch")
@@ -257,6 +249,7 @@ def tree_simple_gla_torch(
     )
 
 
+@dispatch("simple_gla")
 def tree_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -284,16 +277,6 @@ def tree_simple_gla(
     Returns:
         o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
     """
-    args = (q, k, v, g, batch)
-    kwargs = {
-        "g_gamma": g_gamma,
-        "scale": scale,
-        "chunk_size": chunk_size,
-        "context": context,
-        "initial_states": initial_states,
-        "state_out_tokens": state_out_tokens,
-    }
-    return implementation("simple_gla", *args, **kwargs)(*args, **kwargs)
 
 
 def tree_mamba2_ssd(

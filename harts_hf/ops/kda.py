@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .backends import implementation, register
+from .backends import dispatch, register
 from .gla import channel_decay_scores
 from .linear_attention import run_tree_kind, scan_steps
 from .tree_batch import TreeBatch
@@ -103,6 +103,7 @@ def tree_kda_torch(
     )
 
 
+@dispatch("kda")
 def tree_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,13 +137,3 @@ def tree_kda(
         o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
         (None when not asked).
     """
-    args = (q, k, v, g, beta, batch)
-    kwargs = {
-        "scale": scale,
-        "use_qk_l2norm": use_qk_l2norm,
-        "chunk_size": chunk_size,
-        "context": context,
-        "initial_states": initial_states,
-        "state_out_tokens": state_out_tokens,
-    }
-    return implementation("kda", *args, **kwargs)(*args, **kwargs)
