@@ -119,6 +119,7 @@ def _falcon_multiplier(model: PreTrainedModel, logits: torch.Tensor) -> torch.Te
 GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta"}
 KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "kda"}
 CONV = {"causal_conv1d_fn": "conv"}
+CONV_LAYERS = {"mask_keys": ("full_attention", "conv"), "layer_kinds": frozenset({"full_attention", "conv"})}
 MAMBA2 = {
     "causal_conv1d_fn": "conv",
     "mamba2_chunk_scan": "mamba2_scan",
@@ -145,22 +146,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         _hybrid("olmo_hybrid", "OlmoHybrid", GDN, "GatedDeltaNet"),
         _hybrid("kimi_linear", "KimiLinear", KDA, "DeltaAttention"),
         _hybrid("bailing_hybrid", "BailingHybrid", KDA, "DeltaAttention"),
-        _hybrid(
-            "lfm2",
-            "Lfm2",
-            CONV,
-            "ShortConv",
-            mask_keys=("full_attention", "conv"),
-            layer_kinds=frozenset({"full_attention", "conv"}),
-        ),
-        _hybrid(
-            "lfm2_moe",
-            "Lfm2Moe",
-            CONV,
-            "ShortConv",
-            mask_keys=("full_attention", "conv"),
-            layer_kinds=frozenset({"full_attention", "conv"}),
-        ),
+        _hybrid("lfm2", "Lfm2", CONV, "ShortConv", **CONV_LAYERS),
+        _hybrid("lfm2_moe", "Lfm2Moe", CONV, "ShortConv", **CONV_LAYERS),
         _hybrid(
             "nemotron_h",
             "NemotronH",
