@@ -5,6 +5,7 @@ per-trajectory log-probs come back in the layout TRL's objectives expect, with t
 gradients as trajectory-wise training.
 """
 
+from .engine import TreeEngine
 from .forest import RolloutForest
 from .modeling import (
     TreeOutput,
@@ -27,6 +28,7 @@ __all__ = [
     "CostModel",
     "Plan",
     "RolloutForest",
+    "TreeEngine",
     "TreeOutput",
     "UnsupportedModelError",
     "VerifyReport",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .planner import DEFAULT_MAX_TOKENS, plan, plan_record, plot_plan, record_table
+from .planner import DEFAULT_MAX_TOKENS, CostModel, plan, plan_record, plot_plan, record_table
 from .workloads import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 
 __all__ = ["build_parser", "main"]
@@ -72,8 +72,17 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", type=float, help="length multiplier (swe-like; default 1: planning is cheap)")
     p.add_argument("--world-size", type=int, required=True, metavar="R", help="data-parallel ranks")
     p.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="T",
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="T",
         help=f"microbatch budget: compact tokens + ancestor context (default {DEFAULT_MAX_TOKENS:,})",
+    )
+    p.add_argument(
+        "--cost-model",
+        type=Path,
+        metavar="JSON",
+        help="coefficients written by `harts-hf calibrate` (default: built in)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
@@ -85,7 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kwargs = {} if args.scale is None else {"scale": args.scale}
     try:
         forest = get_workload(args.workload, **kwargs).forest()
-        result = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens)
+        cost = None if args.cost_model is None else CostModel(**json.loads(args.cost_model.read_text()))
+        result = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens, cost_model=cost)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err
     record = plan_record([forest], result)
@@ -97,12 +107,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit the planner's cost model to a model's tree steps on this machine")
+    p.add_argument("--model", metavar="FAMILY", default="qwen3_5", help="model family (default qwen3_5)")
+    p.add_argument("--size", default="quick", help="model size from harts_hf.bench.SIZES (default quick)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per forest; the fastest counts (default 3)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the coefficients here (for `plan --cost-model`)")
+    p.set_defaults(run=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Time the model's forward + backward on calibration forests and fit the cost model."""
+    from .bench.models import build_model
+    from .planner.calibrate import calibrate
+
+    began = time.perf_counter()
+    try:
+        model = build_model(args.model, args.size).model
+    except (KeyError, ValueError) as err:
+        raise SystemExit(f"harts-hf calibrate: {err}") from err
+    fitted = calibrate(model, repeats=args.repeats)
+    print(f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
+    for name, value in fitted.as_dict().items():
+        print(f"  {name:<11} {value:.3e} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps(fitted.as_dict(), indent=2) + "\n")
+    return 0
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time stock, trajectory-wise and forest training steps of one model")
     p.add_argument("--quick", action="store_true", help="a small model and workload (CI's check; under 45 s)")
-    p.add_argument("--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)")
-    p.add_argument("--workload", metavar="NAME", choices=sorted(WORKLOADS), help="default swe-like; " + ", ".join(sorted(WORKLOADS)))
-    p.add_argument("--scale", type=float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)")
+    p.add_argument(
+        "--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)"
+    )
+    p.add_argument(
+        "--workload",
+        metavar="NAME",
+        choices=sorted(WORKLOADS),
+        help="default swe-like; " + ", ".join(sorted(WORKLOADS)),
+    )
+    p.add_argument(
+        "--scale", type=float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
@@ -132,7 +179,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-ops", help="time each tree kernel vs the same kernel run trajectory by trajectory")
     p.add_argument("--scale", type=float, default=CPU_SCALE, help=f"swe-like length multiplier (default {CPU_SCALE})")
-    p.add_argument("--tasks", type=int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)")
+    p.add_argument(
+        "--tasks", type=int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
+    )
     p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.ops.bench.KINDS)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)")
     p.add_argument(
@@ -159,7 +208,7 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = (_workload_parser, _plan_parser, _bench_parser, _bench_ops_parser)
+_COMMANDS = (_workload_parser, _plan_parser, _calibrate_parser, _bench_parser, _bench_ops_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

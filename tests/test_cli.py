@@ -74,3 +74,16 @@ def test_python_dash_m():
     )
     assert done.returncode == 0, done.stderr
     assert "deep-chain" in done.stdout and "height" in done.stdout
+
+
+def test_calibrate_writes_a_cost_model_plan_reads(tmp_path):
+    from harts_hf.planner import CostModel
+
+    path = tmp_path / "cost.json"
+    assert main(["calibrate", "--size", "tiny", "--repeats", "1", "--json", str(path)]) == 0
+    fitted = CostModel(**json.loads(path.read_text()))
+    assert fitted.token > 0 or fitted.pair > 0
+    out = tmp_path / "plan.json"
+    args = ["plan", "--workload", "grpo-group", "--world-size", "2", "--cost-model", str(path), "--json", str(out)]
+    assert main(args) == 0
+    assert json.loads(out.read_text())["world_size"] == 2

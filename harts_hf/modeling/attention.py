@@ -20,7 +20,7 @@ from ..ops.attention import tree_attention
 from ..ops.tree_batch import TreeBatch
 from . import _compat
 from .errors import UnsupportedModelError
-from .kinds import TREE_KWARG
+from .kinds import TREE_KWARG, context_of
 
 __all__ = ["PREFIX", "original_attention_name", "tree_attention_name"]
 
@@ -33,11 +33,14 @@ def _tree_call(query, key, value, batch: TreeBatch, kwargs: dict) -> tuple[torch
     if query.shape[0] != 1:
         raise ValueError(f"harts-hf tree calls run one packed row, got batch size {query.shape[0]}")
     scaling = kwargs.get("scaling")
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, Hkv, D], [N, Hkv, Dv]
+    context = context_of(batch, "attention", {"k": k, "v": v})
     o = tree_attention(
         query[0].transpose(0, 1),  # [N, Hq, D]
-        key[0].transpose(0, 1),  # [N, Hkv, D]
-        value[0].transpose(0, 1),  # [N, Hkv, Dv]
+        k,
+        v,
         batch,
+        context_kv=None if context is None else (context["k"], context["v"]),
         scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),

@@ -26,7 +26,7 @@ from ..ops.gla import tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
 from ..ops.tree_batch import TreeBatch
 
-__all__ = ["KINDS", "TREE_KWARG", "KernelKind"]
+__all__ = ["KINDS", "TREE_KWARG", "KernelKind", "context_of"]
 
 Arguments = Mapping[str, Any]
 
@@ -57,28 +57,73 @@ def _stateless(a: Arguments, state_in: str, state_out: str | None = None) -> Non
         raise ValueError("harts-hf tree calls run without a cache: call the model with use_cache=False")
 
 
+def context_of(batch: TreeBatch, name: str, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The context rows of this layer call's inputs ``values`` ([N, ...] each) when the batch is a
+    piece run by the engine (which also keeps the rows later pieces read); None for a whole forest."""
+    handoff = batch.handoff
+    return None if handoff is None else handoff.context(handoff.call(name), values)
+
+
+def _linear(
+    batch: TreeBatch,
+    name: str,
+    values: Mapping[str, torch.Tensor],
+    chunk_size: int,
+    run: Callable,
+) -> torch.Tensor:
+    """``run(context, initial_states, state_out_tokens) -> (o, states)`` with the piece's handoff:
+    context inputs and boundary states in, the states later pieces start from kept."""
+    handoff = batch.handoff
+    if handoff is None:
+        return run(None, None, None)[0]
+    key = handoff.call(name)
+    o, states = run(
+        handoff.context(key, values),
+        handoff.initial_states(key, chunk_size),
+        handoff.state_out_tokens(chunk_size),
+    )
+    handoff.keep_states(key, states)
+    return o
+
+
 def _conv(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     x = _single_row(a["hidden_states"], "hidden_states")  # [D, N]
     weight = a["weight"]  # [D, W]
-    out = tree_causal_conv1d(x.t().to(weight.dtype), weight, a["bias"], batch, activation=a["activation"])  # [N, D]
-    return out.t().unsqueeze(0).to(x.dtype)  # [1, D, N]
+    x = x.t().to(weight.dtype)  # [N, D]
+    context = context_of(batch, "conv", {"x": x})
+    out = tree_causal_conv1d(
+        x,
+        weight,
+        a["bias"],
+        batch,
+        activation=a["activation"],
+        context_x=None if context is None else context["x"],
+    )  # [N, D]
+    return out.t().unsqueeze(0).to(a["hidden_states"].dtype)  # [1, D, N]
 
 
-def _delta_rule(op: Callable) -> Callable[[TreeBatch, Arguments], tuple[torch.Tensor, None]]:
+def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tuple[torch.Tensor, None]]:
     def call(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None]:
         _stateless(a, "initial_state", "output_final_state")
         q = _single_row(a["query"], "query")  # [N, Hk, K]
-        o, _ = op(
+        values = {
+            "k": _single_row(a["key"], "key"),  # [N, Hk, K]
+            "v": _single_row(a["value"], "value"),  # [N, H, V]
+            "g": _single_row(a["g"], "g"),  # [N, H] (GDN) or [N, H, K] (KDA)
+            "beta": _single_row(a["beta"], "beta"),  # [N, H]
+        }
+        run = lambda context, states, out: op(
             q,
-            _single_row(a["key"], "key"),
-            _single_row(a["value"], "value"),  # [N, H, V]
-            _single_row(a["g"], "g"),  # [N, H] (GDN) or [N, H, K] (KDA)
-            _single_row(a["beta"], "beta"),  # [N, H]
+            *values.values(),
             batch,
             scale=q.shape[-1] ** -0.5,
             use_qk_l2norm=bool(a["use_qk_l2norm_in_kernel"]),
             chunk_size=a["chunk_size"],
+            context=context,
+            initial_states=states,
+            state_out_tokens=out,
         )
+        o = _linear(batch, name, values, a["chunk_size"], run)
         return o.unsqueeze(0).to(a["query"].dtype), None  # [1, N, H, V]
 
     return call
@@ -87,11 +132,16 @@ def _delta_rule(op: Callable) -> Callable[[TreeBatch, Arguments], tuple[torch.Te
 def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     """transformers' ``mamba2_chunk_scan``; the op discretises dt exactly as it does."""
     _stateless(a, "initial_states", "return_final_states")
-    y, _ = tree_mamba2_ssd(
-        _single_row(a["hidden_states"], "hidden_states"),  # [N, H, P]
-        _single_row(a["dt"], "dt"),  # [N, H] raw time steps
+    values = {
+        "x": _single_row(a["hidden_states"], "hidden_states"),  # [N, H, P]
+        "dt": _single_row(a["dt"], "dt"),  # [N, H] raw time steps
+        "B": _single_row(a["B"], "B"),  # [N, G, S]
+    }
+    run = lambda context, states, out: tree_mamba2_ssd(
+        values["x"],
+        values["dt"],
         a["A"],  # [H]
-        _single_row(a["B"], "B"),  # [N, G, S]
+        values["B"],
         _single_row(a["C"], "C"),  # [N, G, S]
         a["D"],  # [H]
         batch,
@@ -99,8 +149,11 @@ def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
         dt_bias=a["dt_bias"],
         dt_softplus=a["dt_softplus"],
         dt_limit=a["dt_limit"],
+        context=context,
+        initial_states=states,
+        state_out_tokens=out,
     )
-    return y.unsqueeze(0)  # [1, N, H, P] fp32, like the original
+    return _linear(batch, "mamba2_scan", values, a["chunk_size"], run).unsqueeze(0)  # [1, N, H, P] fp32
 
 
 def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None]:
@@ -111,7 +164,18 @@ def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None
     x = _single_row(a["hidden_states"], "hidden_states")  # [N, E]
     qkv = layer.act_fn(layer.qkv_proj(x)).reshape(x.shape[0], layer.num_attention_heads, 3 * layer.head_dim)
     q, k, v = torch.split(qkv, layer.head_dim, dim=-1)  # [N, H, D] each
-    o, _ = tree_lightning(q, k, v, layer.slope_rate, batch, chunk_size=layer.block_size)  # [N, H, D]
+    run = lambda context, states, out: tree_lightning(
+        q,
+        k,
+        v,
+        layer.slope_rate,
+        batch,
+        chunk_size=layer.block_size,
+        context=context,
+        initial_states=states,
+        state_out_tokens=out,
+    )
+    o = _linear(batch, "lightning_mixer", {"k": k, "v": v}, layer.block_size, run)  # [N, H, D]
     o = layer.norm(o.reshape(x.shape[0], -1))
     o = torch.sigmoid(layer.output_gate(x)) * o
     return layer.out_proj(o).unsqueeze(0), None  # [1, N, E]
@@ -122,14 +186,31 @@ def _no_fused_path(batch: TreeBatch, a: Arguments) -> None:
     return
 
 
-_DELTA_PARAMS = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state")
+_DELTA_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "g",
+    "beta",
+    "chunk_size",
+    "initial_state",
+    "output_final_state",
+)
 
 KINDS: dict[str, KernelKind] = {
     kind.name: kind
     for kind in (
         KernelKind("conv", ("hidden_states", "weight", "bias", "activation"), _conv),
-        KernelKind("gated_delta", _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",), _delta_rule(tree_gated_delta_rule)),
-        KernelKind("kda", _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",), _delta_rule(tree_kda)),
+        KernelKind(
+            "gated_delta",
+            _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",),
+            _delta_rule("gated_delta", tree_gated_delta_rule),
+        ),
+        KernelKind(
+            "kda",
+            _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",),
+            _delta_rule("kda", tree_kda),
+        ),
         KernelKind(
             "mamba2_scan",
             (

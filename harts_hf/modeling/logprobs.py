@@ -30,7 +30,16 @@ from .kinds import TREE_KWARG
 from .moe import expert_load, router_aux_loss
 from .patch import patched_adapter
 
-__all__ = ["HEAD_CHUNK_ELEMENTS", "TreeOutput", "tree_forward", "tree_logprobs"]
+__all__ = [
+    "HEAD_CHUNK_ELEMENTS",
+    "Head",
+    "TreeOutput",
+    "model_head",
+    "run_base",
+    "to_layout",
+    "tree_forward",
+    "tree_logprobs",
+]
 
 HEAD_CHUNK_ELEMENTS = 1 << 24  # logits held at once by the chunked head (64 MiB in fp32)
 
@@ -53,7 +62,9 @@ class TreeOutput:
     expert_load: torch.Tensor | None = None
 
 
-def _validate(hf, forest: RolloutForest, head: torch.nn.Module | None) -> None:
+def validate_forest(hf, forest: RolloutForest) -> None:
+    """Refuse a forest the model cannot run: no LM head, out-of-vocabulary ids, too long."""
+    head = hf.get_output_embeddings()
     if head is None:
         raise UnsupportedModelError(f"{type(hf).__name__} has no LM head: pass the *ForCausalLM model")
     vocab = min(hf.get_input_embeddings().num_embeddings, head.weight.shape[0])
@@ -77,31 +88,51 @@ def _head_chunk(
     temperature: float,
     entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = logits_of(hidden.index_select(0, rows)).float() / temperature  # [C, V]
+    logits = logits_of(hidden.index_select(0, rows)).float()  # [C, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = logits.log_softmax(-1)
     chosen = logp.gather(-1, targets[:, None])[:, 0]  # [C]
     ent = -(logp.exp() * logp).sum(-1) if entropy else chosen.new_zeros(())
     return chosen, ent
 
 
-def _pair_values(
-    hidden: torch.Tensor, forest: RolloutForest, logits_of: Callable, temperature: float, entropy: bool, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[P] log-prob (and entropy) of every (predictor, target) pair, the head run chunk by chunk."""
-    pairs = np.flatnonzero(forest.prev >= 0)
-    rows = torch.as_tensor(forest.prev[pairs], device=hidden.device)
-    targets = torch.as_tensor(forest.tokens[pairs], device=hidden.device)
-    fn = functools.partial(_head_chunk, logits_of=logits_of, temperature=temperature, entropy=entropy)
-    lps, ents = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
-    for s in range(0, pairs.size, chunk):
-        args = (hidden, rows[s : s + chunk], targets[s : s + chunk])
-        lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
-        lps.append(lp)
-        ents.append(ent.reshape(-1))
-    return torch.cat(lps), torch.cat(ents) if entropy else None
+@dataclass(frozen=True)
+class Head:
+    """The LM head of a patched model as the pair computation uses it: logits (with the family's
+    post-processing) of a few hidden states at a time, ``chunk`` pairs per checkpointed chunk."""
+
+    logits_of: Callable[[torch.Tensor], torch.Tensor]
+    chunk: int
+
+    def pair_values(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[P] log-prob (and entropy) of the pairs (predictor ``rows`` of ``hidden``, ``targets``)."""
+        fn = functools.partial(
+            _head_chunk,
+            logits_of=self.logits_of,
+            temperature=temperature,
+            entropy=entropy,
+        )
+        lps, ents = (
+            [hidden.new_zeros(0, dtype=torch.float32)],
+            [hidden.new_zeros(0, dtype=torch.float32)],
+        )
+        for s in range(0, rows.numel(), self.chunk):
+            args = (hidden, rows[s : s + self.chunk], targets[s : s + self.chunk])
+            lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+            lps.append(lp)
+            ents.append(ent.reshape(-1))
+        return torch.cat(lps), torch.cat(ents) if entropy else None
 
 
-def _to_layout(values: torch.Tensor, forest: RolloutForest) -> torch.Tensor:
+def to_layout(values: torch.Tensor, forest: RolloutForest) -> torch.Tensor:
     """[P] pair values -> [B, max_len - 1]: column t of row i is the pair whose target is token t + 1."""
     pair_of = np.zeros(forest.num_compact_tokens, dtype=np.int64)
     pairs = np.flatnonzero(forest.prev >= 0)
@@ -114,10 +145,30 @@ def _to_layout(values: torch.Tensor, forest: RolloutForest) -> torch.Tensor:
     return torch.where(torch.as_tensor(valid, device=values.device), values[index], 0.0)
 
 
-def _logits_fn(hf, adapter: FamilyAdapter, head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    if adapter.logits is None:
-        return head
-    return lambda h: adapter.logits(hf, head(h))
+def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
+    head = hf.get_output_embeddings()
+    logits_of = head if adapter.logits is None else (lambda h: adapter.logits(hf, head(h)))
+    return Head(
+        logits_of,
+        head_chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0]),
+    )
+
+
+def run_base(hf, adapter: FamilyAdapter, tokens: np.ndarray, batch: TreeBatch, **extra):
+    """The base model over one microbatch's own compact ``tokens`` (ids, DFS order) described by
+    ``batch``: one packed row, the tree as the ``harts_tree`` kwarg, no mask, no cache."""
+    device = batch.device
+    masks = (
+        {key: None for key in adapter.mask_keys} if adapter.mask_keys is not None else _compat.placeholder_mask(device)
+    )
+    return hf.base_model(
+        input_ids=torch.as_tensor(tokens, device=device)[None],  # [1, N]
+        position_ids=batch.position[batch.num_context :][None],  # [1, N]
+        attention_mask=masks,
+        use_cache=False,
+        **{TREE_KWARG: batch},
+        **extra,
+    )
 
 
 def tree_forward(
@@ -140,27 +191,19 @@ def tree_forward(
         raise ValueError(f"temperature must be positive, got {temperature}")
     hf, adapter = patched_adapter(model)
     head = hf.get_output_embeddings()
-    _validate(hf, forest, head)
+    validate_forest(hf, forest)
     if output_router_logits and not adapter.aux_loss:
         raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
     device = head.weight.device
     batch = TreeBatch.from_forest(forest, device=device)
-    masks = (
-        {key: None for key in adapter.mask_keys} if adapter.mask_keys is not None else _compat.placeholder_mask(device)
-    )
     extra = {"output_router_logits": True} if output_router_logits else {}
-    out = hf.base_model(
-        input_ids=torch.as_tensor(forest.tokens, device=device)[None],  # [1, N]
-        position_ids=torch.as_tensor(forest.position, device=device)[None],  # [1, N]
-        attention_mask=masks,
-        use_cache=False,
-        **{TREE_KWARG: batch},
-        **extra,
-    )
+    out = run_base(hf, adapter, forest.tokens, batch, **extra)
     hidden = out.last_hidden_state[0]  # [N, H]
-    chunk = head_chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-    lp, ent = _pair_values(hidden, forest, _logits_fn(hf, adapter, head), temperature, return_entropy, chunk)
-    result = TreeOutput(_to_layout(lp, forest), _to_layout(ent, forest) if return_entropy else None)
+    pairs = np.flatnonzero(forest.prev >= 0)
+    rows = torch.as_tensor(forest.prev[pairs], device=device)
+    targets = torch.as_tensor(forest.tokens[pairs], device=device)
+    lp, ent = model_head(hf, adapter, head_chunk_tokens).pair_values(hidden, rows, targets, temperature, return_entropy)
+    result = TreeOutput(to_layout(lp, forest), to_layout(ent, forest) if return_entropy else None)
     if output_router_logits:
         weights = torch.as_tensor(forest.multiplicity, device=device, dtype=torch.float32)  # [N]
         result.aux_loss = router_aux_loss(hf, out.router_logits, weights)
@@ -169,7 +212,11 @@ def tree_forward(
 
 
 def tree_logprobs(
-    model: torch.nn.Module, forest: RolloutForest, *, temperature: float = 1.0, return_entropy: bool = False
+    model: torch.nn.Module,
+    forest: RolloutForest,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-trajectory log-probs of ``forest`` under a patched ``model``: [B, max_len - 1], row i
     column t = log p(seq_i[t + 1] | seq_i[:t + 1]), 0 past the row's end, differentiable w.r.t.

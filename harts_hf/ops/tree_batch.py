@@ -36,6 +36,9 @@ class TreeBatch:
         global_end: [Nc + N] exclusive end of the token's subtree, in forest indices: k is an
             ancestor-or-self of q iff ``global_index[k] <= global_index[q] < global_end[k]``.
         num_context: Nc, the leading tokens that ran in earlier microbatches.
+        handoff: for a piece run by ``harts_hf.engine``, the object that gives each layer call its
+            context inputs and keeps the boundary outputs later pieces read (the modeling kinds
+            call it); None for a whole forest.
     """
 
     position: torch.Tensor
@@ -43,6 +46,7 @@ class TreeBatch:
     global_index: torch.Tensor
     global_end: torch.Tensor
     num_context: int = 0
+    handoff: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod

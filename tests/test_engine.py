@@ -1,0 +1,212 @@
+"""The engine runs planned pieces exactly: per-trajectory log-probs and parameter gradients equal
+the unpatched model run trajectory by trajectory (and the unsplit forest), for cuts anywhere
+(mid-node, mid-chunk, 1-token pieces), several ranks, sequence-level objectives and gradient
+checkpointing; a bad plan or active dropout is refused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import as_layout, family_forest, tiny_model, trainable, trajectory_logprobs
+from trees import caterpillar, many_roots, one_token_nodes
+
+from harts_hf import RolloutForest, patch_model, plan, tree_logprobs
+from harts_hf.engine import TreeEngine
+from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.pieces import Pieces
+from harts_hf.planner.plan import build_plan
+
+TOL = 2e-5  # fp32, relative to the largest reference value (log-probs: absolute)
+
+
+def dfs_cut_plan(forest: RolloutForest, cuts: np.ndarray):
+    """A one-rank plan that cuts the forest's DFS order at ``cuts``, one piece per slot: pieces
+    start anywhere (mid-node, mid-chunk) and every piece's context lies in earlier slots."""
+    bounds = np.unique(np.r_[0, cuts, forest.num_compact_tokens])
+    k = bounds.size - 1
+    zeros = np.zeros(k, dtype=np.int64)
+    pieces = Pieces(zeros, np.arange(k), bounds[:-1], bounds[1:], zeros, np.zeros(k, dtype=bool), k)
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    return build_plan(geo, [forest], pieces, DEFAULT_COST_MODEL, forest.num_compact_tokens, 64, time.perf_counter(), 1)
+
+
+def per_token_loss(weights: torch.Tensor):
+    return lambda lps: (lps[0] * weights).sum()
+
+
+def sequence_loss(forest: RolloutForest):
+    """A GSPO-like objective: a nonlinear function of each trajectory's mean log-prob."""
+    counts = torch.as_tensor(forest.lengths - 1, dtype=torch.float32).clamp(min=1)
+    return lambda lps: torch.exp(lps[0].sum(-1) / counts).sum()
+
+
+def oracle(model, seqs, loss_fn, width):
+    """Unpatched forward trajectory by trajectory: log-probs [B, width] and parameter grads."""
+    params = trainable(model)
+    lp = as_layout([lp for lp, _ in trajectory_logprobs(model, seqs)], width)
+    grads = torch.autograd.grad(loss_fn([lp]), params, allow_unused=True)
+    return lp.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def engine_run(model, forest, the_plan, loss_fn):
+    """Every rank of ``the_plan`` in turn, gradients summed (what an all-reduce gives). A rank's
+    loss sees its own rows live and the other ranks' rows as constants (a gathered objective)."""
+    with torch.no_grad():
+        others = tree_logprobs(model, forest)
+    params = trainable(model)
+    for p in params:
+        p.grad = None
+    width = forest.max_length - 1
+    lps = torch.zeros(forest.num_trajectories, width)
+    for rank in range(the_plan.world_size):
+        engine = TreeEngine(model, forest, the_plan, rank=rank)
+        lp = engine.logprobs()[0]
+        own = engine.owned[0]
+        lps[own] = lp[own]
+        engine.backward(lambda l, own=own: loss_fn([torch.where(own[:, None], l[0], others)]))
+    return lps, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+def assert_same(ref, got):
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=TOL)
+    scale = max(float(g.abs().max()) for g in ref[1])
+    for r, g in zip(ref[1], got[1]):
+        torch.testing.assert_close(g, r, rtol=0, atol=TOL * scale)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "kimi_linear", "nemotron_h", "lfm2", "minimax", "falcon_h1"])
+def family_model(request):
+    model = tiny_model(request.param)
+    return patch_model(model)
+
+
+def _forest(seed: int) -> tuple[list[list[int]], RolloutForest]:
+    seqs = family_forest(np.random.default_rng(seed))
+    return seqs, RolloutForest.from_sequences(seqs)
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [
+        pytest.param([40], id="mid-chunk"),
+        pytest.param([1, 2, 63, 64, 65], id="1-token-pieces-at-chunk-edge"),
+        pytest.param([20, 66, 71, 90], id="mid-node-4-cuts"),
+    ],
+)
+def test_dfs_cuts_equal_trajectory_wise(family_model, cuts):
+    seqs, forest = _forest(0)
+    weights = torch.as_tensor(
+        np.random.default_rng(1).standard_normal((forest.num_trajectories, forest.max_length - 1)), dtype=torch.float32
+    )
+    loss_fn = per_token_loss(weights)
+    the_plan = dfs_cut_plan(forest, np.asarray(cuts))
+    assert the_plan.num_slots >= len(cuts)
+    assert_same(
+        oracle(family_model, seqs, loss_fn, forest.max_length - 1), engine_run(family_model, forest, the_plan, loss_fn)
+    )
+
+
+def test_random_cuts_sequence_level_objective():
+    model = patch_model(tiny_model("qwen3_5"))
+    rng = np.random.default_rng(3)
+    for seed in range(3):
+        seqs, forest = _forest(seed)
+        cuts = rng.choice(np.arange(1, forest.num_compact_tokens), size=5, replace=False)
+        loss_fn = sequence_loss(forest)
+        ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+        assert_same(ref, engine_run(model, forest, dfs_cut_plan(forest, cuts), loss_fn))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("shape", [caterpillar, many_roots, one_token_nodes], ids=lambda f: f.__name__)
+def test_planned_pieces_and_ranks(world_size, shape):
+    """The planner's own cuts under a budget that forces >= 3 pieces per large tree."""
+    model = patch_model(tiny_model("qwen3_5"))
+    rng = np.random.default_rng(world_size)
+    seqs = [[3 + int(t) % 120 for t in s] for s in shape(rng)]
+    forest = RolloutForest.from_sequences(seqs)
+    budget = forest.max_length + 8
+    the_plan = plan(forest, world_size=world_size, max_tokens_per_microbatch=budget)
+    sizes = np.bincount(the_plan.piece_forest, minlength=1)
+    assert the_plan.num_pieces >= 3 or forest.num_compact_tokens <= budget
+    weights = torch.as_tensor(
+        rng.standard_normal((forest.num_trajectories, forest.max_length - 1)), dtype=torch.float32
+    )
+    loss_fn = per_token_loss(weights)
+    assert sizes.sum() == the_plan.num_pieces
+    assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), engine_run(model, forest, the_plan, loss_fn))
+
+
+def test_gradient_checkpointing_keeps_layer_names():
+    model = patch_model(tiny_model("qwen3_5"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seqs, forest = _forest(5)
+    loss_fn = sequence_loss(forest)
+    ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+    assert_same(ref, engine_run(model, forest, dfs_cut_plan(forest, np.array([30, 64, 70])), loss_fn))
+
+
+def test_single_microbatch_holds_one_graph():
+    """A forest that fits runs once (no recording pass) and gives the unsplit forest's numbers."""
+    model = patch_model(tiny_model("qwen3_5"))
+    seqs, forest = _forest(2)
+    engine = TreeEngine(model, forest, max_tokens_per_microbatch=10_000)
+    assert len(engine.units) == 1 and engine.units[0].batch.num_context == 0
+    loss_fn = sequence_loss(forest)
+    assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), engine_run(model, forest, engine.plan, loss_fn))
+
+
+def test_refuses_foreign_plan_and_dropout():
+    model = patch_model(tiny_model("qwen3_5"))
+    _, forest = _forest(0)
+    _, other = _forest(1)
+    other = RolloutForest.from_sequences(other.trajectories()[:3])
+    with pytest.raises(ValueError, match="other forests"):
+        TreeEngine(model, forest, plan(other, world_size=1, max_tokens_per_microbatch=10_000))
+    with pytest.raises(ValueError, match="world size"):
+        TreeEngine(model, forest, plan(forest, world_size=1, max_tokens_per_microbatch=10_000), rank=1)
+    model.config.attention_dropout = 0.1
+    model.train()
+    engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([40])))
+    with pytest.raises(ValueError, match="dropout"):
+        engine.backward(lambda lps: lps[0].sum())
+
+
+@pytest.mark.slow
+def test_peak_memory_follows_the_budget():
+    """Peak memory of a step scales with the microbatch budget, not with the forest: a budget of
+    1/7 of the compact tokens peaks below 2.5 x 1/7 of the one-microbatch peak (boundary values and
+    fixed buffers are the slack)."""
+    from harts_hf.bench.memory import PeakMemory
+    from harts_hf.bench.models import build_model
+
+    model = patch_model(build_model("qwen3_5", "quick").model)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(8):
+        prompt = list(rng.integers(3, 1000, 300))
+        seqs += [prompt + list(rng.integers(3, 1000, 200)) for _ in range(4)]
+    forest = RolloutForest.from_sequences(seqs)
+    peaks = {}
+    for budget in (forest.num_compact_tokens, forest.num_compact_tokens // 7):
+        engine = TreeEngine(model, forest, max_tokens_per_microbatch=budget)
+        with PeakMemory("cpu") as measured:
+            engine.backward(lambda lps: lps[0].sum())
+        if measured.peak_bytes is None:
+            pytest.skip("this platform cannot measure CPU peaks")
+        peaks[budget] = (measured.peak_bytes, len(engine.units))
+    (whole, one), (split, many) = peaks.values()
+    assert one == 1 and many >= 7
+    assert split < 2.5 / 7 * whole, peaks
+
+
+def test_public_api():
+    import harts_hf
+
+    assert harts_hf.TreeEngine is TreeEngine
+    assert {"TreeEngine", "plan", "Plan", "patch_model", "tree_logprobs", "RolloutForest"} <= set(harts_hf.__all__)
