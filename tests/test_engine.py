@@ -52,7 +52,7 @@ def oracle(model, seqs, loss_fn, width):
     return lp.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def engine_run(model, forest, the_plan, loss_fn):
+def engine_run(model, forest, the_plan, loss_fn, per_token=False):
     """Every rank of ``the_plan`` in turn, gradients summed (what an all-reduce gives). A rank's
     loss sees its own rows live and the other ranks' rows as constants (a gathered objective)."""
     with torch.no_grad():
@@ -67,7 +67,7 @@ def engine_run(model, forest, the_plan, loss_fn):
         lp = engine.logprobs()[0]
         own = engine.owned[0]
         lps[own] = lp[own]
-        engine.backward(lambda l, own=own: loss_fn([torch.where(own[:, None], l[0], others)]))
+        engine.backward(lambda l, own=own: loss_fn([torch.where(own[:, None], l[0], others)]), per_token=per_token)
     return lps, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
 
 
@@ -105,6 +105,8 @@ def test_dfs_cuts_equal_trajectory_wise(family_model, cuts):
     loss_fn = per_token_loss(weights)
     the_plan = dfs_cut_plan(forest, np.asarray(cuts))
     assert the_plan.num_slots >= len(cuts)
+    ref = oracle(family_model, seqs, loss_fn, forest.max_length - 1)
+    assert_same(ref, engine_run(family_model, forest, the_plan, loss_fn, per_token=True))
     assert_same(
         oracle(family_model, seqs, loss_fn, forest.max_length - 1), engine_run(family_model, forest, the_plan, loss_fn)
     )
@@ -138,7 +140,9 @@ def test_planned_pieces_and_ranks(world_size, shape):
     )
     loss_fn = per_token_loss(weights)
     assert sizes.sum() == the_plan.num_pieces
-    assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), engine_run(model, forest, the_plan, loss_fn))
+    ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+    assert_same(ref, engine_run(model, forest, the_plan, loss_fn))
+    assert_same(ref, engine_run(model, forest, the_plan, loss_fn, per_token=True))
 
 
 def test_gradient_checkpointing_keeps_layer_names():
@@ -210,3 +214,21 @@ def test_public_api():
 
     assert harts_hf.TreeEngine is TreeEngine
     assert {"TreeEngine", "plan", "Plan", "patch_model", "tree_logprobs", "RolloutForest"} <= set(harts_hf.__all__)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_returned_loss_is_the_whole_objective(per_token):
+    model = patch_model(tiny_model("qwen3_5"))
+    seqs, forest = _forest(4)
+    weights = torch.as_tensor(
+        np.random.default_rng(0).standard_normal((forest.num_trajectories, forest.max_length - 1)), dtype=torch.float32
+    )
+    loss_fn = per_token_loss(weights)
+    with torch.no_grad():
+        expected = loss_fn([tree_logprobs(model, forest)])
+    engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([10, 64, 80])))
+    torch.testing.assert_close(engine.backward(loss_fn, per_token=per_token), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="entropies"):
+        engine.backward(loss_fn, per_token=True, return_entropy=True) if per_token else (_ for _ in ()).throw(
+            ValueError("entropies")
+        )

@@ -14,8 +14,11 @@ Backward policy (bounded, exact for every objective):
   backpropagating its log-prob gradients plus the boundary gradients its consumers sent, and
   sending its own context gradients to its producers. Every unit is backpropagated once; at most
   one unit's graph is alive, so peak activation memory is one microbatch's (plus the boundary
-  values), at the price of one extra forward per token.
-Dropout would make the two passes differ: it must be off.
+  values), at the price of one extra forward per token;
+- a per-token objective (``per_token=True``: a sum of per-token terms with fixed normalisers)
+  streams instead: a unit no later unit reads from runs forward, loss and backward at once; only
+  units with consumers are recorded first and replayed, in reverse order, after them.
+Dropout would make two passes over a unit differ: it must be off.
 
 Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 """
@@ -116,58 +119,85 @@ class TreeEngine:
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """No-grad per-trajectory log-probs: per forest [B_f, L_f - 1] in TRL's layout (rows this
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
-        with torch.no_grad():
+        with torch.no_grad(), self._hooks():
             lp, ent = self._record(Store(self.forests, self.units), return_entropy)
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
-    def backward(self, loss_fn: LossFn, *, return_entropy: bool = False) -> torch.Tensor:
+    def backward(self, loss_fn: LossFn, *, per_token: bool = False, return_entropy: bool = False) -> torch.Tensor:
         """Backpropagate ``loss_fn(logprobs)`` (``loss_fn(logprobs, entropies)`` with
         ``return_entropy``; entropies carry no gradient) into the model's parameters, exactly as
         ``loss_fn`` over trajectory-wise log-probs would; gradients accumulate in ``.grad``.
 
         ``logprobs`` is the list :meth:`logprobs` returns, differentiable; ``loss_fn`` must ignore
-        rows this rank does not own. Returns the loss, detached.
+        rows this rank does not own. ``per_token=True`` promises that ``loss_fn`` is a sum of
+        per-token terms, each depending on its own log-prob only (normalisers fixed in advance,
+        as TRL's token-level losses are): units then stream, each applying ``loss_fn`` to its own
+        log-probs (the others given as constant zeros), and only units that later units read from
+        run twice. Returns the loss, detached.
         """
         _check_no_dropout(self.hf)
-        if len(self.units) == 1:
-            with self._hooks():
-                lp, ent = self._run(
-                    self.units[0],
-                    Handoff(Store(self.forests, self.units), self.units[0], grad=True),
-                    return_entropy,
-                )
-                values, ents = (
-                    self._scatter([lp]),
-                    self._scatter([ent]) if return_entropy else None,
-                )
-                loss = self._apply(loss_fn, values, ents)
-                loss.backward()
-            return loss.detach()
+        if per_token and return_entropy:
+            raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
         store = Store(self.forests, self.units)
+        with self._hooks():
+            if per_token or len(self.units) == 1:
+                return self._stream(store, loss_fn, return_entropy)
+            return self._replay(store, loss_fn, return_entropy)
+
+    def _stream(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
+        """Units nobody reads from: forward, loss, backward at once; the others: recorded now and
+        backpropagated in reverse order once their consumers have sent their gradients."""
+        lps, ents, deferred = [None] * len(self.units), [None] * len(self.units), []
+        for unit in self.units:
+            if unit.exports.size:
+                with torch.no_grad():
+                    lps[unit.index], ents[unit.index] = self._run(unit, Handoff(store, unit, grad=False), entropy)
+                deferred.append(unit)
+            else:
+                lps[unit.index], ents[unit.index] = self._backprop(store, unit, loss_fn, entropy)
+        for unit in reversed(deferred):
+            self._backprop(store, unit, loss_fn, False)
         with torch.no_grad():
-            values, ents = self._record(store, return_entropy)
+            return self._apply(loss_fn, self._scatter(lps), self._scatter(ents) if entropy else None)
+
+    def _backprop(
+        self, store: Store, unit: Unit, loss_fn: LossFn, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``unit`` with grad and backpropagate ``loss_fn`` of its own log-probs plus the
+        gradients its consumers sent; returns its (detached) log-probs and entropies."""
+        handoff = Handoff(store, unit, grad=True)
+        lp, ent = self._run(unit, handoff, entropy)
+        loss = self._apply(loss_fn, self._scatter([lp], [unit]), self._scatter([ent], [unit]) if entropy else None)
+        self._send(store, handoff, [loss], [torch.ones_like(loss)])
+        return lp.detach(), None if ent is None else ent.detach()
+
+    def _replay(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
+        """Record every unit, apply the loss to whole trajectories, replay units in reverse."""
+        with torch.no_grad():
+            values, ents = self._record(store, entropy)
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
         loss.backward()
-        with self._hooks():
-            for unit in reversed(self.units):
-                handoff = Handoff(store, unit, grad=True)
-                lp, _ = self._run(unit, handoff, False)
-                grad = values[unit.forest].grad[
-                    torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
-                ]
-                tensors, grads = [lp], [grad]
-                for key, live in handoff.live.items():
-                    if key in store.grads:
-                        tensors.append(live)
-                        grads.append(store.grads[key])
-                live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-                if live:
-                    torch.autograd.backward(*zip(*live))
-                store.add_grads(handoff.leaves)
-                store.release(unit)
+        for unit in reversed(self.units):
+            handoff = Handoff(store, unit, grad=True)
+            lp, _ = self._run(unit, handoff, False)
+            index = torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
+            self._send(store, handoff, [lp], [values[unit.forest].grad[index]])
         return loss.detach()
+
+    def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Backpropagate ``tensors`` plus the unit's exports (with their consumers' gradients),
+        then hand its context gradients to their producers and drop its records."""
+        for key, live in handoff.live.items():
+            if key in store.grads:
+                tensors.append(live)
+                grads.append(store.grads[key])
+        live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+        if live:
+            torch.autograd.backward(*zip(*live))
+        store.add_grads(handoff.leaves)
+        store.release(handoff.unit)
 
     def _apply(
         self,
@@ -187,21 +217,20 @@ class TreeEngine:
             for v, forest, owned in zip(values, self.forests, self.owned)
         ]
 
-    def _scatter(self, per_unit: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-unit pair values -> per forest [P_f] (0 for pairs computed on other ranks)."""
+    def _scatter(self, per_unit: list[torch.Tensor], units: list[Unit] | None = None) -> list[torch.Tensor]:
+        """Pair values of ``units`` (default all) -> per forest [P_f] (0 for the other pairs)."""
         out = [torch.zeros(n, device=self.device) for n in self.num_pairs]
-        for unit, value in zip(self.units, per_unit):
+        for unit, value in zip(units or self.units, per_unit):
             index = torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
             out[unit.forest] = out[unit.forest].index_put((index,), value.float())
         return out
 
     def _record(self, store: Store, entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         lps, ents = [], []
-        with self._hooks():
-            for unit in self.units:
-                lp, ent = self._run(unit, Handoff(store, unit, grad=False), entropy)
-                lps.append(lp)
-                ents.append(ent)
+        for unit in self.units:
+            lp, ent = self._run(unit, Handoff(store, unit, grad=False), entropy)
+            lps.append(lp)
+            ents.append(ent)
         return self._scatter(lps), self._scatter(ents) if entropy else None
 
     def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
