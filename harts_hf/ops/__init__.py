@@ -11,6 +11,7 @@ from .gla import tree_gla, tree_lightning, tree_mamba2_ssd, tree_simple_gla
 from .kda import tree_kda
 from .rounds import rounds_of
 from .tree_batch import TreeBatch
+from . import fla as _fla_backend  # registers the fla backend; imports neither fla nor triton
 
 __all__ = [
     "TreeBatch",

@@ -1,0 +1,120 @@
+"""Runs a tree batch's linear-attention waves (``waves.py``) on a per-kind segment kernel.
+
+The same job as ``linear_attention.run_tree_linear_attention`` (same arguments, same results),
+but each wave is ONE path-major varlen call in the inputs' own dtype (bf16 stays bf16, as in
+trajectory-wise fla training; states fp32), and states move through the bank of ``waves.py``.
+
+Segment kernel signature (``gla.py``, ``gated_delta.py``, ...)::
+
+    kernel(q, k, v, g, beta, h0, wave, *, scale, chunks) -> (o, h_chunks, h_final)
+        q, k [1, T, H, K]; v [1, T, H, V]; g [1, T, H] or [1, T, H, K]; beta [1, T, H] or None;
+        h0 [S, H, K, V] fp32; wave: the :class:`Wave` (cu_seqlens); chunks: whether the per-chunk
+        start states are needed (then differentiable: [NT, H, K, V] fp32, else None);
+        o [1, T, H, V]; h_final [S, H, K, V] fp32.
+
+Legend: Nc context tokens, N piece tokens, H value heads, K key dim, V value dim, E external states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..tree_batch import TreeBatch
+from .waves import Waves, waves_of
+
+__all__ = ["SegmentKernel", "run_waves"]
+
+SegmentKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+
+def _table(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
+    """[Nc + N + 1, ...]: context rows (zeros without ``ctx``), own rows, a zero row for index -1."""
+    if ctx is None:
+        ctx = own.new_zeros((num_context, *own.shape[1:]))
+    return torch.cat((ctx.to(own), own, own.new_zeros((1, *own.shape[1:]))))
+
+
+def _from_bank(bank: dict[int, torch.Tensor], source: np.ndarray, row: np.ndarray) -> torch.Tensor:
+    """[len(row), H, K, V] states at bank addresses, gathered once per source."""
+    order = np.argsort(source, kind="stable")
+    parts = []
+    for s in np.unique(source):
+        rows = row[source == s]
+        parts.append(bank[int(s)][torch.as_tensor(rows, device=bank[int(s)].device)])
+    out = torch.cat(parts)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return out[torch.as_tensor(inverse, device=out.device)]
+
+
+def run_waves(
+    kernel: SegmentKernel,
+    batch: TreeBatch,
+    chunk_size: int,
+    *,
+    cut: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None,
+    scale: float,
+    context: Mapping[str, torch.Tensor] | None = None,
+    initial_states: torch.Tensor | None = None,
+    state_out_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every wave of ``batch`` through ``kernel``; q, k [N, Hk, K] (expanded here to v's H heads),
+    v [N, H, V], g, beta as the kind takes them. Returns o [N, H, V] in v's dtype and the states
+    after ``state_out_tokens`` [S, H, K, V] fp32 (None if not asked)."""
+    waves: Waves = waves_of(batch, chunk_size, cut, state_out_tokens)
+    rounds = waves.rounds
+    nc, n = batch.num_context, batch.num_tokens
+    if q.shape[0] != n:
+        raise ValueError(f"inputs have {q.shape[0]} tokens but the batch has {n} piece tokens")
+    if rounds.context_replay.numel() and context is None:
+        raise ValueError(
+            f"this piece replays {rounds.context_replay.numel()} context tokens: pass their inputs as `context`"
+        )
+    num_ext = rounds.external_tokens.numel()
+    if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
+        raise ValueError(
+            f"this piece needs initial_states for its {num_ext} external boundary states (Rounds.external_tokens)"
+        )
+    heads = v.shape[1]
+    expand = lambda x: x.repeat_interleave(heads // x.shape[1], dim=1)
+    own = {"q": expand(q), "k": expand(k), "v": v, "g": g} | ({} if beta is None else {"beta": beta})
+    ctx = {} if context is None else dict(context)
+    if "k" in ctx:
+        ctx["k"] = expand(ctx["k"])
+    tables = {name: _table(x, ctx.get(name) if name != "q" else None, nc) for name, x in own.items()}
+
+    H, K, V = heads, k.shape[-1], v.shape[-1]
+    zeros = v.new_zeros(1, H, K, V, dtype=torch.float32)
+    bank = {0: zeros if initial_states is None else torch.cat((zeros, initial_states.float()))}
+    outs = []
+    for w, wave in enumerate(waves.waves):
+        packed = {name: t[wave.gather].unsqueeze(0) for name, t in tables.items()}  # [1, T, ...]
+        h0 = _from_bank(bank, wave.h0_source, wave.h0_row)
+        o, h_chunks, h_final = kernel(
+            packed["q"],
+            packed["k"],
+            packed["v"],
+            packed["g"],
+            packed.get("beta"),
+            h0,
+            wave,
+            scale=scale,
+            chunks=not cut,
+        )
+        outs.append(o[0])
+        if h_chunks is not None:
+            bank[1 + 2 * w] = h_chunks
+        bank[2 + 2 * w] = h_final
+    o = torch.cat(outs)[waves.own_index].to(v.dtype)  # [N, H, V]
+    if state_out_tokens is None:
+        return o, None
+    source, row = waves.state_address(torch.as_tensor(state_out_tokens).cpu().numpy())
+    return o, _from_bank(bank, source, row)
