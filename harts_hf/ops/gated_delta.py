@@ -5,8 +5,8 @@ formula (UT transform by ``solve_triangular``, decay applied once to q and k, th
 chunks), so a tree run matches trajectory-wise training to fp32 rounding. The tree driver in
 ``linear_attention.py`` calls it once per round with all of that round's paths packed.
 
-Legend: Tc packed chunks, C chunk size, P paths, N tokens, H value heads, Hk key heads,
-K key dim, V value dim.
+Legend: Tc packed chunks, T chunks of one length L, C chunk size, P paths, N tokens, H value heads,
+Hk key heads, K key dim, V value dim.
 """
 
 from __future__ import annotations
@@ -16,15 +16,59 @@ from collections.abc import Mapping
 import torch
 
 from .backends import dispatch, register
-from .linear_attention import run_tree_kind, scan_steps
+from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
 from .tree_batch import TreeBatch
 
-__all__ = ["gdn_chunk_scan", "tree_gated_delta_rule"]
+__all__ = ["GDN_KERNEL", "gdn_chunk_scan", "tree_gated_delta_rule"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """fla's / transformers' l2norm (rsqrt of sum of squares + eps)."""
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gdn_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """Intra-chunk half: q, k [T, L, H, K]; v [T, L, H, V]; g, beta [T, L, H] -> the rows of :func:`gdn_step`."""
+    C = q.shape[1]
+    query, key, value = (x.transpose(1, 2).float() for x in (q, k, v))  # [T, H, L, *]
+    beta, decay = (x.transpose(1, 2).float() for x in (beta, g))  # [T, H, L]
+    query = query * scale
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+
+    strictly_upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    cum_decay = decay.cumsum(dim=-1)  # [T, H, L]
+    pairwise_decay = cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)  # [T, H, L, L]
+    pairwise_decay = pairwise_decay.masked_fill(strictly_upper, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay  # [T, H, L, L]
+    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]  # [T, H, 1, 1]
+    return new_values, k_cumdecay, query, intra_chunk_attn, key, chunk_decay
+
+
+def gdn_step(
+    state: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    a: torch.Tensor,
+    k: torch.Tensor,
+    decay: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows -> (o [n, H, L, V], end states)."""
+    v_new = u - w @ state  # [n, H, L, V]
+    return q @ state + a @ v_new, state * decay + k.transpose(-1, -2) @ v_new
+
+
+GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step)
 
 
 def gdn_chunk_scan(
@@ -43,36 +87,7 @@ def gdn_chunk_scan(
     q, k [Tc, C, H, K]; v [Tc, C, H, V]; g, beta [Tc, C, H]; h0 [P, H, K, V].
     Returns o [Tc, C, H, V], h_start [Tc, H, K, V], h_final [P, H, K, V].
     """
-    C = q.shape[1]
-    query, key, value = (x.transpose(1, 2).float() for x in (q, k, v))  # [Tc, H, C, *]
-    beta, decay = (x.transpose(1, 2).float() for x in (beta, g))  # [Tc, H, C]
-    query = query * scale
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-
-    strictly_upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    cum_decay = decay.cumsum(dim=-1)  # [Tc, H, C]
-    pairwise_decay = cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)  # [Tc, H, C, C]
-    pairwise_decay = pairwise_decay.masked_fill(strictly_upper, float("-inf")).exp()
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay  # [Tc, H, C, C]
-    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
-
-    query = query * cum_decay.exp().unsqueeze(-1)
-    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
-    chunk_decay = cum_decay[..., -1].exp()[..., None, None]  # [Tc, H, 1, 1]
-
-    T = torch.Tensor
-
-    def step(state: T, u: T, w: T, q_m: T, a_m: T, k_m: T, decay_m: T) -> tuple[T, T]:  # state [n_m, H, K, V]
-        v_new = u - w @ state  # [n_m, H, C, V]
-        return q_m @ state + a_m @ v_new, state * decay_m + k_m.transpose(-1, -2) @ v_new
-
-    per_chunk = (new_values, k_cumdecay, query, intra_chunk_attn, key, chunk_decay)
-    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, step)
-    return o.transpose(1, 2), h_start, h_final  # o [Tc, C, H, V]
+    return chunk_scan(GDN_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
 @register("gated_delta", "torch")
@@ -93,7 +108,7 @@ def tree_gated_delta_rule_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gated_delta_rule`."""
     return run_tree_kind(
-        gdn_chunk_scan,
+        GDN_KERNEL,
         batch,
         chunk_size,
         q=q,

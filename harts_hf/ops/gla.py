@@ -12,7 +12,8 @@ factorised by sub-chunks (:func:`channel_decay_scores`, shared with KDA) instead
 [C, C, K] decay per chunk; simple GLA's intra-chunk decay mask is transformers' Mamba2 segment sum, so
 Mamba2 trees match the stock torch SSD path to fp32 rounding.
 
-Shape legend: Tc chunks in a round, C chunk size, H heads, K key dim, V value dim, P paths, N tokens.
+Shape legend: Tc chunks in a round, T chunks of one length L, C chunk size, H heads, K key dim, V value dim,
+P paths, N tokens.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from .backends import dispatch, register
-from .linear_attention import (
-    expand_heads,
-    run_tree_kind,
-    scan_steps,
-)
+from .linear_attention import ChunkKernel, chunk_scan, expand_heads, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = [
+    "GLA_KERNEL",
+    "SIMPLE_GLA_KERNEL",
     "channel_decay_scores",
     "gla_chunk_scan",
     "simple_gla_chunk_scan",
@@ -43,17 +42,15 @@ __all__ = [
 SUB_CHUNK = 8  # rows per sub-chunk of the per-channel decayed scores (see channel_decay_scores)
 
 
-def _gla_step(
+def gla_step(
     state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, chunk_decay: torch.Tensor, kv_local: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One inter-chunk step of (simple) GLA: the active paths' start states [n_m, H, K, V] and their
-    chunk's rows -> (outputs [n_m, H, C, V], end states)."""
+    """Inter-chunk half of (simple) GLA: the active paths' start states [n, H, K, V] and their
+    chunk's rows -> (outputs [n, H, L, V], end states)."""
     return q_decay @ state + o_intra, state * chunk_decay + kv_local
 
 
-def channel_decay_scores(
-    queries: Sequence[torch.Tensor], k: torch.Tensor, g: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
+def channel_decay_scores(queries: Sequence[torch.Tensor], k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-channel decayed scores ``sum_d a_id k_jd exp(g_id - g_jd)`` for j <= i (0 above the
     diagonal), [..., C, C], for every ``a`` [..., C, K] of ``queries``; g [..., C, K] is the
     cumulative log-decay.
@@ -79,11 +76,31 @@ def channel_decay_scores(
     keys = (between.unsqueeze(-2) * k_last.unsqueeze(-4)).flatten(-3, -2)  # [..., n, C, K]
     before = (a * (gb - first.unsqueeze(-2)).exp()) @ keys.transpose(-1, -2)  # [A, ..., n, sub, C]
     causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
-    inner = (gb.unsqueeze(-2) - gb.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))  # [..., n, sub, sub, K]
+    inner = (gb.unsqueeze(-2) - gb.unsqueeze(-3)).masked_fill(
+        ~causal[..., None], float("-inf")
+    )  # [..., n, sub, sub, K]
     diag = (a.unsqueeze(-2) * (blocks(k).unsqueeze(-3) * inner.exp())).sum(-1)  # [A, ..., n, sub, sub]
     eye = torch.eye(n, dtype=k.dtype, device=k.device)[:, None, :, None]  # [n, 1, n, 1]
     scores = (before.unflatten(-1, (n, sub)) + diag.unsqueeze(-2) * eye).flatten(-2).flatten(-3, -2)
     return scores.unbind(0)  # A x [..., C, C]
+
+
+def gla_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: None, *, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """Intra-chunk half of GLA (per-channel log-decay ``g`` [T, L, H, K]; ``beta`` None) -> the rows
+    of :func:`gla_step`."""
+    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [T, H, L, K|V]
+    q = q * scale
+    g = g.cumsum(-2)
+    o_intra = channel_decay_scores((q,), k, g)[0] @ v  # [T, H, L, V]
+    q_decay = q * g.exp()  # [T, H, L, K]
+    kv_local = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2) @ v  # [T, H, K, V]
+    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [T, H, K, 1]
+    return q_decay, o_intra, chunk_decay, kv_local
+
+
+GLA_KERNEL = ChunkKernel(gla_intra, gla_step)
 
 
 def gla_chunk_scan(
@@ -98,17 +115,7 @@ def gla_chunk_scan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GLA chunk scan (per-channel log-decay ``g`` [Tc, C, H, K]); ``beta`` must be None."""
-    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [Tc, H, C, K|V]
-    q = q * scale
-    g = g.cumsum(-2)
-    o_intra = channel_decay_scores((q,), k, g)[0] @ v  # [Tc, H, C, V]
-    q_decay = q * g.exp()  # [Tc, H, C, K]
-    kv_local = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2) @ v  # [Tc, H, K, V]
-    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [Tc, H, K, 1]
-
-    per_chunk = (q_decay, o_intra, chunk_decay, kv_local)
-    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, _gla_step)
-    return o.transpose(1, 2), h_start, h_final
+    return chunk_scan(GLA_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
 def segment_sum(g: torch.Tensor) -> torch.Tensor:
@@ -123,6 +130,26 @@ def segment_sum(g: torch.Tensor) -> torch.Tensor:
     return terms.cumsum(-2).masked_fill(~ones.tril(), float("-inf"))
 
 
+def simple_gla_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: None, *, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """Intra-chunk half of simple GLA (per-head log-decay ``g`` [T, L, H]; ``beta`` None) -> the rows
+    of :func:`gla_step`."""
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [T, H, L, K|V]
+    g = g.transpose(1, 2).float()  # [T, H, L]
+    decay = g.cumsum(-1)
+    q = q * scale
+    mask = segment_sum(g).exp()  # [T, H, L, L]
+    o_intra = (q @ k.transpose(-1, -2) * mask) @ v  # [T, H, L, V]
+    q_decay = q * decay.exp().unsqueeze(-1)  # [T, H, L, K]
+    kv_local = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2) @ v  # [T, H, K, V]
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # [T, H, 1, 1]
+    return q_decay, o_intra, chunk_decay, kv_local
+
+
+SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step)
+
+
 def simple_gla_chunk_scan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,19 +162,7 @@ def simple_gla_chunk_scan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Simple GLA chunk scan (per-head log-decay ``g`` [Tc, C, H]); ``beta`` must be None."""
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [Tc, H, C, K|V]
-    g = g.transpose(1, 2).float()  # [Tc, H, C]
-    decay = g.cumsum(-1)
-    q = q * scale
-    mask = segment_sum(g).exp()  # [Tc, H, C, C]
-    o_intra = (q @ k.transpose(-1, -2) * mask) @ v  # [Tc, H, C, V]
-    q_decay = q * decay.exp().unsqueeze(-1)  # [Tc, H, C, K]
-    kv_local = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2) @ v  # [Tc, H, K, V]
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # [Tc, H, 1, 1]
-
-    per_chunk = (q_decay, o_intra, chunk_decay, kv_local)
-    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, _gla_step)
-    return o.transpose(1, 2), h_start, h_final
+    return chunk_scan(SIMPLE_GLA_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
 @register("gla", "torch")
@@ -166,7 +181,7 @@ def tree_gla_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gla`."""
     return run_tree_kind(
-        gla_chunk_scan,
+        GLA_KERNEL,
         batch,
         chunk_size,
         q=q,
@@ -235,7 +250,7 @@ def tree_simple_gla_torch(
     if context is not None:
         context = {**context, "g": decay(context["g"] if g_gamma is None else None, context["v"].shape[0])}
     return run_tree_kind(
-        simple_gla_chunk_scan,
+        SIMPLE_GLA_KERNEL,
         batch,
         chunk_size,
         q=q,

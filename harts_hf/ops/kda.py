@@ -8,7 +8,8 @@ by trajectory to fp32 rounding. Two intra-chunk pieces are computed differently 
 same values: the decayed scores by sub-chunks (:func:`harts_hf.ops.gla.channel_decay_scores`, no
 [C, C, K] tensor) and the UT transform by a triangular solve (not row-wise forward substitution).
 
-Shape legend: Tc chunks in a round, C chunk size, H heads, K key dim, V value dim, P paths, N tokens.
+Shape legend: Tc chunks in a round, T chunks of one length L, C chunk size, H heads, K key dim, V value dim,
+P paths, N tokens.
 """
 
 from __future__ import annotations
@@ -19,15 +20,55 @@ import torch
 
 from .backends import dispatch, register
 from .gla import channel_decay_scores
-from .linear_attention import run_tree_kind, scan_steps
+from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
 from .tree_batch import TreeBatch
 
-__all__ = ["kda_chunk_scan", "tree_kda"]
+__all__ = ["KDA_KERNEL", "kda_chunk_scan", "tree_kda"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """kimi_linear's l2norm (divide by sqrt, not multiply by rsqrt: the rounding transformers' KDA uses)."""
     return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def kda_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """Intra-chunk half: q, k [T, L, H, K], v [T, L, H, V], g [T, L, H, K], beta [T, L, H] -> the rows of
+    :func:`kda_step`."""
+    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [T, H, L, K|V]
+    beta = beta.transpose(1, 2).float()  # [T, H, L]
+    q = q * scale
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    g = g.cumsum(-2)
+    # UT transform: (I + L)^-1, L the strictly lower part of the k_beta . k decayed scores (the solve
+    # ignores the diagonal). transformers inverts by row-wise forward substitution; a triangular
+    # solve gives the same to fp32 rounding.
+    ut_system, a_qk = channel_decay_scores((k_beta, q), k, g)  # [T, H, L, L]
+    u = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)  # [T, H, L, V]
+    w = torch.linalg.solve_triangular(ut_system, k_beta * g.exp(), upper=False, unitriangular=True)  # [T, H, L, K]
+    q_decay = q * g.exp()  # [T, H, L, K]
+    k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [T, H, K, L]
+    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [T, H, K, 1]
+    return u, w, q_decay, a_qk, chunk_decay, k_decay
+
+
+def kda_step(
+    state: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    a: torch.Tensor,
+    decay: torch.Tensor,
+    k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows -> (o [n, H, L, V], end states)."""
+    v_new = u - w @ state  # [n, H, L, V]
+    return q @ state + a @ v_new, state * decay + k @ v_new
+
+
+KDA_KERNEL = ChunkKernel(kda_intra, kda_step)
 
 
 def kda_chunk_scan(
@@ -42,31 +83,7 @@ def kda_chunk_scan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KDA chunk scan: q, k [Tc, C, H, K], v [Tc, C, H, V], g [Tc, C, H, K], beta [Tc, C, H]."""
-    q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [Tc, H, C, K|V]
-    beta = beta.transpose(1, 2).float()  # [Tc, H, C]
-    q = q * scale
-    v_beta = v * beta.unsqueeze(-1)
-    k_beta = k * beta.unsqueeze(-1)
-    g = g.cumsum(-2)
-    # UT transform: (I + L)^-1, L the strictly lower part of the k_beta . k decayed scores (the solve
-    # ignores the diagonal). transformers inverts by row-wise forward substitution; a triangular
-    # solve gives the same to fp32 rounding.
-    ut_system, a_qk = channel_decay_scores((k_beta, q), k, g)  # [Tc, H, C, C]
-    u = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)  # [Tc, H, C, V]
-    w = torch.linalg.solve_triangular(ut_system, k_beta * g.exp(), upper=False, unitriangular=True)  # [Tc, H, C, K]
-    q_decay = q * g.exp()  # [Tc, H, C, K]
-    k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [Tc, H, K, C]
-    chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [Tc, H, K, 1]
-
-    T = torch.Tensor
-
-    def step(state: T, u_m: T, w_m: T, q_m: T, a_m: T, decay_m: T, k_m: T) -> tuple[T, T]:  # state [n_m, H, K, V]
-        v_new = u_m - w_m @ state  # [n_m, H, C, V]
-        return q_m @ state + a_m @ v_new, state * decay_m + k_m @ v_new
-
-    per_chunk = (u, w, q_decay, a_qk, chunk_decay, k_decay)
-    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, step)
-    return o.transpose(1, 2), h_start, h_final
+    return chunk_scan(KDA_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
 @register("kda", "torch")
@@ -87,7 +104,7 @@ def tree_kda_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_kda`."""
     return run_tree_kind(
-        kda_chunk_scan,
+        KDA_KERNEL,
         batch,
         chunk_size,
         q=q,

@@ -1,17 +1,23 @@
 """The tree driver shared by every chunkwise linear-attention kind (GDN, KDA, GLA, simple GLA).
 
 ``rounds.py`` cuts the tree into chunk-aligned paths grouped into rounds; this driver runs the
-rounds in order, each as ONE call of the kind's chunk-scan kernel on all of its paths packed
+rounds in order, each as ONE scan of the kind's kernel over all of its paths packed
 *step-major*: chunk 0 of paths 0..n_0-1, then chunk 1 of paths 0..n_1-1, ... (paths sorted by
 chunk count, descending; ``step_counts = [n_0, n_1, ...]``; tails padded with the neutral token
 q=k=v=0, g=0, beta=0). A path's initial state is a boundary state of its parent path from the
 previous round (or zeros / a caller-given state for root paths); replayed tokens' outputs are
-dropped. The per-kind kernels share the inter-chunk loop, :func:`scan_steps`.
+dropped.
+
+A kind's kernel is a :class:`ChunkKernel`: ``intra`` does the intra-chunk work batched over chunks,
+``step`` one inter-chunk step of the active paths. :func:`chunk_scan` runs them on a step-major
+round (the ``<kind>_chunk_scan`` functions); the tree driver runs them on the round's *ragged*
+layout (``tail_chunks.py``: every path's last chunk at its true length, rounded up to 8), which
+skips most of the padding of short paths with the same arithmetic (:func:`scan_ragged`).
 
 Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gla.py`` call it)::
 
     run_tree_linear_attention(
-        kernel,                  # <kind>_chunk_scan(q, k, v, g, beta, h0, step_counts, *, scale)
+        kernel,                  # the kind's ChunkKernel (e.g. gated_delta.GDN_KERNEL)
         batch: TreeBatch,
         chunk_size: int,
         *,
@@ -31,17 +37,31 @@ Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .rounds import rounds_of
+from .tail_chunks import RaggedRound, ragged_rounds_of
 from .tree_batch import TreeBatch
 
-__all__ = ["ChunkScan", "expand_heads", "run_tree_linear_attention", "scan_steps"]
+__all__ = ["ChunkKernel", "chunk_scan", "expand_heads", "run_tree_linear_attention", "scan_ragged", "scan_steps"]
 
-# (q, k, v, g, beta, h0, step_counts, *, scale) -> (o [Tc, C, H, V], h_start [Tc, H, K, V], h_final [P, H, K, V])
-ChunkScan = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class ChunkKernel(NamedTuple):
+    """A linear-attention kind as two halves the drivers compose.
+
+    Args:
+        intra: ``(q, k, v, g, beta, *, scale)`` on chunks ([T, L, H, K] etc., any chunk length L)
+            -> per-chunk tensors [T, ...] (the rows ``step`` takes).
+        step: ``(state [n, H, K, V], *rows)`` -> (outputs [n, H, L, V], end states [n, H, K, V]).
+    """
+
+    intra: Callable[..., tuple[torch.Tensor, ...]]
+    step: Step
 
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -79,6 +99,54 @@ def scan_steps(
     return torch.cat(outs), torch.cat(starts), torch.cat(finals[::-1])
 
 
+def chunk_scan(
+    kernel: ChunkKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None,
+    h0: torch.Tensor,
+    step_counts: list[int],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernel`` on one step-major round of full chunks (the ``<kind>_chunk_scan`` interface):
+    q, k [Tc, C, H, K], v [Tc, C, H, V], h0 [P, H, K, V] -> (o [Tc, C, H, V], h_start [Tc, H, K, V],
+    h_final [P, H, K, V])."""
+    per_chunk = kernel.intra(q, k, v, g, beta, scale=scale)
+    o, h_start, h_final = scan_steps(h0.float(), step_counts, per_chunk, kernel.step)
+    return o.transpose(1, 2), h_start, h_final
+
+
+def scan_ragged(
+    h0: torch.Tensor, rnd: RaggedRound, per_stream: Sequence[Sequence[torch.Tensor]], step: Step
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scan_steps` on a ragged round (``tail_chunks.py``): ``per_stream[s]`` are the per-chunk
+    tensors of stream s. Returns (outputs of every stream flattened to [sum T_s L_s, H, V],
+    h_start [Tc, H, K, V] step-major, h_final [P, H, K, V] by rank)."""
+    rows = [iter(list(zip(*(x.split(sec) for x in xs)))) for xs, sec in zip(per_stream, rnd.sections)]
+    state = h0  # [n_m, H, K, V]
+    outs: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
+    starts, finals = [], []
+    for visits in rnd.steps:
+        starts.append(state)
+        ending, following = state, None
+        for s, ranks in visits:
+            chunk_rows = next(rows[s])
+            if ranks is None:  # the continuing paths, visited first
+                n_next = chunk_rows[0].shape[0]
+                cont, ending = state.split([n_next, state.shape[0] - n_next])
+                o, following = step(cont, *chunk_rows)
+            else:  # paths ending at this step with chunks of stream s
+                o, done = step(ending if ranks.numel() == ending.shape[0] else ending[ranks], *chunk_rows)
+                finals.append(done)
+            outs[s].append(o)
+        state = following
+    flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_s * L_s, H, V]
+    return torch.cat(flat), torch.cat(starts), torch.cat(finals)[rnd.final_order]
+
+
 def _combined(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
     """[Nc + N + 1, ...] context rows, own rows, and a zero row that packed index -1 selects
     (neutral padding). Without ``ctx`` the context rows are zeros: the q of replayed tokens (their
@@ -89,7 +157,7 @@ def _combined(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> 
 
 
 def run_tree_linear_attention(
-    kernel: ChunkScan,
+    kernel: ChunkKernel,
     batch: TreeBatch,
     chunk_size: int,
     *,
@@ -103,7 +171,7 @@ def run_tree_linear_attention(
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a chunk-scan kernel over every path of ``batch``, one call per round (module docstring).
+    """Run ``kernel`` over every path of ``batch``, one ragged scan per round (module docstring).
 
     Handoffs stay in autograd: a boundary state given to several child paths is gathered once per
     child, so its gradient is the sum of theirs.
@@ -130,13 +198,16 @@ def run_tree_linear_attention(
     tables |= {name: _combined(x, None if context is None else context[name], nc) for name, x in own.items()}
 
     outs, states = [], []
-    for rnd in rounds.rounds:
-        packed = {name: t[rnd.gather].unflatten(0, (-1, chunk_size)) for name, t in tables.items()}
-        h0 = h_in[rnd.h0_index]  # [P, H, K, V]
-        o, h_start, h_final = kernel(
-            packed["q"], packed["k"], packed["v"], packed["g"], packed.get("beta"), h0, rnd.step_counts, scale=scale
-        )
-        outs.append(o.flatten(0, 1)[rnd.own_slot])  # [n_r, H, V]
+    for rnd, ragged in zip(rounds.rounds, ragged_rounds_of(batch, chunk_size)):
+        sizes = [c * length for c, length in zip(ragged.chunks, ragged.lengths)]
+        split = {name: t[ragged.gather].split(sizes) for name, t in tables.items()}  # S x [T_s * L_s, H, ...]
+        per_stream = []
+        for s, (chunks, length) in enumerate(zip(ragged.chunks, ragged.lengths)):
+            packed = {name: x[s].unflatten(0, (chunks, length)) for name, x in split.items()}  # [T_s, L_s, H, ...]
+            inputs = (packed["q"], packed["k"], packed["v"], packed["g"], packed.get("beta"))
+            per_stream.append(kernel.intra(*inputs, scale=scale) if chunks else ())
+        o, h_start, h_final = scan_ragged(h_in[rnd.h0_index], ragged, per_stream, kernel.step)
+        outs.append(o[ragged.own_slot])  # [n_r, H, V]
         h_in = torch.cat((h_start, h_final))  # [Tc + P, H, K, V] boundary states of the round
         if state_out_tokens is not None:
             states.append(h_in)
@@ -151,7 +222,7 @@ def run_tree_linear_attention(
 
 
 def run_tree_kind(
-    kernel: ChunkScan,
+    kernel: ChunkKernel,
     batch: TreeBatch,
     chunk_size: int,
     *,
