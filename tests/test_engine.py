@@ -232,3 +232,34 @@ def test_returned_loss_is_the_whole_objective(per_token):
         engine.backward(loss_fn, per_token=True, return_entropy=True) if per_token else (_ for _ in ()).throw(
             ValueError("entropies")
         )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_several_forests_in_one_plan(world_size):
+    """One forest per group: a slot mixes pieces of several forests, each its own model call."""
+    model = patch_model(tiny_model("qwen3_5"))
+    groups = [family_forest(np.random.default_rng(seed), small=True) for seed in range(3)]
+    forests = [RolloutForest.from_sequences(g) for g in groups]
+    the_plan = plan(forests, world_size=world_size, max_tokens_per_microbatch=max(f.max_length for f in forests) + 30)
+    rng = np.random.default_rng(0)
+    weights = [
+        torch.as_tensor(rng.standard_normal((f.num_trajectories, f.max_length - 1)), dtype=torch.float32)
+        for f in forests
+    ]
+    params = trainable(model)
+    for p in params:
+        p.grad = None
+    got = [torch.zeros(f.num_trajectories, f.max_length - 1) for f in forests]
+    for rank in range(world_size):
+        engine = TreeEngine(model, forests, the_plan, rank=rank)
+        for lp, own, out in zip(engine.logprobs(), engine.owned, got):
+            out[own] = lp[own]
+        engine.backward(lambda lps: sum((lp * w).sum() for lp, w in zip(lps, weights)))
+    ref_lp, ref_grads = [], None
+    for g, f, w in zip(groups, forests, weights):
+        lp, grads = oracle(model, g, lambda lps, w=w: (lps[0] * w).sum(), f.max_length - 1)
+        ref_lp.append(lp)
+        ref_grads = grads if ref_grads is None else [a + b for a, b in zip(ref_grads, grads)]
+    for r, g in zip(ref_lp, got):
+        torch.testing.assert_close(g, r, rtol=0, atol=TOL)
+    assert_same((ref_lp[0], ref_grads), (got[0], [p.grad for p in params]))
