@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .trainers.cli import add_parser as add_train_parsers
 from .planner import DEFAULT_MAX_TOKENS, CostModel, plan, plan_record, plot_plan, record_table
 from .workloads import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 
@@ -208,7 +209,7 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = (_workload_parser, _plan_parser, _calibrate_parser, _bench_parser, _bench_ops_parser)
+_COMMANDS = (_workload_parser, _plan_parser, _calibrate_parser, _bench_parser, _bench_ops_parser, add_train_parsers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,77 @@
+"""``harts-hf train`` and ``harts-hf train-compare``: the agentic GRPO run and its step-time comparison.
+
+Register with ``add_parser(subparsers)`` from ``harts_hf.cli``. Knobs live in the recipe YAML
+(``--config``: a file, a config directory or a Hub repo id); the flags only shorten a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+__all__ = ["add_parser", "cmd_train", "cmd_train_compare"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` and ``train-compare`` commands."""
+    p = sub.add_parser("train", help="HARTS GRPO on the built-in multi-turn tool environment (default: tiny Qwen3.5)")
+    _common(p)
+    p.add_argument("--stock", action="store_true", help="run TRL's stock GRPO instead (harts_enable=False)")
+    p.set_defaults(run=cmd_train)
+    c = sub.add_parser("train-compare", help="step time of stock GRPOTrainer vs HARTSGRPOTrainer on the same rollouts")
+    _common(c)
+    c.add_argument("--json", type=Path, metavar="PATH", help="also write the comparison to this JSON file")
+    c.set_defaults(run=cmd_train_compare)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="YAML|DIR|REPO", help="recipe (default: the embedded tiny run)")
+    p.add_argument("--max-steps", type=int, metavar="N", help="override the recipe's max_steps")
+    p.add_argument("--output-dir", metavar="DIR", help="override the recipe's output_dir")
+
+
+def _recipe(args: argparse.Namespace, **forced) -> tuple:
+    import yaml
+
+    from .recipe import DEFAULT_RECIPE, parse_recipe, resolve_config
+
+    values = dict(DEFAULT_RECIPE)
+    if args.config is not None:
+        values.update(yaml.safe_load(resolve_config(args.config).read_text()))
+    if args.max_steps is not None:
+        values["max_steps"] = args.max_steps
+    if args.output_dir is not None:
+        values["output_dir"] = args.output_dir
+    values.update(forced)
+    try:
+        return parse_recipe(values)
+    except ValueError as err:
+        raise SystemExit(f"harts-hf {args.command}: {err}") from err
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train, printing one line per step; save the model to the recipe's output_dir."""
+    from .progress import StepLine
+    from .recipe import build_trainer
+
+    script_args, training_args = _recipe(args, disable_tqdm=True, **({"harts_enable": False} if args.stock else {}))
+    trainer = build_trainer(script_args, training_args, callbacks=[StepLine()])
+    start = time.perf_counter()
+    trainer.train()
+    trainer.save_model(training_args.output_dir)
+    print(f"done in {time.perf_counter() - start:.1f} s; model saved to {training_args.output_dir}")
+    return 0
+
+
+def cmd_train_compare(args: argparse.Namespace) -> int:
+    """Record the environment's rollouts once, replay them to both trainers, print the step times."""
+    from .compare import compare, format_comparison
+
+    script_args, training_args = _recipe(args, disable_tqdm=True)
+    record = compare(script_args, training_args)
+    print(format_comparison(record))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0

@@ -1,0 +1,84 @@
+"""``HARTSGRPOConfig``: TRL's ``GRPOConfig`` plus the fields that steer forest execution."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from ..planner import CHUNK_SIZE, DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, CostModel
+
+__all__ = ["HARTSGRPOConfig"]
+
+
+@dataclass
+class HARTSGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`HARTSGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus:
+
+    Parameters:
+        harts_enable (`bool`, *optional*, defaults to `True`):
+            Compute every per-token log-prob / entropy (policy, old policy, reference) on the prefix forest of the
+            rows: each shared prefix once, same values and gradients. `False` is stock `GRPOTrainer` behaviour.
+        harts_max_tokens_per_microbatch (`int`, *optional*, defaults to `65536`):
+            Planner budget: compact tokens plus the ancestor context a microbatch's attention reads.
+        harts_group_rows (`bool`, *optional*, defaults to `True`):
+            Replace TRL's row shuffle by trie-ordered microbatches (rows sharing prefixes land in the same
+            microbatch; the microbatches are still visited in a random order).
+        harts_distribute (`bool`, *optional*, defaults to `True`):
+            With several processes, all-gather the generation batch, plan it over the ranks and let every rank train
+            the rows whose trajectories the plan gives it (shared prefixes stay on one rank where possible).
+        harts_chunk_size (`int`, *optional*, defaults to `64`):
+            Chunk grid of the model's linear-attention kernels, where the planner prefers its cuts.
+        harts_cost_model (`dict[str, float]`, *optional*):
+            Planner cost model coefficients `token`, `pair`, `round`, `microbatch` (seconds); defaults to the
+            planner's built-in model.
+    """
+
+    harts_enable: bool = field(
+        default=True,
+        metadata={"help": "Run per-token log-probs/entropies on the rows' prefix forest (False: stock GRPOTrainer)."},
+    )
+    harts_max_tokens_per_microbatch: int = field(
+        default=DEFAULT_MAX_TOKENS,
+        metadata={"help": "Planner budget per microbatch: compact tokens plus ancestor context."},
+    )
+    harts_group_rows: bool = field(
+        default=True,
+        metadata={"help": "Trie-ordered microbatches instead of TRL's row shuffle (keeps prefixes together)."},
+    )
+    harts_distribute: bool = field(
+        default=True,
+        metadata={"help": "With several processes, plan the gathered generation batch over the ranks."},
+    )
+    harts_chunk_size: int = field(
+        default=CHUNK_SIZE,
+        metadata={"help": "Chunk grid of the linear-attention kernels (planner cut alignment)."},
+    )
+    harts_cost_model: dict[str, float] | str | None = field(
+        default=None,
+        metadata={"help": "Planner cost model {token, pair, round, microbatch} in seconds (default: built-in)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.harts_max_tokens_per_microbatch <= 0:
+            raise ValueError(
+                f"harts_max_tokens_per_microbatch must be positive, got {self.harts_max_tokens_per_microbatch}"
+            )
+        if self.harts_chunk_size <= 0:
+            raise ValueError(f"harts_chunk_size must be positive, got {self.harts_chunk_size}")
+        if isinstance(self.harts_cost_model, str):  # the command line gives JSON
+            self.harts_cost_model = json.loads(self.harts_cost_model)
+        if self.harts_cost_model is not None:
+            unknown = set(self.harts_cost_model) - set(DEFAULT_COST_MODEL.as_dict())
+            if unknown:
+                raise ValueError(
+                    f"unknown harts_cost_model keys {sorted(unknown)}; valid: {sorted(DEFAULT_COST_MODEL.as_dict())}"
+                )
+
+    @property
+    def harts_planner_cost_model(self) -> CostModel:
+        """The planner's cost model: the defaults overridden by ``harts_cost_model``."""
+        return CostModel(**{**DEFAULT_COST_MODEL.as_dict(), **(self.harts_cost_model or {})})

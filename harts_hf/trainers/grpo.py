@@ -1,0 +1,174 @@
+"""``HARTSGRPOTrainer``: TRL's ``GRPOTrainer`` with every log-prob forward run on rollout forests.
+
+Only seams are overridden; TRL's generation, rewards, advantages and every loss stay TRL's:
+
+- ``_get_per_token_logps_and_entropies`` (policy, old policy and reference passes): the rows
+  become a :class:`~harts_hf.RolloutForest` and one tree pass computes each shared prefix once;
+  the result is mapped back to TRL's ``[B, C]`` completion layout (``rows.py``).
+- ``_prepare_inputs``: the generation batch is arranged by prefix instead of shuffled row by row
+  (``arrange.py``), and with several processes planned over the ranks.
+- ``compute_loss`` / ``training_step``: timing metrics, and the row-count correction the
+  distributed arrangement needs for per-row-mean losses.
+
+Multimodal rows (pixel values and friends) take TRL's own path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOTrainer
+
+from ..forest import RolloutForest
+from ..modeling import patch_model
+from ..planner import Plan, plan
+from ._compat import FOREST_KWARG, add_tree_forward, replace_row_shuffle
+from .arrange import arrange_local, distribute
+from .config import HARTSGRPOConfig
+from .rows import rows_forest, to_completion_layout
+
+__all__ = ["HARTSGRPOTrainer"]
+
+ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
+"""Loss types TRL divides by the microbatch's row count (see ``compute_loss``)."""
+
+
+class HARTSGRPOTrainer(GRPOTrainer):
+    """
+    [`~trl.GRPOTrainer`] that computes log-probs and entropies on the prefix forest of its rows:
+    every shared prefix (system prompt, task, earlier turns, branches) once, forward and backward,
+    with the values and gradients trajectory-wise training gives. Takes the same arguments as
+    `GRPOTrainer`; configure with [`HARTSGRPOConfig`] (`harts_enable=False` is stock behaviour).
+
+    Agentic rollouts come through TRL's own `rollout_func` (see `harts_hf.envs`): an episode may
+    return several rows (per-turn samples that drop earlier reasoning, branches, sub-agent calls);
+    their shared prefixes become one tree.
+    """
+
+    _tag_names = ("trl", "grpo", "harts")
+
+    def __init__(self, model, reward_funcs=None, args: HARTSGRPOConfig | None = None, *rest, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = HARTSGRPOConfig(f"{name.split('/')[-1]}-HARTS-GRPO")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self._rows_per_microbatch = args.per_device_train_batch_size
+        if not self._harts_enabled:
+            return
+        for m in (self.model, self.ref_model):
+            if m is None:
+                continue
+            m = self.accelerator.unwrap_model(m)
+            base = m.get_base_model() if is_peft_model(m) else m
+            patch_model(base)
+            add_tree_forward(base)
+
+    @property
+    def _harts_enabled(self) -> bool:
+        return isinstance(self.args, HARTSGRPOConfig) and self.args.harts_enable
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, forest: RolloutForest, world_size: int = 1) -> Plan:
+        return plan(forest, world_size=world_size, **self._plan_options())
+
+    def _plan_options(self) -> dict:
+        return dict(
+            max_tokens_per_microbatch=self.args.harts_max_tokens_per_microbatch,
+            cost_model=self.args.harts_planner_cost_model,
+            chunk_size=self.args.harts_chunk_size,
+        )
+
+    # ------------------------------------------------------------------ the forward seam
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **media,
+    ):
+        """TRL's (log-probs [B, C], entropies [B, C] or None, aux loss or None), from one forest pass.
+
+        ``batch_size`` (TRL's row chunking of no-grad passes) is not needed: the forest is the unit.
+        """
+        if not self._harts_enabled or any(v is not None for v in media.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **media
+            )
+        forest = rows_forest(input_ids, attention_mask)
+        start = time.perf_counter()
+        options = dict(
+            temperature=self.temperature, return_entropy=compute_entropy, output_router_logits=compute_aux_loss
+        )
+        with self.accelerator.autocast():
+            out = model(**{FOREST_KWARG: forest, "harts_options": options})
+        if torch.is_grad_enabled():
+            self._record_train_pass(forest, time.perf_counter() - start)
+        logps = to_completion_layout(out.logprobs, attention_mask, logits_to_keep)
+        entropies = to_completion_layout(out.entropy, attention_mask, logits_to_keep) if compute_entropy else None
+        return logps, entropies, out.aux_loss if compute_aux_loss else None
+
+    def _record_train_pass(self, forest: RolloutForest, seconds: float) -> None:
+        mode = "train" if self.model.training else "eval"
+        p = self._plan(forest)
+        metrics = self._metrics[mode]
+        metrics["harts/compression"].append(forest.compression)
+        metrics["harts/compact_tokens"].append(float(forest.num_compact_tokens))
+        metrics["harts/trajectory_tokens"].append(float(forest.num_trajectory_tokens))
+        metrics["harts/rounds"].append(float(p.rounds.sum()))
+        metrics["harts/microbatches"].append(float(p.num_slots))
+        metrics["harts/forward_seconds"].append(seconds)
+        self._pass_tokens = forest.num_trajectory_tokens
+        self._pass_seconds = seconds
+
+    # ------------------------------------------------------------------ row arrangement
+    def _prepare_inputs(self, generation_batch):
+        start = time.perf_counter()
+        try:
+            if not (self._harts_enabled and self.args.harts_group_rows and self.model.training):
+                return super()._prepare_inputs(generation_batch)
+            with replace_row_shuffle(self._arrange):
+                return super()._prepare_inputs(generation_batch)
+        finally:
+            self._prepare_seconds = time.perf_counter() - start
+
+    def _arrange(self, batch: dict) -> dict:
+        slices = self.args.steps_per_generation
+        simple = all(not isinstance(v, list) for v in batch.values())  # multimodal lists stay local
+        if self.accelerator.num_processes > 1 and self.args.harts_distribute and simple:
+            batch, result, self._rows_per_microbatch = distribute(
+                batch, slices, self.accelerator, **self._plan_options()
+            )
+            self._metrics["train"]["harts/plan_imbalance"].append(result.rank_imbalance)
+            return batch
+        return arrange_local(batch, slices)
+
+    # ------------------------------------------------------------------ loss and timing
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        rows = self._rows_per_microbatch
+        rescale = self._harts_enabled and self.model.training and self.loss_type in ROW_MEAN_LOSSES
+        if rescale and rows != self.args.per_device_train_batch_size:  # TRL divided by this rank's rows, not its share
+            loss = loss * (rows / self.args.per_device_train_batch_size)
+        self._loss_seconds = time.perf_counter() - start
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's step; logs the backward time (step minus input preparation and loss) and the speed."""
+        if not self._harts_enabled:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._pass_seconds, self._pass_tokens, self._loss_seconds, self._prepare_seconds = 0.0, 0, 0.0, 0.0
+        start = time.perf_counter()
+        output = super().training_step(model, inputs, num_items_in_batch)
+        backward = max(time.perf_counter() - start - self._prepare_seconds - self._loss_seconds, 0.0)
+        metrics = self._metrics["train"]
+        metrics["harts/backward_seconds"].append(backward)
+        if self._pass_tokens:
+            metrics["harts/tokens_per_second"].append(self._pass_tokens / (self._pass_seconds + backward))
+        return output

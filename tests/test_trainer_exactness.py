@@ -1,0 +1,164 @@
+"""HARTSGRPOTrainer == TRL's GRPOTrainer on the same rollouts: losses and parameters after every step.
+
+Both trainers load the same tiny Qwen3.5-style hybrid (GDN + attention) from one directory (the
+reference model of beta > 0 is reloaded from it, as TRL does), use the in-code tokenizer and a
+deterministic ``rollout_func`` whose rows share prompts and completion prefixes and carry env masks
+(tool tokens attended, not trained). fp32 on CPU. The optimiser is SGD: Adam divides each update
+by the gradient's own magnitude, so parameters whose gradient is ~1e-9 would flip by 2 * lr on
+rounding noise and hide what the test compares (the gradients' values).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from tiny_models import tiny_model
+from trl import GRPOConfig, GRPOTrainer
+
+from harts_hf.envs.tokenizer import build_tokenizer
+from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+GROUP = 4
+PROMPTS = ["solve: 12+7=", "list the files in /srv", "ab"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    tiny_model("qwen3_5").save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def branching_rollout(prompts: list[str], trainer) -> dict:
+    """Row k of a prompt's group: a completion prefix shared by pairs of rows, a tool call whose
+    result (env_mask 0) the model attends but is not trained on, then a row-specific tail."""
+    tok = trainer.processing_class
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    seen: dict[str, int] = {}
+    for prompt in prompts:
+        k = seen.get(prompt, 0)
+        seen[prompt] = k + 1
+        ids = tok(prompt)["input_ids"]
+        shared = np.random.default_rng([sum(ids), k // 2]).integers(8, 100, size=5).tolist()
+        tail = np.random.default_rng([sum(ids), 99, k]).integers(8, 100, size=3 + k).tolist()
+        completion = shared + [6] + tail[:2] + [2] + tail[2:] + [2]
+        mask = [1] * len(shared) + [0] * 4 + [1] * (len(tail) - 2) + [1]
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(completion)
+        out["logprobs"].append([0.0] * len(completion))
+        out["env_mask"].append(mask)
+    return out
+
+
+def id_reward(completion_ids, **kwargs) -> list[float]:
+    return [float(sum(c) % 11) / 11 for c in completion_ids]
+
+
+def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
+    args = dict(
+        output_dir=str(tmp_path / trainer_cls.__name__),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=8,
+        num_generations=GROUP,
+        max_steps=2,
+        learning_rate=0.05,
+        optim="sgd",
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        max_completion_length=16,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    args.update(overrides)
+    trainer = trainer_cls(
+        model=model_dir,
+        reward_funcs=id_reward,
+        args=config_cls(**args),
+        processing_class=build_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        rollout_func=branching_rollout,
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses
+
+
+def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+CASES = [
+    pytest.param(dict(loss_type="dapo"), id="dapo"),
+    pytest.param(dict(loss_type="dapo", num_iterations=2, beta=0.1), id="dapo-mu2-beta"),
+    pytest.param(dict(loss_type="dapo", gradient_checkpointing=True), id="dapo-checkpointing"),  # TRL's default
+    pytest.param(dict(loss_type="grpo", beta=0.1), id="grpo-beta"),
+    pytest.param(dict(loss_type="grpo", num_iterations=2), id="grpo-mu2"),
+    pytest.param(dict(loss_type="dr_grpo", num_iterations=2, beta=0.1), id="dr_grpo-mu2-beta"),
+    pytest.param(dict(loss_type="bnpo", beta=0.1), id="bnpo-beta"),
+    pytest.param(dict(loss_type="bnpo", num_iterations=2), id="bnpo-mu2"),
+    pytest.param(dict(loss_type="cispo", num_iterations=2, beta=0.1), id="cispo-mu2-beta"),
+    pytest.param(dict(loss_type="sapo", num_iterations=2), id="sapo-mu2"),
+    pytest.param(dict(loss_type="sapo", beta=0.1), id="sapo-beta"),
+    pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2), id="gspo-mu2"),
+    pytest.param(
+        dict(loss_type="dapo", importance_sampling_level="sequence", num_iterations=2, beta=0.1), id="seq-dapo-mu2-beta"
+    ),
+    pytest.param(  # two microbatches per generation batch: the trie-ordered split replaces TRL's shuffle
+        dict(loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2),
+        id="grpo-two-microbatches",
+    ),
+    pytest.param(
+        dict(loss_type="dapo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
+        id="dapo-two-microbatches",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    harts, harts_losses = train(HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, **overrides)
+    start = tiny_model("qwen3_5")
+    assert max_param_diff(stock.model, start) > 1e-3  # the steps moved the weights
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    assert max_param_diff(harts.model, stock.model) < TOL
+    compression = [h["harts/compression"] for h in harts.state.log_history if "harts/compression" in h]
+    assert compression and min(compression) > 1.2  # the forests did share prefixes
+
+
+def test_harts_disabled_is_stock(model_dir, tmp_path):
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, beta=0.1)
+    off, off_losses = train(HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, beta=0.1, harts_enable=False)
+    assert off_losses == stock_losses
+    assert max_param_diff(off.model, stock.model) == 0.0
+    assert not any(k.startswith("harts/") for h in off.state.log_history for k in h)
+
+
+def test_config_accepts_every_grpo_field():
+    theirs = {f.name: f for f in fields(GRPOConfig)}
+    ours = {f.name: f for f in fields(HARTSGRPOConfig)}
+    assert set(theirs) <= set(ours)
+    extra = set(ours) - set(theirs)
+    assert extra and all(name.startswith("harts_") and ours[name].metadata.get("help") for name in extra)
+    a, b = GRPOConfig("x", use_cpu=True), HARTSGRPOConfig("x", use_cpu=True)
+    assert all(getattr(a, n) == getattr(b, n) for n in theirs if n not in ("output_dir", "logging_dir"))
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(harts_max_tokens_per_microbatch=0), dict(harts_chunk_size=-1), dict(harts_cost_model={"flops": 1.0})]
+)
+def test_config_validation(bad):
+    with pytest.raises(ValueError, match="harts_"):
+        HARTSGRPOConfig("x", use_cpu=True, **bad)
