@@ -263,3 +263,19 @@ def test_several_forests_in_one_plan(world_size):
     for r, g in zip(ref_lp, got):
         torch.testing.assert_close(g, r, rtol=0, atol=TOL)
     assert_same((ref_lp[0], ref_grads), (got[0], [p.grad for p in params]))
+
+
+def test_attached_logprobs_backpropagate_through_the_replay():
+    """A caller that owns loss.backward() (TRL) gets the same gradients: the backward replays."""
+    model = patch_model(tiny_model("kimi_linear"))
+    seqs, forest = _forest(6)
+    loss_fn = sequence_loss(forest)
+    ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+    params = trainable(model)
+    for p in params:
+        p.grad = None
+    engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([5, 33, 64, 66, 90])))
+    lps, ents = engine.attached_logprobs(return_entropy=True)
+    assert lps[0].requires_grad and not ents[0].requires_grad
+    loss_fn(lps).backward()
+    assert_same(ref, (lps[0].detach(), [torch.zeros_like(p) if p.grad is None else p.grad for p in params]))

@@ -162,3 +162,22 @@ def test_config_accepts_every_grpo_field():
 def test_config_validation(bad):
     with pytest.raises(ValueError, match="harts_"):
         HARTSGRPOConfig("x", use_cpu=True, **bad)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(dict(loss_type="dapo", beta=0.1), id="dapo-beta"),
+        pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2), id="gspo-mu2"),
+    ],
+)
+def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path):
+    """Microbatch forests above the budget run as planned pieces (policy, old policy, reference)."""
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    harts, harts_losses = train(
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=48, **overrides
+    )
+    microbatches = [h["harts/microbatches"] for h in harts.state.log_history if "harts/microbatches" in h]
+    assert microbatches and min(microbatches) >= 3  # the engine split every forest
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    assert max_param_diff(harts.model, stock.model) < TOL

@@ -124,6 +124,23 @@ class TreeEngine:
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
+    def attached_logprobs(
+        self, return_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`logprobs` attached to the autograd graph: the recording pass runs now, and
+        backpropagating any loss through the result replays the units in reverse (as
+        :meth:`backward` does), accumulating the parameters' ``.grad``. For callers that own the
+        loss and its ``backward()`` (TRL's trainer). Single process only: the replay's nested
+        backward passes accumulate gradients outside any DDP reducer. Entropies carry no gradient."""
+        _check_no_dropout(self.hf)
+        store = Store(self.forests, self.units)
+        with torch.no_grad(), self._hooks():
+            values, ents = self._record(store, return_entropy)
+        anchor = next(p for p in self.hf.parameters() if p.requires_grad)
+        values = _Replay.apply(self, store, anchor, *values)
+        lp = self._layout(list(values))
+        return (lp, self._layout(ents)) if return_entropy else lp
+
     def backward(self, loss_fn: LossFn, *, per_token: bool = False, return_entropy: bool = False) -> torch.Tensor:
         """Backpropagate ``loss_fn(logprobs)`` (``loss_fn(logprobs, entropies)`` with
         ``return_entropy``; entropies carry no gradient) into the model's parameters, exactly as
@@ -179,12 +196,16 @@ class TreeEngine:
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
         loss.backward()
+        self._replay_units(store, [v.grad for v in values])
+        return loss.detach()
+
+    def _replay_units(self, store: Store, grads: list[torch.Tensor]) -> None:
+        """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f])."""
         for unit in reversed(self.units):
             handoff = Handoff(store, unit, grad=True)
             lp, _ = self._run(unit, handoff, False)
             index = torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
-            self._send(store, handoff, [lp], [values[unit.forest].grad[index]])
-        return loss.detach()
+            self._send(store, handoff, [lp], [grads[unit.forest][index]])
 
     def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backpropagate ``tensors`` plus the unit's exports (with their consumers' gradients),
@@ -263,3 +284,22 @@ class TreeEngine:
             for unit in self.units:
                 unit.batch.handoff = None
             self._handoff = None
+
+
+class _Replay(torch.autograd.Function):
+    """Identity on recorded pair values whose backward replays the engine's units (the model's
+    parameters receive their gradients there; ``anchor``, one of them, only puts the values on the
+    graph)."""
+
+    @staticmethod
+    def forward(ctx, engine: TreeEngine, store: Store, anchor: torch.Tensor, *values: torch.Tensor):
+        ctx.engine, ctx.store = engine, store
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        engine = ctx.engine
+        grads = [torch.zeros(n, device=engine.device) if g is None else g for g, n in zip(grads, engine.num_pairs)]
+        with torch.enable_grad(), engine._hooks():
+            engine._replay_units(ctx.store, grads)
+        return (None, None, None, *[None] * len(grads))

@@ -3,8 +3,10 @@
 Only seams are overridden; TRL's generation, rewards, advantages and every loss stay TRL's:
 
 - ``_get_per_token_logps_and_entropies`` (policy, old policy and reference passes): the rows
-  become a :class:`~harts_hf.RolloutForest` and one tree pass computes each shared prefix once;
-  the result is mapped back to TRL's ``[B, C]`` completion layout (``rows.py``).
+  become a :class:`~harts_hf.RolloutForest` and one tree pass computes each shared prefix once
+  (a forest above ``harts_max_tokens_per_microbatch`` runs as planned pieces through
+  :class:`~harts_hf.engine.TreeEngine`); the result is mapped back to TRL's ``[B, C]``
+  completion layout (``rows.py``).
 - ``_prepare_inputs``: the generation batch is arranged by prefix instead of shuffled row by row
   (``arrange.py``), and with several processes planned over the ranks.
 - ``compute_loss`` / ``training_step``: timing metrics, and the row-count correction the
@@ -21,6 +23,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 
+from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import Plan, plan
@@ -102,16 +105,49 @@ class HARTSGRPOTrainer(GRPOTrainer):
             )
         forest = rows_forest(input_ids, attention_mask)
         start = time.perf_counter()
-        options = dict(
-            temperature=self.temperature, return_entropy=compute_entropy, output_router_logits=compute_aux_loss
-        )
-        with self.accelerator.autocast():
-            out = model(**{FOREST_KWARG: forest, "harts_options": options})
+        if forest.num_compact_tokens <= self.args.harts_max_tokens_per_microbatch:
+            options = {
+                "temperature": self.temperature,
+                "return_entropy": compute_entropy,
+                "output_router_logits": compute_aux_loss,
+            }
+            with self.accelerator.autocast():
+                out = model(**{FOREST_KWARG: forest, "harts_options": options})
+            logprobs, entropy, aux_loss = out.logprobs, out.entropy, out.aux_loss
+        else:
+            logprobs, entropy = self._engine_pass(model, forest, compute_entropy, compute_aux_loss)
+            aux_loss = None
         if torch.is_grad_enabled():
             self._record_train_pass(forest, time.perf_counter() - start)
-        logps = to_completion_layout(out.logprobs, attention_mask, logits_to_keep)
-        entropies = to_completion_layout(out.entropy, attention_mask, logits_to_keep) if compute_entropy else None
-        return logps, entropies, out.aux_loss if compute_aux_loss else None
+        logps = to_completion_layout(logprobs, attention_mask, logits_to_keep)
+        entropies = to_completion_layout(entropy, attention_mask, logits_to_keep) if compute_entropy else None
+        return logps, entropies, aux_loss if compute_aux_loss else None
+
+    def _engine_pass(
+        self, model, forest: RolloutForest, compute_entropy: bool, compute_aux_loss: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A microbatch whose forest exceeds the budget: the engine runs the planned pieces (one
+        graph alive at a time); with grad, TRL's ``loss.backward()`` replays them."""
+        budget = self.args.harts_max_tokens_per_microbatch
+        if compute_aux_loss:
+            raise ValueError(
+                f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
+                f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
+            )
+        if torch.is_grad_enabled() and self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens is split by the "
+                "engine, which runs single-process only: raise the budget or lower per_device_train_batch_size"
+            )
+        engine = TreeEngine(
+            self.accelerator.unwrap_model(model), forest, self._plan(forest), temperature=self.temperature
+        )
+        with self.accelerator.autocast():
+            if torch.is_grad_enabled():
+                lps, ents = engine.attached_logprobs(return_entropy=True)
+            else:
+                lps, ents = engine.logprobs(return_entropy=True)
+        return lps[0], ents[0] if compute_entropy else None
 
     def _record_train_pass(self, forest: RolloutForest, seconds: float) -> None:
         mode = "train" if self.model.training else "eval"
