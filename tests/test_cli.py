@@ -87,3 +87,13 @@ def test_calibrate_writes_a_cost_model_plan_reads(tmp_path):
     args = ["plan", "--workload", "grpo-group", "--world-size", "2", "--cost-model", str(path), "--json", str(out)]
     assert main(args) == 0
     assert json.loads(out.read_text())["world_size"] == 2
+
+
+def test_readme_test_command_is_what_ci_runs():
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    ci = [line for line in (root / ".ci/run").read_text().splitlines() if line.startswith("pip install")]
+    readme = (root / "README.md").read_text()
+    assert len(ci) == 1 and ci[0] in readme
+    assert "&& harts-hf train\n" in readme  # command 1: the main job
