@@ -1,6 +1,7 @@
 """One prepared GPU check of the fla backend: equivalence with the torch backend on real fla
 kernels (fp32 and bf16, forward and gradients) and timings of tree waves vs trajectory-wise
-calls per layer kind at realistic sizes. Exits cleanly without CUDA.
+calls per layer kind at realistic sizes, and the same for the tree conv (fla's kernel vs the
+torch gather). Exits cleanly without CUDA.
 
     python scripts/gpu_check.py              # on a CUDA machine with fla + triton
     python scripts/gpu_check.py --interpret  # CPU, Triton interpreter, tiny sizes: our kernel only
@@ -35,6 +36,73 @@ def inputs(kind: str, n: int, H: int, K: int, dtype, device, seed: int):
     if kind in ("gated_delta", "kda"):
         x["beta"] = torch.rand(n, H, generator=gen, device=device)
     return {name: t.to(dtype if name in ("q", "k", "v") else torch.float32).requires_grad_() for name, t in x.items()}
+
+
+def timed(forward, *args) -> float:
+    """ms of ``forward(*args)`` and the backward of its squared sum, the last of 3 runs (the first
+    ones warm up)."""
+    import torch
+
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        forward(*args).float().square().sum().backward()
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) * 1e3
+    return elapsed
+
+
+def rel_errors(ref, got, leaves) -> list[float]:
+    """max |got - ref| / max |ref| of the output and of every leaf's gradient (random cotangent)."""
+    import torch
+
+    w = torch.randn_like(ref)
+    gr = torch.autograd.grad((w * ref).sum(), leaves)
+    gg = torch.autograd.grad((w * got.float()).sum(), leaves)
+    rel = lambda a, b: ((b.float() - a.float()).abs().max() / a.float().abs().max()).item()
+    return [rel(ref, got)] + [rel(a, b) for a, b in zip(gr, gg)]
+
+
+def conv_check(small, big, traj, dev) -> None:
+    """Tree conv (width 4, silu): fla's kernel vs the torch backend (fp32, bf16), then fla's
+    kernel vs the torch gather vs trajectory-wise at D = 8192 (a Qwen3.5-sized q/k/v conv)."""
+    import torch
+
+    from harts_hf.ops import tree_causal_conv1d
+    from harts_hf.ops.backends import ENV
+    from harts_hf.ops.fla import conv as fla_conv
+    from harts_hf.ops.tree_batch import TreeBatch
+
+    def inputs(n: int, D: int, dtype, seed: int):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=gen, device=dev).to(dtype).requires_grad_()
+        return r(n, D), r(D, 4), r(D)
+
+    def run(x, w, b, batch, backend: str, gather_below: float):
+        os.environ[ENV] = backend
+        fla_conv.GATHER_BELOW_MEAN_CHAIN = gather_below
+        return tree_causal_conv1d(x, w, b, batch, activation="silu")
+
+    print("\n== conv: fla kernel vs torch backend (max |diff| / max |ref|)")
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        x, w, b = inputs(small.num_compact_tokens, 256, dtype, 3)
+        ref = run(*(t.float() for t in (x, w, b)), TreeBatch.from_forest(small, device=dev), "torch", 0.0)
+        got = run(x, w, b, TreeBatch.from_forest(small, device=dev), "fla", 0.0)
+        errs = rel_errors(ref, got, [x, w, b])
+        status = "ok" if max(errs) <= tol else "FAIL"
+        print(f"conv {dtype!s:15s} o {errs[0]:.1e}  grads max {max(errs[1:]):.1e}  {status}")
+
+    batch = TreeBatch.from_forest(big, device=dev)
+    print(f"\n== conv timing, D=8192 W=4 bf16, fwd+bwd ms (tree mean chain {fla_conv.mean_chain(batch):.0f} tokens)")
+    for name, forest, gather_below in (
+        ("fla kernel", big, 0.0),
+        ("torch gather", big, float("inf")),
+        ("traj kernel", traj, 0.0),
+    ):
+        x, w, b = inputs(forest.num_compact_tokens, 8192, torch.bfloat16, 4)
+        fb = TreeBatch.from_forest(forest, device=dev)
+        print(f"{name:13s} {timed(run, x, w, b, fb, 'fla', gather_below):9.1f}")
+    fla_conv.GATHER_BELOW_MEAN_CHAIN = 16.0
 
 
 def main() -> int:
@@ -102,11 +170,7 @@ def main() -> int:
                 "torch",
             )
             got = run(kind, x, TreeBatch.from_forest(small, device=dev), "fla")
-            w = torch.randn_like(ref)
-            gr = torch.autograd.grad((w * ref).sum(), list(x.values()))
-            gg = torch.autograd.grad((w * got.float()).sum(), list(x.values()))
-            errs = [((got.float() - ref).abs().max() / ref.abs().max()).item()]
-            errs += [((b.float() - a.float()).abs().max() / a.float().abs().max()).item() for a, b in zip(gr, gg)]
+            errs = rel_errors(ref, got, list(x.values()))
             status = "ok" if max(errs) <= tol else "FAIL"
             print(f"{kind:12s} {dtype!s:15s} o {errs[0]:.1e}  grads max {max(errs[1:]):.1e}  {status}")
 
@@ -121,20 +185,14 @@ def main() -> int:
         for forest in (big, traj):
             batch = TreeBatch.from_forest(forest, device=dev)
             x = inputs(kind, forest.num_compact_tokens, 16, 128, torch.bfloat16, dev, 2)
-            for rep in range(3):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = run(kind, x, batch, "fla")
-                out.float().square().sum().backward()
-                torch.cuda.synchronize()
-                elapsed = (time.perf_counter() - start) * 1e3
-            row.append(elapsed)
+            row.append(timed(run, kind, x, batch, "fla"))
         batch = TreeBatch.from_forest(big, device=dev)
         cut = WAVES_LAYOUT[kind] == "cut"
         print(
             f"{kind:12s} {WAVES_LAYOUT[kind]:7s} {rounds_of(batch, 64).num_rounds:6d} "
             f"{waves_of(batch, 64, cut).num_waves:6d} {row[0]:9.1f} {row[1]:9.1f}"
         )
+    conv_check(small, big, traj, dev)
     return 0
 
 

@@ -1,6 +1,10 @@
 """Tests that run Triton kernels in Triton's CPU interpreter; ``test_ops_fla_interpreter.py`` runs
 this file in a subprocess (TRITON_INTERPRET must be set before triton is imported, and the rest
-of the suite must not see triton). Tiny shapes: the interpreter runs kernels in numpy."""
+of the suite must not see triton). Tiny shapes: the interpreter runs kernels in numpy.
+
+Covered: our delta-rule state-gradient kernel; the registry choosing the fla backend; the tree
+conv on fla's real ``causal_conv1d`` forward and backward kernels (only its dh0 kernel, which the
+interpreter refuses, has a stand-in); the bench's fallback note."""
 
 from __future__ import annotations
 
@@ -13,15 +17,20 @@ import numpy as np
 import pytest
 import torch
 from chunk_scan_cases import assert_close
+from fla.modules.causal_conv1d import ops as fla_conv_ops
 from fla_naive_segments import naive_segments
-from trees import NASTY_TREES
+from trees import NASTY_TREES, nasty_tree_params
 from triton.runtime import autotuner
 
 from harts_hf.forest import RolloutForest
-from harts_hf.ops import backends, tree_gated_delta_rule
+from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
+from harts_hf.ops.conv import tree_causal_conv1d_torch
+from harts_hf.ops.fla import conv as fla_conv
+from harts_hf.ops.fla import fallback_note, sequential_calls
 from harts_hf.ops.fla.delta_state_grad import delta_state_grad
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
+from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
 # fla's kernels autotune over several configs; the interpreter cannot time them: take the first.
@@ -108,3 +117,139 @@ def test_registry_picks_fla_under_the_interpreter(monkeypatch: pytest.MonkeyPatc
     got = tree_gated_delta_rule(q, k, v, g, beta, batch, use_qk_l2norm=True)[0]
     ref = tree_gated_delta_rule_torch(q, k, v, g, beta, TreeBatch.from_forest(forest), use_qk_l2norm=True)[0]
     assert_close("o", ref, got)
+
+
+def interpreter_dh0(dy, y, weight, initial_state, activation, cu_seqlens, dht=None):
+    """Stand-in for fla's ``compute_dh0_triton`` (its kernel's mask has a dtype the interpreter
+    refuses; on a GPU fla's own kernel runs): dh0[n, :, i] = sum_{t < i} dy'[bos_n + t] * w[:, i-1-t],
+    dy' = dy through the silu of the pre-activation y. Its result reaches every test below through
+    the gradients of the ancestors' inputs, compared with the torch backend."""
+    assert dht is None
+    W = weight.shape[1]
+    dy = dy[0].float()
+    if activation in ("silu", "swish"):
+        s = torch.sigmoid(y[0].float())
+        dy = dy * s * (1 + y[0].float() * (1 - s))
+    bos = cu_seqlens[:-1].long()
+    lens = cu_seqlens[1:].long() - bos
+    dh0 = torch.zeros_like(initial_state, dtype=torch.float32)
+    for t in range(W - 1):
+        rows = dy[(bos + t).clamp(max=dy.shape[0] - 1)] * (t < lens)[:, None]  # [S, D]
+        for i in range(t + 1, W):
+            dh0[:, :, i] += rows * weight[:, i - 1 - t].float()
+    return dh0.to(initial_state.dtype)
+
+
+@pytest.fixture
+def conv_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's conv kernel on every batch (no fragmented-batch gather), dh0 by the stand-in."""
+    monkeypatch.setattr(fla_conv_ops, "compute_dh0_triton", interpreter_dh0)
+    monkeypatch.setattr(fla_conv, "GATHER_BELOW_MEAN_CHAIN", 0.0)
+
+
+def conv_inputs(n: int, seed: int, D: int = 6, W: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, bias = torch.randn(n, D, generator=gen), torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    return x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+
+
+def conv_grads(out: torch.Tensor, cot: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad((out * cot).sum(), leaves)
+
+
+@pytest.mark.parametrize("build", nasty_tree_params())
+def test_conv_matches_torch_backend(build, conv_kernel) -> None:
+    """fla's kernel vs the torch backend on whole forests: outputs and the gradients of x,
+    weight and bias (chain halos reach x through dh0)."""
+    forest = RolloutForest.from_sequences(build(np.random.default_rng(0)))
+    x, weight, bias = leaves = conv_inputs(forest.num_compact_tokens, 1)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    ref = tree_causal_conv1d_torch(x, weight, bias, TreeBatch.from_forest(forest), activation="silu")
+    got = fla_conv.tree_causal_conv1d_fla(x, weight, bias, TreeBatch.from_forest(forest), activation="silu")
+    assert_close("out", ref, got)
+    for name, a, b in zip(("x", "weight", "bias"), conv_grads(ref, cot, leaves), conv_grads(got, cot, leaves)):
+        assert_close(f"d{name}", a, b)
+
+
+# (tree, partition): contiguous DFS thirds cut chains and hand halos over; stride 2 cuts every chain.
+PIECES = [
+    pytest.param("caterpillar", "thirds", id="caterpillar-thirds"),
+    pytest.param("branch_at_64", "thirds", id="branch_at_64-thirds"),
+    pytest.param("strict_prefix", "stride_2", id="strict_prefix-stride_2"),
+]
+
+
+@pytest.mark.parametrize("tree, partition", PIECES)
+def test_conv_pieces_with_context(tree: str, partition: str, conv_kernel) -> None:
+    """Pieces with ``context_x`` halos equal the unsplit torch backend, and the pieces' gradients
+    (context rows included) sum to its gradients."""
+    forest = RolloutForest.from_sequences(NASTY_TREES[tree](np.random.default_rng(0)))
+    n = forest.num_compact_tokens
+    x, weight, bias = leaves = conv_inputs(n, 5)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    ref = tree_causal_conv1d_torch(x, weight, bias, TreeBatch.from_forest(forest), activation="silu")
+    pieces = np.array_split(np.arange(n), 3) if partition == "thirds" else [np.arange(r, n, 2) for r in range(2)]
+    loss, halos = 0, 0
+    for tokens in pieces:
+        batch = TreeBatch.from_forest(forest, tokens=tokens)
+        ids = batch.global_index.numpy()
+        ctx, own = ids[: batch.num_context], ids[batch.num_context :]
+        halos += ctx.size
+        context_x = x[ctx] if ctx.size else None
+        out = fla_conv.tree_causal_conv1d_fla(x[own], weight, bias, batch, activation="silu", context_x=context_x)
+        assert_close("piece out", ref[own].detach(), out.detach())
+        loss = loss + (out * cot[own]).sum()
+    assert halos >= len(pieces) - 1
+    for name, a, b in zip(("x", "weight", "bias"), conv_grads(ref, cot, leaves), torch.autograd.grad(loss, leaves)):
+        assert_close(f"piece d{name}", a, b)
+
+
+@pytest.mark.parametrize("activation, width", [(None, 4), ("gelu", 3)], ids=["no_activation", "gelu_w3"])
+def test_conv_activations_and_widths(activation: str | None, width: int, conv_kernel) -> None:
+    """No activation in or after the kernel, and an activation fla lacks (applied after it)."""
+    forest = RolloutForest.from_sequences(NASTY_TREES["grpo_group"](np.random.default_rng(0)))
+    x, weight, _ = conv_inputs(forest.num_compact_tokens, 3, W=width)
+    ref = tree_causal_conv1d_torch(x, weight, None, TreeBatch.from_forest(forest), activation=activation)
+    got = fla_conv.tree_causal_conv1d_fla(x, weight, None, TreeBatch.from_forest(forest), activation=activation)
+    assert_close("out", ref, got)
+    for name, a, b in zip(("x", "weight"), *(torch.autograd.grad(o.square().sum(), (x, weight)) for o in (ref, got))):
+        assert_close(f"d{name}", a, b)
+
+
+def test_conv_registry_and_fragmented_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HARTS_BACKEND=fla serves conv on CPU under the interpreter; a fragmented batch takes the
+    torch gather (fla's kernel would idle on 1-token chains), a GRPO group fla's kernel."""
+    monkeypatch.setenv(backends.ENV, "fla")
+    fragmented = TreeBatch.from_forest(
+        RolloutForest.from_sequences(NASTY_TREES["one_token_nodes"](np.random.default_rng(0)))
+    )
+    group = TreeBatch.from_forest(RolloutForest.from_sequences(NASTY_TREES["grpo_group"](np.random.default_rng(0))))
+    x, weight, bias = conv_inputs(fragmented.num_tokens, 4)
+    assert backends.implementation("conv", x, weight, bias, fragmented) is fla_conv.tree_causal_conv1d_fla
+    assert fla_conv.uses_gather(fragmented) and not fla_conv.uses_gather(group)
+    ref = tree_causal_conv1d_torch(x, weight, bias, fragmented, activation="silu")
+    assert_close("gathered", ref, tree_causal_conv1d(x, weight, bias, fragmented, activation="silu"))
+    assert "torch gather" in fallback_note("conv", fragmented)
+    assert fallback_note("conv", group) is None
+
+
+def test_fallback_note_and_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bench output: with fla serving a cut-layout kind the sequential calls are the waves (more
+    than the rounds on a chain of mid-chunk branches) and a note says so; on torch, rounds, no note."""
+    rng = np.random.default_rng(0)
+    trunk, seqs = [], []
+    for _ in range(6):  # a caterpillar of 70-token turns: a side leaf inside every other chunk
+        trunk = trunk + rng.integers(0, 1 << 20, size=70).tolist()
+        seqs.append(trunk + rng.integers(0, 1 << 20, size=3).tolist())
+    batch = TreeBatch.from_forest(RolloutForest.from_sequences([*seqs, trunk]))
+    rounds = rounds_of(batch, 64).num_rounds
+    monkeypatch.setenv(backends.ENV, "fla")
+    waves = sequential_calls("gated_delta", batch)
+    assert waves > rounds
+    assert fallback_note("gated_delta", batch) == (
+        f"gated_delta: fla exact cut-path fallback (no interior-boundary state gradients), "
+        f"{waves} sequential waves vs {rounds} rounds"
+    )
+    monkeypatch.setenv(backends.ENV, "torch")
+    assert sequential_calls("gated_delta", batch) == rounds
+    assert fallback_note("gated_delta", batch) is None

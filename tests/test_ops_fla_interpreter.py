@@ -1,7 +1,7 @@
-"""Runs ``fla_interpreter_cases.py`` (our Triton kernels, and the fla backend chosen through the
-registry) in Triton's CPU interpreter, in a subprocess: TRITON_INTERPRET must be set before
-triton is imported, and the rest of the suite must not import triton at all (transformers would
-send hybrid layers to fla's GPU-only kernels). The README's test command installs triton into
+"""Runs ``fla_interpreter_cases.py`` (our Triton kernels, fla's conv kernels, and the fla backend
+chosen through the registry) in Triton's CPU interpreter, in a subprocess: TRITON_INTERPRET must
+be set before triton is imported, and the rest of the suite must not import triton at all
+(transformers would send hybrid layers to fla's GPU-only kernels). The README's test command installs triton into
 ``.triton/`` (``pip install --target``), outside the venv, for this subprocess only."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 
 TRITON_SITE = Path(__file__).parents[1] / ".triton"
 

@@ -14,7 +14,7 @@ from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 
 from harts_hf.forest import RolloutForest
-from harts_hf.ops.fla import backend
+from harts_hf.ops.fla import backend, fallback_note, sequential_calls
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
 from harts_hf.ops.fla.waves import waves_of
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
@@ -109,3 +109,12 @@ def test_state_outputs_match_torch_backend() -> None:
     got = call(backend.tree_gated_delta_rule_fla, x, batch, chunk, state_out_tokens=out)[1]
     assert_close("states", ref, got)
     assert_close("grad v", *(torch.autograd.grad(s.square().sum(), x["v"])[0] for s in (ref, got)))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bench_sees_rounds_when_fla_does_not_serve(kind: str) -> None:
+    """Without fla serving the call (no triton here), bench output keeps the torch rounds and no note."""
+    batch = TreeBatch.from_forest(RolloutForest.from_sequences(NASTY_TREES["deep_chain"](np.random.default_rng(0))))
+    assert not backend.fla_available()
+    assert sequential_calls(kind, batch) == rounds_of(batch, 64).num_rounds
+    assert fallback_note(kind, batch) is None

@@ -3,33 +3,50 @@
 Available when fla and triton import and either CUDA is present or Triton's interpreter is on
 (``TRITON_INTERPRET=1``, CPU tests); it accepts calls whose tensors sit where the kernels run and
 whose chunk grid is fla's (a multiple of 64). Each kind runs the exact *cut* layout
-(``waves.py``: one extra wave per needed interior boundary on a chain), reported once per kind
-in the log: ``WAVES_LAYOUT`` says which layout each kind uses.
+(``waves.py``: one extra wave per needed interior boundary on a chain), logged once per kind;
+``WAVES_LAYOUT`` says which layout each kind uses.
 
-Legend: N piece tokens, Hk key heads, H value heads, K key dim, V value dim.
+One mechanism serves every kind (as ``linear_attention.run_tree_kind`` serves the torch kinds):
+a kind's fla implementation takes the signature of its torch backend, bound per call, so the
+public op's arguments reach :func:`.driver.run_waves` unchanged; a kind declares only its torch
+backend and, if it needs one, a rewrite of the bound arguments (simple GLA's constant decay).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import torch
 
 from ..backends import register
-from ..tree_batch import TreeBatch
+from ..gated_delta import tree_gated_delta_rule_torch
+from ..gla import tree_gla_torch, tree_simple_gla_torch
+from ..kda import tree_kda_torch
 from .driver import run_waves
 from .public_ops import SEGMENT_OPS
 
-__all__ = ["FLA_CHUNK", "WAVES_LAYOUT", "fla_available", "interpreting"]
+__all__ = [
+    "FLA_CHUNK",
+    "WAVES_LAYOUT",
+    "fla_available",
+    "interpreting",
+    "tree_gated_delta_rule_fla",
+    "tree_gla_fla",
+    "tree_kda_fla",
+    "tree_simple_gla_fla",
+]
 
 logger = logging.getLogger(__name__)
 FLA_CHUNK = 64
 # kind -> "cut" (exact fallback, extra waves) or "rounds" (zero extra rounds).
 WAVES_LAYOUT = {"gated_delta": "cut", "kda": "cut", "gla": "cut", "simple_gla": "cut"}
+
+Arguments = dict[str, object]
 
 
 def interpreting() -> bool:
@@ -47,155 +64,64 @@ def fla_available() -> bool:
     return _importable() and (interpreting() or torch.cuda.is_available())
 
 
+def runs_on(tensor: torch.Tensor) -> bool:
+    """fla's kernels can take ``tensor``: on CUDA, or anywhere under the interpreter."""
+    return tensor.is_cuda or interpreting()
+
+
 def _accepts(q: torch.Tensor, *args, chunk_size: int = 64, **kwargs) -> bool:
-    return (q.is_cuda or interpreting()) and chunk_size % FLA_CHUNK == 0
+    return runs_on(q) and chunk_size % FLA_CHUNK == 0
 
 
-def _run(kind: str, batch: TreeBatch, chunk_size: int, *, l2: bool = False, **inputs) -> tuple:
-    cut = WAVES_LAYOUT[kind] == "cut"
-    if cut:
+@functools.cache
+def _announce(kind: str) -> None:
+    if WAVES_LAYOUT[kind] == "cut":
         logger.info("harts-hf: fla %s uses the cut layout (exact, extra sequential waves)", kind)
-    kernel = functools.partial(SEGMENT_OPS[kind], l2=l2)
-    return run_waves(kernel, batch, chunk_size, cut=cut, **inputs)
 
 
-def _scale(k: torch.Tensor, scale: float | None) -> float:
-    return k.shape[-1] ** -0.5 if scale is None else scale
+def _fla_kind(kind: str, torch_fn: Callable, prepare: Callable[[Arguments], Arguments] | None = None) -> Callable:
+    """Register and return the fla implementation of ``kind``, with ``torch_fn``'s signature.
+
+    ``prepare`` rewrites the bound arguments before they reach the driver; what it must leave
+    (beyond q, k, v, g, beta, context, initial_states, state_out_tokens) are ``batch``,
+    ``chunk_size``, ``scale`` and the delta rules' ``use_qk_l2norm``.
+    """
+    signature = inspect.signature(torch_fn)
+
+    def tree_op_fla(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = dict(call.arguments) if prepare is None else prepare(dict(call.arguments))
+        batch, chunk_size = a.pop("batch"), a.pop("chunk_size")
+        l2 = a.pop("use_qk_l2norm", False)
+        a["scale"] = a["k"].shape[-1] ** -0.5 if a["scale"] is None else a["scale"]
+        a.setdefault("beta", None)
+        _announce(kind)
+        kernel = functools.partial(SEGMENT_OPS[kind], l2=l2)
+        return run_waves(kernel, batch, chunk_size, cut=WAVES_LAYOUT[kind] == "cut", **a)
+
+    tree_op_fla.__name__ = tree_op_fla.__qualname__ = torch_fn.__name__.removesuffix("_torch") + "_fla"
+    tree_op_fla.__doc__ = f"fla backend of the ``{kind}`` tree op (arguments: :func:`{torch_fn.__name__}`)."
+    tree_op_fla.__signature__ = signature
+    return register(kind, "fla", available=fla_available, accepts=_accepts)(tree_op_fla)
 
 
-@register("gated_delta", "fla", available=fla_available, accepts=_accepts)
-def tree_gated_delta_rule_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    batch: TreeBatch,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    context: Mapping[str, torch.Tensor] | None = None,
-    initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla backend of :func:`harts_hf.ops.tree_gated_delta_rule`."""
-    return _run(
-        "gated_delta",
-        batch,
-        chunk_size,
-        l2=use_qk_l2norm,
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=_scale(k, scale),
-        context=context,
-        initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
-    )
-
-
-@register("kda", "fla", available=fla_available, accepts=_accepts)
-def tree_kda_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    batch: TreeBatch,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    context: Mapping[str, torch.Tensor] | None = None,
-    initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla backend of :func:`harts_hf.ops.tree_kda`."""
-    return _run(
-        "kda",
-        batch,
-        chunk_size,
-        l2=use_qk_l2norm,
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=_scale(k, scale),
-        context=context,
-        initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
-    )
-
-
-@register("gla", "fla", available=fla_available, accepts=_accepts)
-def tree_gla_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    batch: TreeBatch,
-    *,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    context: Mapping[str, torch.Tensor] | None = None,
-    initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla backend of :func:`harts_hf.ops.tree_gla`."""
-    return _run(
-        "gla",
-        batch,
-        chunk_size,
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=None,
-        scale=_scale(k, scale),
-        context=context,
-        initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
-    )
-
-
-@register("simple_gla", "fla", available=fla_available, accepts=_accepts)
-def tree_simple_gla_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
-    batch: TreeBatch,
-    *,
-    g_gamma: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    context: Mapping[str, torch.Tensor] | None = None,
-    initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla backend of :func:`harts_hf.ops.tree_simple_gla`; a constant ``g_gamma`` becomes a
-    per-token g so that tail padding stays neutral."""
+def _per_token_decay(a: Arguments) -> Arguments:
+    """Simple GLA: a constant ``g_gamma`` becomes a per-token g, so that tail padding (g = 0)
+    stays neutral; g is fp32 like the torch backend's."""
+    g, g_gamma, v = a["g"], a.pop("g_gamma"), a["v"]
     if (g is None) == (g_gamma is None):
         raise ValueError("pass exactly one of g (per-token decay) and g_gamma (constant per-head decay)")
     heads = v.shape[1]
-    per_token = lambda gates, n: gates.float() if g_gamma is None else g_gamma.float().expand(n, heads)
+    decay = lambda gates, n: gates.float() if g_gamma is None else g_gamma.float().expand(n, heads)
+    a["g"] = decay(g, v.shape[0])
+    context = a["context"]
     if context is not None:
-        context = {**context, "g": per_token(context.get("g"), context["v"].shape[0])}
-    return _run(
-        "simple_gla",
-        batch,
-        chunk_size,
-        q=q,
-        k=k,
-        v=v,
-        g=per_token(g, v.shape[0]),
-        beta=None,
-        scale=_scale(k, scale),
-        context=context,
-        initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
-    )
+        a["context"] = {**context, "g": decay(context.get("g"), context["v"].shape[0])}
+    return a
+
+
+tree_gated_delta_rule_fla = _fla_kind("gated_delta", tree_gated_delta_rule_torch)
+tree_kda_fla = _fla_kind("kda", tree_kda_torch)
+tree_gla_fla = _fla_kind("gla", tree_gla_torch)
+tree_simple_gla_fla = _fla_kind("simple_gla", tree_simple_gla_torch, prepare=_per_token_decay)
