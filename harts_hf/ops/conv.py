@@ -66,7 +66,7 @@ class _Conv(torch.autograd.Function):
         return dxa.to(xa.dtype), dweight.to(weight.dtype), None
 
 
-def _check(x, weight, bias, batch, context_x) -> None:
+def check_conv_args(x, weight, bias, batch, context_x) -> None:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: need x [N, D] and weight [D, W]")
     if bias is not None and bias.shape != (x.shape[1],):
@@ -90,7 +90,7 @@ def tree_causal_conv1d_torch(
     context_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch tree causal conv (see :func:`tree_causal_conv1d`)."""
-    _check(x, weight, bias, batch, context_x)
+    check_conv_args(x, weight, bias, batch, context_x)
     parts = (x,) if context_x is None else (context_x, x)
     xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [Nk + 1, D]
     table = batch.cached(("conv", weight.shape[1]), lambda b: _gather_table(b, weight.shape[1]))
