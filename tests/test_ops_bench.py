@@ -24,6 +24,7 @@ TOP_FIELDS = {
     "kinds",
 }
 KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds"}
+LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding"}
 
 
 def grpo_group(prompt: int, completions: list[int]) -> list[list[int]]:
@@ -64,13 +65,16 @@ def test_ideals_and_rounds_of_a_grpo_group() -> None:
     assert report["attended_pair_ratio"] == pytest.approx(pairs_traj / pairs_tree)
     for kind, row in report["kinds"].items():
         linear = kind in LINEAR_KINDS
-        assert set(row) == KIND_FIELDS | ({"grid_ideal"} if linear else set())
+        assert set(row) == KIND_FIELDS | (LINEAR_FIELDS if linear else set())
         assert row["ideal"] == pytest.approx(pairs_traj / pairs_tree if kind == "attention" else 148 / 84)
         # Linear kinds: 2 rounds (the prompt path, then the second completion); 4 chunks of 64
         # trajectory-wise vs 3 on the tree (the second completion starts on a chunk boundary).
         assert (row["rounds"], row["traj_rounds"]) == ((2, 1) if linear else (1, 1))
         if linear:
             assert row["grid_ideal"] == pytest.approx(4 / 3)
+            # Ragged layout: the completions' chunks run at 16 slots (10 tokens, rounded up to 8).
+            assert row["slot_ideal"] == pytest.approx(2 * (64 + 16) / (64 + 2 * 16))
+            assert (row["replayed"], row["padding"]) == (0, 2 * 6)
 
 
 def test_unknown_kind_and_bad_repeats_are_refused() -> None:

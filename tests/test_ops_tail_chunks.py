@@ -1,7 +1,7 @@
-"""Ragged rounds (every path's last chunk at its length bucket): the layout holds exactly the tokens
-of the rounds, and every linear kind on trees of short paths, whose last chunks take every length
-with and without replay, equals its oracle run trajectory by trajectory (outputs and gradients),
-whole and as a piece with external states."""
+"""Ragged rounds (exact starts, every chunk at its length bucket): the layout computes every token once,
+in chunks that stay inside the trajectory chunk grid, and every linear kind on trees of short paths,
+whose first and last chunks take every length, equals its oracle run trajectory by trajectory
+(outputs and gradients), whole and as a piece with external states (which replay context tokens)."""
 
 from __future__ import annotations
 
@@ -52,24 +52,37 @@ def forest_of(name: str) -> RolloutForest:
     return RolloutForest.from_sequences(TREES[name](np.random.default_rng(0)))
 
 
+def chunk_rows(rag) -> list[list[int]]:
+    """Every chunk of a ragged round as its combined token indices, padding stripped."""
+    streams = rag.gather.split([c * length for c, length in zip(rag.chunks, rag.lengths)])
+    rows = [row for s, length in zip(streams, rag.lengths) for row in s.view(-1, length).tolist()]
+    return [[t for t in row if t >= 0] for row in rows]
+
+
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("chunk", [16, CHUNK, 64])
-def test_layout_holds_the_rounds_chunks_without_their_padding(name: str, chunk: int) -> None:
-    batch = TreeBatch.from_forest(forest_of(name))
+def test_layout_computes_every_token_once_in_grid_chunks(name: str, chunk: int) -> None:
+    """No replayed ancestor, no chunk across the trajectory chunk grid, < BUCKET padding per short chunk."""
+    forest = forest_of(name)
+    batch = TreeBatch.from_forest(forest)
+    pos, prev = forest.position, forest.prev
+    computed = []
     for rnd, rag in zip(rounds_of(batch, chunk).rounds, ragged_rounds_of(batch, chunk), strict=True):
         assert rag.lengths[0] == chunk and rag.lengths == sorted(set(rag.lengths), reverse=True)
         assert all(length % BUCKET == 0 for length in rag.lengths[1:])
         streams = rag.gather.split([c * length for c, length in zip(rag.chunks, rag.lengths)])
-        truncated = [row for s, length in zip(streams, rag.lengths) for row in s.view(-1, length).tolist()]
-        padded = sorted(row + [-1] * (chunk - len(row)) for row in truncated)
-        assert padded == sorted(rnd.gather.view(-1, chunk).tolist())  # each chunk once, nothing valid cut
-        for s, length in zip(streams[1:], rag.lengths[1:]):  # a tail keeps < BUCKET padding slots
-            assert ((s.view(-1, length) >= 0).sum(1) > length - BUCKET).all()
+        for s, length in zip(streams, rag.lengths):  # valid slots first, then < BUCKET padding slots
+            valid = s.view(-1, length) >= 0
+            assert (valid.sum(1) > length - BUCKET).all()
+            assert torch.equal(valid, valid.sum(1, keepdim=True) > torch.arange(length))
+        for row in chunk_rows(rag):
+            assert (prev[row[1:]] == row[:-1]).all(), "a chunk is a root-ward chain"
+            assert pos[row[0]] // chunk == pos[row[-1]] // chunk, "a chunk stays inside one grid chunk"
         assert torch.equal(rag.gather[rag.own_slot], rnd.gather[rnd.own_slot])
         assert [sum(sec) for sec in rag.sections] == rag.chunks
         assert sorted(rag.final_order.tolist()) == list(range(rnd.step_counts[0]))
-        visits = [v for step in rag.steps for v in step]
-        assert all(s == 0 for s, ranks in visits if ranks is None)  # continuing paths take full chunks
+        computed += [t for row in chunk_rows(rag) for t in row]
+    assert sorted(computed) == list(range(forest.num_compact_tokens)), "every token computed exactly once"
 
 
 def leaves_of(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -86,27 +99,27 @@ def leaves_of(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
     return {name: x.requires_grad_() for name, x in leaves.items()}
 
 
-def tree_op(kind: str, leaves: dict[str, torch.Tensor], take, batch: TreeBatch, **kwargs) -> tuple:
+def tree_op(kind: str, leaves: dict[str, torch.Tensor], take, batch: TreeBatch, chunk: int = CHUNK, **kwargs) -> tuple:
     """``kind``'s tree op on the rows ``take`` of every leaf (l2-normalised q/k for the delta kinds)."""
     args = [take(leaves[n]) for n in NAMES if n in leaves]
     if kind == "gated_delta":
-        return tree_gated_delta_rule(*args, batch, use_qk_l2norm=True, chunk_size=CHUNK, **kwargs)
+        return tree_gated_delta_rule(*args, batch, use_qk_l2norm=True, chunk_size=chunk, **kwargs)
     if kind == "kda":
-        return tree_kda(*args, batch, use_qk_l2norm=True, chunk_size=CHUNK, **kwargs)
+        return tree_kda(*args, batch, use_qk_l2norm=True, chunk_size=chunk, **kwargs)
     fn = tree_gla if kind == "gla" else tree_simple_gla
-    return fn(*args, batch, chunk_size=CHUNK, **kwargs)
+    return fn(*args, batch, chunk_size=chunk, **kwargs)
 
 
-def oracle(kind: str, leaves: dict[str, torch.Tensor], per_traj) -> torch.Tensor:
+def oracle(kind: str, leaves: dict[str, torch.Tensor], per_traj, chunk: int = CHUNK) -> torch.Tensor:
     """[B, T, H, V] every trajectory alone: transformers' torch kernels (delta kinds), fla's naive refs."""
     q, k, v, g, *beta = (per_traj(leaves[n]) for n in NAMES if n in leaves)
     if kind == "gated_delta":
-        return chunk_gdn_torch(q, k, v, g, beta[0], chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
+        return chunk_gdn_torch(q, k, v, g, beta[0], chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
     if kind == "kda":
-        return chunk_kda_torch(q, k, v, g=g, beta=beta[0], chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)[0]
+        return chunk_kda_torch(q, k, v, g=g, beta=beta[0], chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
     if kind == "gla":
         return naive_gla.naive_recurrent_gla(q, k, v, g)[0]
-    return naive_simple_gla.naive_chunk_simple_gla(q, k, v, g, chunk_size=CHUNK)[0]
+    return naive_simple_gla.naive_chunk_simple_gla(q, k, v, g, chunk_size=chunk)[0]
 
 
 KINDS = ["gated_delta", "kda", "gla", "simple_gla"]

@@ -6,10 +6,13 @@ share_prefixes=False)``: every trajectory its own root, so the kernel, its packi
 overheads are identical and only the sharing differs. Ideal speedups: the token compression for
 the token-linear kinds (conv, linear attention), the attended-pair ratio for attention (pairs of a
 forest = sum over compact tokens of position + 1). Linear kinds also report ``grid_ideal``, the
-ratio of chunk slots (chunk-padded paths, replays included) the two runs compute: at small scales
-paths are not much longer than a chunk, and the chunk grid, not the kernel, caps the speedup (swe-like
-with one task: grid 1.66x vs tokens 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02; the grid reaches
-0.9 of the token compression near scale 0.2, ~1M trajectory tokens).
+ratio of chunk slots of :func:`~harts_hf.ops.rounds.rounds_of`'s C-slot layout (chunk-padded paths,
+replays of the parent's tokens up to the branch point included; the fla backend's layout): at small
+scales paths are not much longer than a chunk, and that grid caps the speedup (swe-like with one task:
+grid 1.66x vs tokens 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02). The torch backend computes the
+ragged layout of :func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece
+tokens, chunks at their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
+and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
 ``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
 (:func:`keep_freed_memory`), so the numbers measure the kernels rather than thread scheduling on a
@@ -40,6 +43,7 @@ from .gated_delta import tree_gated_delta_rule
 from .gla import tree_gla, tree_simple_gla
 from .kda import tree_kda
 from .rounds import rounds_of
+from .tail_chunks import ragged_rounds_of
 from .tree_batch import TreeBatch
 
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
@@ -127,8 +131,14 @@ def _attended_pairs(forest: RolloutForest) -> int:
 
 
 def _chunk_slots(batch: TreeBatch) -> int:
-    """Packed token slots the linear kinds compute: every round's chunks times the chunk size."""
+    """Packed token slots of the C-slot layout: every round's chunks times the chunk size."""
     return sum(r.gather.numel() for r in rounds_of(batch, CHUNK).rounds)
+
+
+def _ragged_slots(batch: TreeBatch) -> tuple[int, int]:
+    """(slots, slots holding a token) the torch backend's linear kinds compute (``ragged_rounds_of``)."""
+    layout = ragged_rounds_of(batch, CHUNK)
+    return sum(r.gather.numel() for r in layout), sum(int((r.gather >= 0).sum()) for r in layout)
 
 
 def bench_ops(
@@ -151,8 +161,8 @@ def bench_ops(
 
     Returns the forest statistics and, per kind: ``tree_ms``, ``traj_ms``, ``speedup``, ``ideal``,
     ``of_ideal`` (speedup / ideal), ``rounds`` / ``traj_rounds`` (sequential kernel calls per
-    layer), and ``grid_ideal`` for the linear kinds (see the module docstring); ``kept_memory``
-    says whether freed memory was kept.
+    layer), and ``grid_ideal``, ``slot_ideal``, ``replayed``, ``padding`` for the linear kinds (see the
+    module docstring); ``kept_memory`` says whether freed memory was kept.
     """
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -213,7 +223,11 @@ def _bench(
             "traj_rounds": rounds_of(batches["traj"], CHUNK).num_rounds if linear else 1,
         }
         if linear:
+            slots, filled = _ragged_slots(batches["tree"])
             row["grid_ideal"] = _chunk_slots(batches["traj"]) / _chunk_slots(batches["tree"])
+            row["slot_ideal"] = _ragged_slots(batches["traj"])[0] / slots
+            row["replayed"] = filled - tree.num_compact_tokens
+            row["padding"] = slots - filled
         results[kind] = row
     bar.close()
     return {
@@ -236,10 +250,10 @@ def format_table(report: dict[str, object]) -> str:
         f"{report['compact_tokens']:,} compact ({report['compression']:.2f}x), attended pairs "
         f"{report['attended_pair_ratio']:.2f}x; median of {report['repeats']}, {report['threads']} thread(s)"
     )
-    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "rounds")
+    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "slot ideal", "rounds")
     rows = [head]
     for kind, r in report["kinds"].items():
-        grid = r.get("grid_ideal")
+        grid, slot = r.get("grid_ideal"), r.get("slot_ideal")
         rows.append(
             (
                 kind,
@@ -249,6 +263,7 @@ def format_table(report: dict[str, object]) -> str:
                 f"{r['ideal']:.2f}x",
                 f"{r['of_ideal']:.2f}",
                 "-" if grid is None else f"{grid:.2f}x",
+                "-" if slot is None else f"{slot:.2f}x",
                 f"{r['rounds']} (vs {r['traj_rounds']})",
             )
         )

@@ -11,12 +11,12 @@ Hk key heads, K key dim, V value dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["GDN_KERNEL", "gdn_chunk_scan", "tree_gated_delta_rule"]
@@ -68,7 +68,21 @@ def gdn_step(
     return q @ state + a @ v_new, state * decay + k.transpose(-1, -2) @ v_new
 
 
-GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step)
+def gdn_state_at(
+    state: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    chunk: torch.Tensor,
+    take: Callable[[str], torch.Tensor],
+    upto: torch.Tensor,
+) -> torch.Tensor:
+    """State after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (a stream's :func:`gdn_intra` rows)
+    from its start state [R, H, K, V] (``take``: the chunks' prepared inputs by name, k [R, L, H, K],
+    g [R, L, H]): :func:`gdn_step`'s end-state update truncated at that row."""
+    u, w = rows[0][chunk], rows[1][chunk]  # [R, H, L, V], [R, H, L, K]
+    return prefix_state(state, take("k"), u - w @ state, take("g"), upto)
+
+
+GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step, gdn_state_at)
 
 
 def gdn_chunk_scan(

@@ -18,13 +18,13 @@ P paths, N tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, expand_heads, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, expand_heads, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -48,6 +48,20 @@ def gla_step(
     """Inter-chunk half of (simple) GLA: the active paths' start states [n, H, K, V] and their
     chunk's rows -> (outputs [n, H, L, V], end states)."""
     return q_decay @ state + o_intra, state * chunk_decay + kv_local
+
+
+def gla_state_at(
+    state: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    chunk: torch.Tensor,
+    take: Callable[[str], torch.Tensor],
+    upto: torch.Tensor,
+) -> torch.Tensor:
+    """State after row ``upto[r]`` of the requested chunks from their start states [R, H, K, V]
+    (``take``: the chunks' prepared inputs by name, k [R, L, H, K], v [R, L, H, V], g [R, L, H] or
+    [R, L, H, K]; the intra ``rows`` are not needed without the delta rule): :func:`gla_step`'s
+    end-state update truncated at that row."""
+    return prefix_state(state, take("k"), take("v").transpose(1, 2), take("g"), upto)
 
 
 def channel_decay_scores(queries: Sequence[torch.Tensor], k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -100,7 +114,7 @@ def gla_intra(
     return q_decay, o_intra, chunk_decay, kv_local
 
 
-GLA_KERNEL = ChunkKernel(gla_intra, gla_step)
+GLA_KERNEL = ChunkKernel(gla_intra, gla_step, gla_state_at)
 
 
 def gla_chunk_scan(
@@ -147,7 +161,7 @@ def simple_gla_intra(
     return q_decay, o_intra, chunk_decay, kv_local
 
 
-SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step)
+SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step, gla_state_at)
 
 
 def simple_gla_chunk_scan(

@@ -14,13 +14,13 @@ P paths, N tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from .backends import dispatch, register
 from .gla import channel_decay_scores
-from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["KDA_KERNEL", "kda_chunk_scan", "tree_kda"]
@@ -68,7 +68,21 @@ def kda_step(
     return q @ state + a @ v_new, state * decay + k @ v_new
 
 
-KDA_KERNEL = ChunkKernel(kda_intra, kda_step)
+def kda_state_at(
+    state: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    chunk: torch.Tensor,
+    take: Callable[[str], torch.Tensor],
+    upto: torch.Tensor,
+) -> torch.Tensor:
+    """State after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (a stream's :func:`kda_intra` rows)
+    from its start state [R, H, K, V] (``take``: the chunks' prepared inputs by name, k [R, L, H, K],
+    g [R, L, H, K]): :func:`kda_step`'s end-state update truncated at that row."""
+    u, w = rows[0][chunk], rows[1][chunk]  # [R, H, L, V], [R, H, L, K]
+    return prefix_state(state, take("k"), u - w @ state, take("g"), upto)
+
+
+KDA_KERNEL = ChunkKernel(kda_intra, kda_step, kda_state_at)
 
 
 def kda_chunk_scan(

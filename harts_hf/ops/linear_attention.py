@@ -1,18 +1,19 @@
 """The tree driver shared by every chunkwise linear-attention kind (GDN, KDA, GLA, simple GLA).
 
-``rounds.py`` cuts the tree into chunk-aligned paths grouped into rounds; this driver runs the
-rounds in order, each as ONE scan of the kind's kernel over all of its paths packed
-*step-major*: chunk 0 of paths 0..n_0-1, then chunk 1 of paths 0..n_1-1, ... (paths sorted by
-chunk count, descending; ``step_counts = [n_0, n_1, ...]``; tails padded with the neutral token
-q=k=v=0, g=0, beta=0). A path's initial state is a boundary state of its parent path from the
-previous round (or zeros / a caller-given state for root paths); replayed tokens' outputs are
-dropped.
+``rounds.py`` cuts the tree into paths grouped into rounds; this driver runs the rounds in order, each
+as ONE scan of the kind's kernel over all of its paths packed *step-major*: chunk 0 of paths
+0..n_0-1, then chunk 1 of paths 0..n_1-1, ... (paths sorted by chunk count, descending;
+``step_counts = [n_0, n_1, ...]``; padding slots hold the neutral token q=k=v=0, g=0, beta=0). A
+path's initial state is a state of its parent path from the previous round (or zeros / a
+caller-given state for root paths).
 
 A kind's kernel is a :class:`ChunkKernel`: ``intra`` does the intra-chunk work batched over chunks,
-``step`` one inter-chunk step of the active paths. :func:`chunk_scan` runs them on a step-major
-round (the ``<kind>_chunk_scan`` functions); the tree driver runs them on the round's *ragged*
-layout (``tail_chunks.py``: every path's last chunk at its true length, rounded up to 8), which
-skips most of the padding of short paths with the same arithmetic (:func:`scan_ragged`).
+``step`` one inter-chunk step of the active paths, ``state_at`` the state after a given row of a
+chunk. :func:`chunk_scan` runs the first two on a step-major round of full chunks (the
+``<kind>_chunk_scan`` functions); the tree driver runs them on the round's *ragged* layout
+(``tail_chunks.py``): a child path starts exactly at its branch point from the mid-chunk state
+``state_at`` computed in its parent's round (no replay of the parent's tokens), and every chunk runs
+at its true length rounded up to 8 (:func:`scan_ragged`).
 
 Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gla.py`` call it)::
 
@@ -46,7 +47,15 @@ from .rounds import rounds_of
 from .tail_chunks import RaggedRound, ragged_rounds_of
 from .tree_batch import TreeBatch
 
-__all__ = ["ChunkKernel", "chunk_scan", "expand_heads", "run_tree_linear_attention", "scan_ragged", "scan_steps"]
+__all__ = [
+    "ChunkKernel",
+    "chunk_scan",
+    "expand_heads",
+    "prefix_state",
+    "run_tree_linear_attention",
+    "scan_ragged",
+    "scan_steps",
+]
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -58,10 +67,16 @@ class ChunkKernel(NamedTuple):
         intra: ``(q, k, v, g, beta, *, scale)`` on chunks ([T, L, H, K] etc., any chunk length L)
             -> per-chunk tensors [T, ...] (the rows ``step`` takes).
         step: ``(state [n, H, K, V], *rows)`` -> (outputs [n, H, L, V], end states [n, H, K, V]).
+        state_at: ``(state [R, H, K, V], rows, chunk [R], take, upto [R])`` -> [R, H, K, V] the state
+            after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (``intra``'s per-chunk tensors of one
+            chunk length) from its start state; ``take(name)`` gathers those chunks' prepared input
+            ``name`` ("k", "v", "g": [R, L, H, ...]), so a kind gathers only what it uses (see
+            :func:`prefix_state`).
     """
 
     intra: Callable[..., tuple[torch.Tensor, ...]]
     step: Step
+    state_at: Callable[..., torch.Tensor]
 
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -69,6 +84,25 @@ def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     if heads % x.shape[1]:
         raise ValueError(f"{heads} value heads is not a multiple of {x.shape[1]} key heads")
     return x.float().repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def prefix_state(
+    state: torch.Tensor, k: torch.Tensor, values: torch.Tensor, g: torch.Tensor, upto: torch.Tensor
+) -> torch.Tensor:
+    """The state after row i = ``upto[r]`` of chunk r, the chunk-end update of every kind truncated at i:
+    ``exp(G_i) * state + sum_{s <= i} (k_s * exp(G_i - G_s))^T values_s``, G the chunk's cumulative
+    log-decay (scalar per head or per key channel).
+
+    state [R, H, K, V] at the chunk's start; k [R, L, H, K]; values [R, H, L, V] (the delta rule's
+    corrected values ``u - w @ state``, plain v otherwise); g [R, L, H] or [R, L, H, K]; upto [R].
+    """
+    cum = g.float().transpose(1, 2).cumsum(2)  # [R, H, L] or [R, H, L, K]
+    cum = cum if cum.dim() == 4 else cum.unsqueeze(-1)  # [R, H, L, K or 1]
+    at = cum.gather(2, upto.view(-1, 1, 1, 1).expand(-1, cum.shape[1], 1, cum.shape[3]))  # [R, H, 1, K|1]
+    later = torch.arange(k.shape[1], device=k.device) > upto[:, None]  # [R, L]
+    rel = (at - cum).masked_fill(later[:, None, :, None], float("-inf")).exp()  # [R, H, L, K|1]
+    keys = k.float().transpose(1, 2) * rel  # [R, H, L, K]
+    return state * at.exp().transpose(-1, -2) + keys.transpose(-1, -2) @ values
 
 
 def scan_steps(
@@ -129,20 +163,19 @@ def scan_ragged(
     state = h0  # [n_m, H, K, V]
     outs: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
     starts, finals = [], []
-    for visits in rnd.steps:
+    for visit in rnd.steps:
         starts.append(state)
-        ending, following = state, None
-        for s, ranks in visits:
-            chunk_rows = next(rows[s])
-            if ranks is None:  # the continuing paths, visited first
-                n_next = chunk_rows[0].shape[0]
-                cont, ending = state.split([n_next, state.shape[0] - n_next])
-                o, following = step(cont, *chunk_rows)
-            else:  # paths ending at this step with chunks of stream s
-                o, done = step(ending if ranks.numel() == ending.shape[0] else ending[ranks], *chunk_rows)
-                finals.append(done)
-            outs[s].append(o)
-        state = following
+        following, ending = state.split([visit.continuing, state.shape[0] - visit.continuing])
+        ends = []
+        for group, states, done in ((visit.following, following, ends), (visit.ending, ending, finals)):
+            for s, ranks in group:
+                o, end = step(states if ranks is None else states[ranks], *next(rows[s]))
+                outs[s].append(o)
+                done.append(end)
+        if visit.order is not None:
+            state = torch.cat(ends)[visit.order]
+        elif ends:
+            state = ends[0]
     flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_s * L_s, H, V]
     return torch.cat(flat), torch.cat(starts), torch.cat(finals)[rnd.final_order]
 
@@ -173,8 +206,8 @@ def run_tree_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``kernel`` over every path of ``batch``, one ragged scan per round (module docstring).
 
-    Handoffs stay in autograd: a boundary state given to several child paths is gathered once per
-    child, so its gradient is the sum of theirs.
+    Handoffs stay in autograd: a state given to several child paths is gathered once per child, so
+    its gradient is the sum of theirs.
     """
     rounds = rounds_of(batch, chunk_size)
     nc, n = batch.num_context, batch.num_tokens
@@ -198,7 +231,7 @@ def run_tree_linear_attention(
     tables |= {name: _combined(x, None if context is None else context[name], nc) for name, x in own.items()}
 
     outs, states = [], []
-    for rnd, ragged in zip(rounds.rounds, ragged_rounds_of(batch, chunk_size)):
+    for ragged in ragged_rounds_of(batch, chunk_size):
         sizes = [c * length for c, length in zip(ragged.chunks, ragged.lengths)]
         split = {name: t[ragged.gather].split(sizes) for name, t in tables.items()}  # S x [T_s * L_s, H, ...]
         per_stream = []
@@ -206,9 +239,19 @@ def run_tree_linear_attention(
             packed = {name: x[s].unflatten(0, (chunks, length)) for name, x in split.items()}  # [T_s, L_s, H, ...]
             inputs = (packed["q"], packed["k"], packed["v"], packed["g"], packed.get("beta"))
             per_stream.append(kernel.intra(*inputs, scale=scale) if chunks else ())
-        o, h_start, h_final = scan_ragged(h_in[rnd.h0_index], ragged, per_stream, kernel.step)
+        o, h_start, h_final = scan_ragged(h_in[ragged.h0_index], ragged, per_stream, kernel.step)
         outs.append(o[ragged.own_slot])  # [n_r, H, V]
-        h_in = torch.cat((h_start, h_final))  # [Tc + P, H, K, V] boundary states of the round
+        mids = [  # [R_s, H, K, V] states after rows of this round's chunks, for the next round's paths
+            kernel.state_at(
+                h_start[req.start],
+                per_stream[req.stream],
+                req.chunk,
+                lambda name, tokens=req.tokens: tables[name][tokens],  # [R_s, L_s, H, ...]
+                req.row,
+            )
+            for req in ragged.requests
+        ]
+        h_in = torch.cat((h_start, h_final, *mids))  # [Tc + P + R, H, K, V] states the next round starts from
         if state_out_tokens is not None:
             states.append(h_in)
     o = torch.cat(outs)[rounds.restore]  # [N, H, V]

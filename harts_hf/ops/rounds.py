@@ -12,6 +12,8 @@ depth d starts at the aligned depth a = floor(d / C) * C from its parent's bound
 *replays* the < C ancestors at depths [a, d) (outputs discarded). Every path then runs on the
 chunk grid of trajectory-wise training. Rounds pack their paths step-major (see
 ``linear_attention.py``): chunk 0 of every path, then chunk 1 of those that have one, ...
+The torch backend runs the layout ``tail_chunks.py`` derives from these rounds instead, where a child
+path starts exactly at d from its parent's mid-chunk state (no replay of piece tokens).
 
 In a piece (``batch.num_context > 0``), tokens whose parent is a context token start *external*
 root paths: their state at boundary a is the state after the context token at depth a - 1, which
@@ -69,6 +71,10 @@ class Rounds:
         token_path, path_round, path_rank, path_start, path_chunks: numpy arrays locating every
             piece token's path (its round, rank within the round, aligned start depth, chunks),
             used to find boundary states (:meth:`state_index`).
+        path_replay: [P] replayed tokens at the head of each path (its first own depth minus
+            ``path_start``).
+        path_parent: [P] the path holding each path's parent token (in the previous round), -1 for a
+            root or external path.
     """
 
     chunk_size: int
@@ -83,6 +89,8 @@ class Rounds:
     path_rank: np.ndarray
     path_start: np.ndarray
     path_chunks: np.ndarray
+    path_replay: np.ndarray
+    path_parent: np.ndarray
 
     @property
     def num_rounds(self) -> int:
@@ -317,6 +325,8 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
         path_rank=path_rank,
         path_start=a,
         path_chunks=chunks,
+        path_replay=replay_len,
+        path_parent=parent_path,
     )
 
 
