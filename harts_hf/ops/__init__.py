@@ -4,6 +4,7 @@ Every op takes the piece's own tokens in DFS order plus a :class:`TreeBatch` and
 the layer on every root-to-leaf trajectory separately.
 """
 
+from . import fla  # noqa: F401  registers the fla backend; imports neither fla nor triton
 from .attention import tree_attention
 from .conv import tree_causal_conv1d
 from .gated_delta import tree_gated_delta_rule
@@ -11,7 +12,6 @@ from .gla import tree_gla, tree_lightning, tree_mamba2_ssd, tree_simple_gla
 from .kda import tree_kda
 from .rounds import rounds_of
 from .tree_batch import TreeBatch
-from . import fla as _fla_backend  # registers the fla backend; imports neither fla nor triton
 
 __all__ = [
     "TreeBatch",
