@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from harts_hf.cli import main
-from harts_hf.ops.bench import KINDS, LINEAR_KINDS, bench_ops
+from harts_hf.ops.bench import KINDS, LINEAR_KINDS, bench_ops, format_table
 
 TOP_FIELDS = {
     "trajectories",
@@ -23,7 +23,7 @@ TOP_FIELDS = {
     "kept_memory",
     "kinds",
 }
-KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds"}
+KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds", "note"}
 LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding"}
 
 
@@ -82,3 +82,28 @@ def test_unknown_kind_and_bad_repeats_are_refused() -> None:
         main(["bench-ops", "--scale", "0.0005", "--kinds", "mamba"])
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         bench_ops(grpo_group(3, [1, 2]), repeats=0, progress=False)
+
+
+def test_fallback_notes_are_printed():
+    report = {
+        "trajectories": 2,
+        "trajectory_tokens": 10,
+        "compact_tokens": 6,
+        "compression": 1.67,
+        "attended_pair_ratio": 1.5,
+        "repeats": 3,
+        "threads": 1,
+        "kinds": {
+            "gated_delta": {
+                "tree_ms": 1.0,
+                "traj_ms": 2.0,
+                "speedup": 2.0,
+                "ideal": 1.67,
+                "of_ideal": 1.2,
+                "rounds": 4,
+                "traj_rounds": 1,
+                "note": "gated_delta: fla exact cut-path fallback",
+            }
+        },
+    }
+    assert format_table(report).endswith("\nnote: gated_delta: fla exact cut-path fallback")

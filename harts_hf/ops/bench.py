@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from ..forest import RolloutForest
 from .attention import tree_attention
 from .conv import tree_causal_conv1d
+from .fla import fallback_note, sequential_calls
 from .gated_delta import tree_gated_delta_rule
 from .gla import tree_gla, tree_simple_gla
 from .kda import tree_kda
@@ -219,8 +220,9 @@ def _bench(
             "speedup": traj_s / tree_s,
             "ideal": ideal,
             "of_ideal": traj_s / tree_s / ideal,
-            "rounds": rounds_of(batches["tree"], CHUNK).num_rounds if linear else 1,
-            "traj_rounds": rounds_of(batches["traj"], CHUNK).num_rounds if linear else 1,
+            "rounds": sequential_calls(kind, batches["tree"], CHUNK) if linear else 1,
+            "traj_rounds": sequential_calls(kind, batches["traj"], CHUNK) if linear else 1,
+            "note": fallback_note(kind, batches["tree"], CHUNK),
         }
         if linear:
             slots, filled = _ragged_slots(batches["tree"])
@@ -268,7 +270,9 @@ def format_table(report: dict[str, object]) -> str:
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-    return forest + "\n" + "\n".join(
+    table = "\n".join(
         "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
         for row in rows
     )
+    notes = "".join(f"\nnote: {r['note']}" for r in report["kinds"].values() if r.get("note"))
+    return forest + "\n" + table + notes
