@@ -55,10 +55,14 @@ def test_state_at_every_row_matches_the_recurrent_reference(kind: str, length: i
     kernel = KERNELS[kind]
     chunk = {n: t[None] for n, t in x.items()}  # [1, L, ...]
     rows = kernel.intra(*(chunk.get(n) for n in NAMES), scale=K**-0.5)
+    values = kernel.step(state[None], *rows)[2]  # [1, H, L, V] or None
     upto = torch.arange(length)
     many = lambda t: t.expand(length, *t.shape[1:])  # the same chunk once per asked row
     got = kernel.state_at(
-        state.expand(length, -1, -1, -1), rows, torch.zeros_like(upto), lambda name: many(chunk[name]), upto
+        many(state[None]),
+        None if values is None else many(values),
+        lambda name: many(chunk[name].transpose(1, 2)),
+        upto,
     )  # [L, H, K, V]
     ref = torch.stack([recurrent_state(kind, {n: t[: i + 1] for n, t in x.items()}, state) for i in range(length)])
     assert_close("states", ref, got)

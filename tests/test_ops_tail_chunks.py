@@ -19,7 +19,7 @@ from harts_hf.ops.gated_delta import tree_gated_delta_rule
 from harts_hf.ops.gla import tree_gla, tree_simple_gla
 from harts_hf.ops.kda import tree_kda
 from harts_hf.ops.rounds import rounds_of
-from harts_hf.ops.tail_chunks import BUCKET, ragged_rounds_of
+from harts_hf.ops.tail_chunks import BUCKET, ragged_rounds_of, scan_plan_of
 from harts_hf.ops.tree_batch import TreeBatch
 
 CHUNK = 20  # not a power of two: tails round up to 8, 16 or (capped) 20
@@ -83,6 +83,37 @@ def test_layout_computes_every_token_once_in_grid_chunks(name: str, chunk: int) 
         assert sorted(rag.final_order.tolist()) == list(range(rnd.step_counts[0]))
         computed += [t for row in chunk_rows(rag) for t in row]
     assert sorted(computed) == list(range(forest.num_compact_tokens)), "every token computed exactly once"
+
+
+@pytest.mark.parametrize("name", ["short_leaves", "caterpillar", "deep_chain", "wide_fanout"])
+def test_scan_plan_gathers_every_token_once_and_keeps_only_read_states(name: str) -> None:
+    """One gather for the run puts every own token in one slot, chunks grouped by length; the scan keeps
+    the chunk-start states a request or a later round reads, and none in the last round unless a
+    ``state_out_tokens`` state is asked for."""
+    forest = forest_of(name)
+    batch = TreeBatch.from_forest(forest)
+    plan = scan_plan_of(batch, CHUNK)
+    n = forest.num_compact_tokens
+    assert plan.lengths == sorted(plan.lengths, reverse=True)
+    assert plan.gather.numel() == sum(length * sum(c) for length, c in zip(plan.lengths, plan.counts))
+    assert torch.equal(plan.gather[plan.output], torch.arange(n)), "each token's output slot holds the token"
+    padding = torch.ones(plan.gather.numel(), dtype=torch.bool)
+    padding[plan.output] = False
+    assert (plan.gather[padding] == n).all(), "every other slot reads the zero row"
+    layout = ragged_rounds_of(batch, CHUNK)
+    for r, (rag, rp) in enumerate(zip(layout, plan.rounds)):
+        kept = sum(
+            0 if k is None else len(ranks) if isinstance(k, slice) else k.numel()
+            for k, ranks in zip(rp.keep, rag.visit_rank)
+        )
+        starts = set(torch.cat([req.start for req in rag.requests]).tolist()) if rag.requests else set()
+        following = layout[r + 1].h0_index.tolist() if r + 1 < len(layout) else []
+        tc = sum(len(ranks) for ranks in rag.visit_rank)
+        assert kept == len(starts | {row for row in following if row < tc}), f"round {r} keeps unread states"
+    assert all(k is None for k in plan.rounds[-1].keep) and not plan.rounds[-1].finals
+    ends = np.flatnonzero((forest.position + 1) % CHUNK == 0)
+    asked = scan_plan_of(batch, CHUNK, torch.as_tensor(ends))
+    assert sum(0 if rp.picks is None else rp.picks.numel() for rp in asked.rounds) == ends.size
 
 
 def leaves_of(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:

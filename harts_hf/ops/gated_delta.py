@@ -45,44 +45,48 @@ def gdn_intra(
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay  # [T, H, L, L]
     intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    # One triangular solve for both right-hand sides (columns are independent): [u | w].
+    uw = torch.linalg.solve_triangular(
+        ut_system, torch.cat((v_beta, decayed_k_beta), -1), upper=False, unitriangular=True
+    )
+    new_values, k_cumdecay = uw.split((v_beta.shape[-1], key.shape[-1]), -1)
 
     query = query * cum_decay.exp().unsqueeze(-1)
     key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]  # [T, H, 1, 1]
-    return new_values, k_cumdecay, query, intra_chunk_attn, key, chunk_decay
+    wq = torch.cat((k_cumdecay, query), -2)  # [T, H, 2L, K]: one product with the state for both
+    return new_values, wq, intra_chunk_attn, key.transpose(-1, -2), chunk_decay
 
 
 def gdn_step(
-    state: torch.Tensor,
-    u: torch.Tensor,
-    w: torch.Tensor,
-    q: torch.Tensor,
-    a: torch.Tensor,
-    k: torch.Tensor,
-    decay: torch.Tensor,
+    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows (u [n, H, L, V], [w; q] [n, H, 2L, K],
+    a [n, H, L, L], k^T [n, H, K, L], decay [n, H, 1, 1]) -> (o [n, H, L, V], end states, the corrected
+    values v_new [n, H, L, V])."""
+    o, v_new = gdn_output(state, u, wq, a, k, decay)
+    return o, torch.addcmul(k @ v_new, state, decay), v_new
+
+
+def gdn_output(
+    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows -> (o [n, H, L, V], end states)."""
-    v_new = u - w @ state  # [n, H, L, V]
-    return q @ state + a @ v_new, state * decay + k.transpose(-1, -2) @ v_new
+    """:func:`gdn_step` without the end states: (o [n, H, L, V], v_new [n, H, L, V])."""
+    w_state, q_state = (wq @ state).chunk(2, -2)  # [n, H, L, V] each
+    v_new = u - w_state
+    return q_state + a @ v_new, v_new
 
 
 def gdn_state_at(
-    state: torch.Tensor,
-    rows: tuple[torch.Tensor, ...],
-    chunk: torch.Tensor,
-    take: Callable[[str], torch.Tensor],
-    upto: torch.Tensor,
+    state: torch.Tensor, values: torch.Tensor, take: Callable[[str], torch.Tensor], upto: torch.Tensor
 ) -> torch.Tensor:
-    """State after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (a stream's :func:`gdn_intra` rows)
-    from its start state [R, H, K, V] (``take``: the chunks' prepared inputs by name, k [R, L, H, K],
-    g [R, L, H]): :func:`gdn_step`'s end-state update truncated at that row."""
-    u, w = rows[0][chunk], rows[1][chunk]  # [R, H, L, V], [R, H, L, K]
-    return prefix_state(state, take("k"), u - w @ state, take("g"), upto)
+    """State after row ``upto[r]`` of chunk r from its start state [R, H, K, V], given the chunks'
+    :func:`gdn_step` values [R, H, L, V] (``take``: the chunks' prepared inputs by name, head-major,
+    k [R, H, L, K], g [R, H, L]): :func:`gdn_step`'s end-state update truncated at that row."""
+    return prefix_state(state, take("k"), values, take("g"), upto)
 
 
-GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step, gdn_state_at)
+GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step, gdn_output, gdn_state_at)
 
 
 def gdn_chunk_scan(

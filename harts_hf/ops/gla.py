@@ -44,24 +44,26 @@ SUB_CHUNK = 8  # rows per sub-chunk of the per-channel decayed scores (see chann
 
 def gla_step(
     state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, chunk_decay: torch.Tensor, kv_local: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, None]:
     """Inter-chunk half of (simple) GLA: the active paths' start states [n, H, K, V] and their
-    chunk's rows -> (outputs [n, H, L, V], end states)."""
-    return q_decay @ state + o_intra, state * chunk_decay + kv_local
+    chunk's rows -> (outputs [n, H, L, V], end states, None: the state update adds the plain v)."""
+    return q_decay @ state + o_intra, torch.addcmul(kv_local, state, chunk_decay), None
+
+
+def gla_output(
+    state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, chunk_decay: torch.Tensor, kv_local: torch.Tensor
+) -> tuple[torch.Tensor, None]:
+    """:func:`gla_step` without the end states."""
+    return q_decay @ state + o_intra, None
 
 
 def gla_state_at(
-    state: torch.Tensor,
-    rows: tuple[torch.Tensor, ...],
-    chunk: torch.Tensor,
-    take: Callable[[str], torch.Tensor],
-    upto: torch.Tensor,
+    state: torch.Tensor, values: None, take: Callable[[str], torch.Tensor], upto: torch.Tensor
 ) -> torch.Tensor:
-    """State after row ``upto[r]`` of the requested chunks from their start states [R, H, K, V]
-    (``take``: the chunks' prepared inputs by name, k [R, L, H, K], v [R, L, H, V], g [R, L, H] or
-    [R, L, H, K]; the intra ``rows`` are not needed without the delta rule): :func:`gla_step`'s
-    end-state update truncated at that row."""
-    return prefix_state(state, take("k"), take("v").transpose(1, 2), take("g"), upto)
+    """State after row ``upto[r]`` of chunk r from its start state [R, H, K, V] (``take``: the chunks'
+    prepared inputs by name, k [R, H, L, K], v [R, H, L, V], g [R, H, L] or [R, H, L, K]; ``values`` is
+    None, the state update adds the plain v): :func:`gla_step`'s end-state update truncated at that row."""
+    return prefix_state(state, take("k"), take("v"), take("g"), upto)
 
 
 def channel_decay_scores(queries: Sequence[torch.Tensor], k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -114,7 +116,7 @@ def gla_intra(
     return q_decay, o_intra, chunk_decay, kv_local
 
 
-GLA_KERNEL = ChunkKernel(gla_intra, gla_step, gla_state_at)
+GLA_KERNEL = ChunkKernel(gla_intra, gla_step, gla_output, gla_state_at)
 
 
 def gla_chunk_scan(
@@ -161,7 +163,7 @@ def simple_gla_intra(
     return q_decay, o_intra, chunk_decay, kv_local
 
 
-SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step, gla_state_at)
+SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step, gla_output, gla_state_at)
 
 
 def simple_gla_chunk_scan(

@@ -46,43 +46,47 @@ def kda_intra(
     # ignores the diagonal). transformers inverts by row-wise forward substitution; a triangular
     # solve gives the same to fp32 rounding.
     ut_system, a_qk = channel_decay_scores((k_beta, q), k, g)  # [T, H, L, L]
-    u = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)  # [T, H, L, V]
-    w = torch.linalg.solve_triangular(ut_system, k_beta * g.exp(), upper=False, unitriangular=True)  # [T, H, L, K]
-    q_decay = q * g.exp()  # [T, H, L, K]
+    # One triangular solve for both right-hand sides (columns are independent): [u | w].
+    decay = g.exp()  # [T, H, L, K]
+    uw = torch.linalg.solve_triangular(
+        ut_system, torch.cat((v_beta, k_beta * decay), -1), upper=False, unitriangular=True
+    )
+    u, w = uw.split((v.shape[-1], k.shape[-1]), -1)
+    wq = torch.cat((w, q * decay), -2)  # [T, H, 2L, K]: [w; q decayed], one product with the state for both
     k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [T, H, K, L]
     chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [T, H, K, 1]
-    return u, w, q_decay, a_qk, chunk_decay, k_decay
+    return u, wq, a_qk, chunk_decay, k_decay
 
 
 def kda_step(
-    state: torch.Tensor,
-    u: torch.Tensor,
-    w: torch.Tensor,
-    q: torch.Tensor,
-    a: torch.Tensor,
-    decay: torch.Tensor,
-    k: torch.Tensor,
+    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows (u [n, H, L, V], [w; q] [n, H, 2L, K],
+    a [n, H, L, L], decay [n, H, K, 1], decayed k^T [n, H, K, L]) -> (o [n, H, L, V], end states, the
+    corrected values v_new [n, H, L, V])."""
+    o, v_new = kda_output(state, u, wq, a, decay, k)
+    return o, torch.addcmul(k @ v_new, state, decay), v_new
+
+
+def kda_output(
+    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows -> (o [n, H, L, V], end states)."""
-    v_new = u - w @ state  # [n, H, L, V]
-    return q @ state + a @ v_new, state * decay + k @ v_new
+    """:func:`kda_step` without the end states: (o [n, H, L, V], v_new [n, H, L, V])."""
+    w_state, q_state = (wq @ state).chunk(2, -2)  # [n, H, L, V] each
+    v_new = u - w_state
+    return q_state + a @ v_new, v_new
 
 
 def kda_state_at(
-    state: torch.Tensor,
-    rows: tuple[torch.Tensor, ...],
-    chunk: torch.Tensor,
-    take: Callable[[str], torch.Tensor],
-    upto: torch.Tensor,
+    state: torch.Tensor, values: torch.Tensor, take: Callable[[str], torch.Tensor], upto: torch.Tensor
 ) -> torch.Tensor:
-    """State after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (a stream's :func:`kda_intra` rows)
-    from its start state [R, H, K, V] (``take``: the chunks' prepared inputs by name, k [R, L, H, K],
-    g [R, L, H, K]): :func:`kda_step`'s end-state update truncated at that row."""
-    u, w = rows[0][chunk], rows[1][chunk]  # [R, H, L, V], [R, H, L, K]
-    return prefix_state(state, take("k"), u - w @ state, take("g"), upto)
+    """State after row ``upto[r]`` of chunk r from its start state [R, H, K, V], given the chunks'
+    :func:`kda_step` values [R, H, L, V] (``take``: the chunks' prepared inputs by name, head-major,
+    k [R, H, L, K], g [R, H, L, K]): :func:`kda_step`'s end-state update truncated at that row."""
+    return prefix_state(state, take("k"), values, take("g"), upto)
 
 
-KDA_KERNEL = ChunkKernel(kda_intra, kda_step, kda_state_at)
+KDA_KERNEL = ChunkKernel(kda_intra, kda_step, kda_output, kda_state_at)
 
 
 def kda_chunk_scan(

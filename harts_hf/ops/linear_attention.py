@@ -15,6 +15,13 @@ chunk. :func:`chunk_scan` runs the first two on a step-major round of full chunk
 ``state_at`` computed in its parent's round (no replay of the parent's tokens), and every chunk runs
 at its true length rounded up to 8 (:func:`scan_ragged`).
 
+Short chunks make the per-chunk overhead, not the token work, the cost of a tree, so the driver follows a
+:class:`~harts_hf.ops.tail_chunks.ScanPlan`: one gather of every input for the whole run, ``intra`` once
+per chunk length for all rounds together, states kept in visiting order (a visit's states are a view),
+and only the states a later use reads are materialised: the chunk-start states a request or the next
+round reads, the end states only where the next round or ``state_out_tokens`` reads one (the other
+last chunks run ``output``). A request reuses its chunk's ``step`` values instead of recomputing them.
+
 Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gla.py`` call it)::
 
     run_tree_linear_attention(
@@ -40,11 +47,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from .rounds import rounds_of
-from .tail_chunks import RaggedRound, ragged_rounds_of
+from .tail_chunks import RaggedRound, RoundPlan, ragged_rounds_of, scan_plan_of
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -57,7 +63,7 @@ __all__ = [
     "scan_steps",
 ]
 
-Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 class ChunkKernel(NamedTuple):
@@ -66,16 +72,20 @@ class ChunkKernel(NamedTuple):
     Args:
         intra: ``(q, k, v, g, beta, *, scale)`` on chunks ([T, L, H, K] etc., any chunk length L)
             -> per-chunk tensors [T, ...] (the rows ``step`` takes).
-        step: ``(state [n, H, K, V], *rows)`` -> (outputs [n, H, L, V], end states [n, H, K, V]).
-        state_at: ``(state [R, H, K, V], rows, chunk [R], take, upto [R])`` -> [R, H, K, V] the state
-            after row ``upto[r]`` of chunk ``chunk[r]`` of ``rows`` (``intra``'s per-chunk tensors of one
-            chunk length) from its start state; ``take(name)`` gathers those chunks' prepared input
-            ``name`` ("k", "v", "g": [R, L, H, ...]), so a kind gathers only what it uses (see
-            :func:`prefix_state`).
+        step: ``(state [n, H, K, V], *rows)`` -> (outputs [n, H, L, V], end states [n, H, K, V], values):
+            ``values`` [n, H, L, V] are the values the state update adds (the delta rule's corrected
+            values ``u - w @ state``), None where they are the plain inputs v.
+        output: ``step`` without the end states, (outputs, values): a path's last chunk whose end state
+            nobody reads.
+        state_at: ``(state [R, H, K, V], values, take, upto [R])`` -> [R, H, K, V] the state after row
+            ``upto[r]`` of chunk r from its start state; ``values`` [R, H, L, V] are those chunks' ``step``
+            values (or None), ``take(name)`` gathers their prepared input ``name`` head-major ("k", "v", "g":
+            [R, H, L, ...]), so a kind gathers only what it uses (see :func:`prefix_state`).
     """
 
     intra: Callable[..., tuple[torch.Tensor, ...]]
     step: Step
+    output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     state_at: Callable[..., torch.Tensor]
 
 
@@ -93,29 +103,29 @@ def prefix_state(
     ``exp(G_i) * state + sum_{s <= i} (k_s * exp(G_i - G_s))^T values_s``, G the chunk's cumulative
     log-decay (scalar per head or per key channel).
 
-    state [R, H, K, V] at the chunk's start; k [R, L, H, K]; values [R, H, L, V] (the delta rule's
-    corrected values ``u - w @ state``, plain v otherwise); g [R, L, H] or [R, L, H, K]; upto [R].
+    state [R, H, K, V] at the chunk's start; k [R, H, L, K]; values [R, H, L, V] (the delta rule's
+    corrected values ``u - w @ state``, plain v otherwise); g [R, H, L] or [R, H, L, K]; upto [R].
     """
-    cum = g.float().transpose(1, 2).cumsum(2)  # [R, H, L] or [R, H, L, K]
+    cum = g.float().cumsum(2)  # [R, H, L] or [R, H, L, K]
     cum = cum if cum.dim() == 4 else cum.unsqueeze(-1)  # [R, H, L, K or 1]
     at = cum.gather(2, upto.view(-1, 1, 1, 1).expand(-1, cum.shape[1], 1, cum.shape[3]))  # [R, H, 1, K|1]
-    later = torch.arange(k.shape[1], device=k.device) > upto[:, None]  # [R, L]
+    later = torch.arange(k.shape[2], device=k.device) > upto[:, None]  # [R, L]
     rel = (at - cum).masked_fill(later[:, None, :, None], float("-inf")).exp()  # [R, H, L, K|1]
-    keys = k.float().transpose(1, 2) * rel  # [R, H, L, K]
-    return state * at.exp().transpose(-1, -2) + keys.transpose(-1, -2) @ values
+    keys = k.float() * rel  # [R, H, L, K]
+    return torch.addcmul(keys.transpose(-1, -2) @ values, state, at.exp().transpose(-1, -2))
 
 
 def scan_steps(
     h0: torch.Tensor,
     step_counts: list[int],
     per_chunk: Sequence[torch.Tensor],
-    step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    step: Step,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inter-chunk recurrence of a step-major round, for any kind's kernel.
 
     ``per_chunk`` are [Tc, ...] tensors; ``step(state, *rows)`` gets the start states [n_m, H, K, V]
     of the active paths and their rows of every ``per_chunk`` tensor at chunk step m, and returns
-    (outputs [n_m, ...], end states). Rows are taken by ``split``, not slicing: a slice's backward
+    (outputs [n_m, ...], end states, values). Rows are taken by ``split``, not slicing: a slice's backward
     writes a zero-filled full-size gradient per step, which makes backward quadratic in Tc.
     Returns (cat of outputs [Tc, ...], h_start [Tc, H, K, V], h_final [P, H, K, V]).
     """
@@ -123,7 +133,7 @@ def scan_steps(
     outs, starts, finals = [], [], []
     for m, rows in enumerate(zip(*(x.split(step_counts) for x in per_chunk))):
         starts.append(state)
-        o, state = step(state, *rows)
+        o, state, _ = step(state, *rows)
         outs.append(o)
         n_next = step_counts[m + 1] if m + 1 < len(step_counts) else 0
         if n_next < state.shape[0]:  # paths n_next.. end at this step
@@ -154,30 +164,42 @@ def chunk_scan(
 
 
 def scan_ragged(
-    h0: torch.Tensor, rnd: RaggedRound, per_stream: Sequence[Sequence[torch.Tensor]], step: Step
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h0: torch.Tensor,
+    rnd: RaggedRound,
+    plan: RoundPlan,
+    per_stream: Sequence[Sequence[torch.Tensor]],
+    kernel: ChunkKernel,
+) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
     """:func:`scan_steps` on a ragged round (``tail_chunks.py``): ``per_stream[s]`` are the per-chunk
-    tensors of stream s. Returns (outputs of every stream flattened to [sum T_s L_s, H, V],
-    h_start [Tc, H, K, V] step-major, h_final [P, H, K, V] by rank)."""
+    tensors of stream s; h0 [P, H, K, V] in step 0's visiting order. Only the states ``plan`` keeps are
+    materialised, and the paths' end states only if ``plan.finals`` (else the ending visits compute their
+    outputs alone). Returns (per stream its outputs [T_s, H, L_s, V] (None without chunks), per stream the
+    ``step`` values of its visits (empty where None), the kept chunk-start states [Ks, H, K, V] or None,
+    h_final [P, H, K, V] by rank or None)."""
     rows = [iter(list(zip(*(x.split(sec) for x in xs)))) for xs, sec in zip(per_stream, rnd.sections)]
-    state = h0  # [n_m, H, K, V]
+    state = h0  # [n_m, H, K, V] in visiting order
     outs: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
-    starts, finals = [], []
-    for visit in rnd.steps:
-        starts.append(state)
-        following, ending = state.split([visit.continuing, state.shape[0] - visit.continuing])
+    values: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
+    kept, finals = [], []
+    for visit, keep in zip(rnd.steps, plan.keep):
+        if keep is not None:
+            kept.append(state if isinstance(keep, slice) else state.index_select(0, keep))
         ends = []
-        for group, states, done in ((visit.following, following, ends), (visit.ending, ending, finals)):
-            for s, ranks in group:
-                o, end = step(states if ranks is None else states[ranks], *next(rows[s]))
-                outs[s].append(o)
-                done.append(end)
-        if visit.order is not None:
-            state = torch.cat(ends)[visit.order]
-        elif ends:
-            state = ends[0]
-    flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_s * L_s, H, V]
-    return torch.cat(flat), torch.cat(starts), torch.cat(finals)[rnd.final_order]
+        for i, (states, (s, _)) in enumerate(zip(state.split([n for _, n in visit.visits]), visit.visits)):
+            if i < visit.following or plan.finals:
+                o, end, vals = kernel.step(states, *next(rows[s]))
+                (ends if i < visit.following else finals).append(end)
+            else:
+                o, vals = kernel.output(states, *next(rows[s]))
+            outs[s].append(o)
+            if vals is not None:
+                values[s].append(vals)
+        if ends:
+            state = torch.cat(ends) if len(ends) > 1 else ends[0]
+            state = state if visit.order is None else state.index_select(0, visit.order)
+    h_start = torch.cat(kept) if kept else None
+    h_final = torch.cat(finals).index_select(0, rnd.final_order) if plan.finals else None
+    return [torch.cat(o) if o else None for o in outs], values, h_start, h_final
 
 
 def _combined(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
@@ -225,43 +247,49 @@ def run_tree_linear_attention(
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))
+    plan = scan_plan_of(batch, chunk_size, state_out_tokens)
 
     own = {"k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
     tables = {"q": _combined(q, None, nc)}
     tables |= {name: _combined(x, None if context is None else context[name], nc) for name, x in own.items()}
+    layout = ragged_rounds_of(batch, chunk_size)
+    sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]
+    split = {name: t.index_select(0, plan.gather).split(sizes) for name, t in tables.items()}
+    inputs, rows = [], []  # per length: prepared inputs {name: [T, L, H, ...]}; per round, the intra rows
+    for j, (length, counts) in enumerate(zip(plan.lengths, plan.counts)):
+        x = {name: parts[j].unflatten(0, (sum(counts), length)) for name, parts in split.items()}
+        per_chunk = kernel.intra(x["q"], x["k"], x["v"], x["g"], x.get("beta"), scale=scale) if sum(counts) else ()
+        inputs.append(x)
+        rows.append(list(zip(*(t.split(counts) for t in per_chunk))) if per_chunk else [()] * len(counts))
 
-    outs, states = [], []
-    for ragged in ragged_rounds_of(batch, chunk_size):
-        sizes = [c * length for c, length in zip(ragged.chunks, ragged.lengths)]
-        split = {name: t[ragged.gather].split(sizes) for name, t in tables.items()}  # S x [T_s * L_s, H, ...]
-        per_stream = []
-        for s, (chunks, length) in enumerate(zip(ragged.chunks, ragged.lengths)):
-            packed = {name: x[s].unflatten(0, (chunks, length)) for name, x in split.items()}  # [T_s, L_s, H, ...]
-            inputs = (packed["q"], packed["k"], packed["v"], packed["g"], packed.get("beta"))
-            per_stream.append(kernel.intra(*inputs, scale=scale) if chunks else ())
-        o, h_start, h_final = scan_ragged(h_in[ragged.h0_index], ragged, per_stream, kernel.step)
-        outs.append(o[ragged.own_slot])  # [n_r, H, V]
+    outs: list[list[torch.Tensor]] = [[] for _ in plan.lengths]  # per length, per round [T, H, L, V]
+    picked = []
+    for r, (ragged, rplan) in enumerate(zip(layout, plan.rounds)):
+        streams = [plan.lengths.index(length) for length in ragged.lengths]
+        per_stream = [rows[j][r] for j in streams]
+        o, values, h_start, h_final = scan_ragged(h_in.index_select(0, rplan.h0), ragged, rplan, per_stream, kernel)
+        for j, out in zip(streams, o):
+            if out is not None:
+                outs[j].append(out)
         mids = [  # [R_s, H, K, V] states after rows of this round's chunks, for the next round's paths
             kernel.state_at(
-                h_start[req.start],
-                per_stream[req.stream],
-                req.chunk,
-                lambda name, tokens=req.tokens: tables[name][tokens],  # [R_s, L_s, H, ...]
+                h_start.index_select(0, start),
+                torch.cat(values[req.stream]).index_select(0, req.chunk) if values[req.stream] else None,
+                # Head-major, so the gather's backward adds contiguous rows (a transposed gradient takes a slow path).
+                lambda name, x=inputs[streams[req.stream]], chunk=chunk: x[name].transpose(1, 2).index_select(0, chunk),
                 req.row,
             )
-            for req in ragged.requests
+            for req, start, chunk in zip(ragged.requests, rplan.request_start, rplan.request_chunk)
         ]
-        h_in = torch.cat((h_start, h_final, *mids))  # [Tc + P + R, H, K, V] states the next round starts from
-        if state_out_tokens is not None:
-            states.append(h_in)
-    o = torch.cat(outs)[rounds.restore]  # [N, H, V]
-
+        later = [x for x in (h_start, h_final, *mids) if x is not None]  # the states later rounds read
+        h_in = later[0] if len(later) == 1 else torch.cat(later) if later else None
+        if rplan.picks is not None:
+            picked.append(h_in.index_select(0, rplan.picks))
+    flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_j * L_j, H, V]
+    o = torch.cat(flat).index_select(0, plan.output)  # [N, H, V]
     if state_out_tokens is None:
         return o, None
-    rnd_of, row = rounds.state_index(torch.as_tensor(state_out_tokens).cpu().numpy())
-    by_round = np.argsort(rnd_of, kind="stable")
-    picked = [st[torch.as_tensor(row[rnd_of == r], device=st.device)] for r, st in enumerate(states)]
-    return o, torch.cat(picked)[torch.as_tensor(np.argsort(by_round), device=o.device)]
+    return o, torch.cat(picked).index_select(0, plan.pick_order) if picked else zeros[:0]
 
 
 def run_tree_kind(
