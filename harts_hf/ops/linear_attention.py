@@ -232,18 +232,8 @@ def run_tree_linear_attention(
     its gradient is the sum of theirs.
     """
     rounds = rounds_of(batch, chunk_size)
-    nc, n = batch.num_context, batch.num_tokens
-    if q.shape[0] != n:
-        raise ValueError(f"inputs have {q.shape[0]} tokens but the batch has {n} piece tokens")
-    if rounds.context_replay.numel() and context is None:
-        raise ValueError(
-            f"this piece replays {rounds.context_replay.numel()} context tokens: pass their inputs as `context`"
-        )
-    num_ext = rounds.external_tokens.numel()
-    if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
-        raise ValueError(
-            f"this piece needs initial_states for its {num_ext} external boundary states (Rounds.external_tokens)"
-        )
+    nc = batch.num_context
+    rounds.check_inputs(q.shape[0], context, initial_states)
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))

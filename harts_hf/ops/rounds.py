@@ -100,6 +100,21 @@ class Rounds:
     def num_paths(self) -> int:
         return int(self.path_round.size)
 
+    def check_inputs(self, num_inputs: int, context: object | None, initial_states: torch.Tensor | None) -> None:
+        """Refuse a piece's inputs that do not fit it (every backend calls this first)."""
+        n = self.token_path.size
+        if num_inputs != n:
+            raise ValueError(f"inputs have {num_inputs} tokens but the batch has {n} piece tokens")
+        if self.context_replay.numel() and context is None:
+            raise ValueError(
+                f"this piece replays {self.context_replay.numel()} context tokens: pass their inputs as `context`"
+            )
+        num_ext = self.external_tokens.numel()
+        if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
+            raise ValueError(
+                f"this piece needs initial_states for its {num_ext} external boundary states (Rounds.external_tokens)"
+            )
+
     def state_index(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round, row of that round's ``cat([h_start, h_final])``) holding the state after each
         of ``tokens`` (combined indices of piece tokens t with (position[t] + 1) % C == 0)."""

@@ -71,18 +71,8 @@ def run_waves(
     after ``state_out_tokens`` [S, H, K, V] fp32 (None if not asked)."""
     waves: Waves = waves_of(batch, chunk_size, cut, state_out_tokens)
     rounds = waves.rounds
-    nc, n = batch.num_context, batch.num_tokens
-    if q.shape[0] != n:
-        raise ValueError(f"inputs have {q.shape[0]} tokens but the batch has {n} piece tokens")
-    if rounds.context_replay.numel() and context is None:
-        raise ValueError(
-            f"this piece replays {rounds.context_replay.numel()} context tokens: pass their inputs as `context`"
-        )
-    num_ext = rounds.external_tokens.numel()
-    if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
-        raise ValueError(
-            f"this piece needs initial_states for its {num_ext} external boundary states (Rounds.external_tokens)"
-        )
+    nc = batch.num_context
+    rounds.check_inputs(q.shape[0], context, initial_states)
     heads = v.shape[1]
     expand = lambda x: x.repeat_interleave(heads // x.shape[1], dim=1)
     own = {"q": expand(q), "k": expand(k), "v": v, "g": g} | ({} if beta is None else {"beta": beta})
