@@ -19,7 +19,8 @@ from harts_hf.ops.gated_delta import tree_gated_delta_rule
 from harts_hf.ops.gla import tree_gla, tree_simple_gla
 from harts_hf.ops.kda import tree_kda
 from harts_hf.ops.rounds import rounds_of
-from harts_hf.ops.tail_chunks import BUCKET, ragged_rounds_of, scan_plan_of
+from harts_hf.ops.scan_plan import scan_plan_of
+from harts_hf.ops.tail_chunks import BUCKET, ragged_rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
 CHUNK = 20  # not a power of two: tails round up to 8, 16 or (capped) 20

@@ -50,7 +50,8 @@ from typing import NamedTuple
 import torch
 
 from .rounds import rounds_of
-from .tail_chunks import RaggedRound, RoundPlan, ragged_rounds_of, scan_plan_of
+from .scan_plan import RoundPlan, scan_plan_of
+from .tail_chunks import RaggedRound, ragged_rounds_of
 from .tree_batch import TreeBatch
 
 __all__ = [
