@@ -135,3 +135,6 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+    if torch.distributed.is_initialized():  # gloo's threads abort the exit ("terminate called ...") otherwise
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
