@@ -30,7 +30,7 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
 def gdn_intra(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float
 ) -> tuple[torch.Tensor, ...]:
-    """Intra-chunk half: q, k [T, L, H, K]; v [T, L, H, V]; g, beta [T, L, H] -> the rows of :func:`gdn_step`."""
+    """Intra-chunk half: q, k [T, L, H, K]; v [T, L, H, V]; g, beta [T, L, H] -> the rows of :func:`delta_step`."""
     C = q.shape[1]
     query, key, value = (x.transpose(1, 2).float() for x in (q, k, v))  # [T, H, L, *]
     beta, decay = (x.transpose(1, 2).float() for x in (beta, g))  # [T, H, L]
@@ -58,35 +58,36 @@ def gdn_intra(
     return new_values, wq, intra_chunk_attn, key.transpose(-1, -2), chunk_decay
 
 
-def gdn_step(
+def delta_step(
     state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows (u [n, H, L, V], [w; q] [n, H, 2L, K],
-    a [n, H, L, L], k^T [n, H, K, L], decay [n, H, 1, 1]) -> (o [n, H, L, V], end states, the corrected
-    values v_new [n, H, L, V])."""
-    o, v_new = gdn_output(state, u, wq, a, k, decay)
+    """Inter-chunk half of both delta-rule kinds (GDN, KDA): start states [n, H, K, V] and the chunks'
+    rows (u [n, H, L, V], [w; q] [n, H, 2L, K], a [n, H, L, L], decayed k^T [n, H, K, L], chunk decay
+    [n, H, 1, 1] (GDN) or [n, H, K, 1] (KDA)) -> (o [n, H, L, V], end states, the corrected values
+    v_new [n, H, L, V])."""
+    o, v_new = delta_output(state, u, wq, a, k, decay)
     return o, torch.addcmul(k @ v_new, state, decay), v_new
 
 
-def gdn_output(
+def delta_output(
     state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gdn_step` without the end states: (o [n, H, L, V], v_new [n, H, L, V])."""
+    """:func:`delta_step` without the end states: (o [n, H, L, V], v_new [n, H, L, V])."""
     w_state, q_state = (wq @ state).chunk(2, -2)  # [n, H, L, V] each
     v_new = u - w_state
     return q_state + a @ v_new, v_new
 
 
-def gdn_state_at(
+def delta_state_at(
     state: torch.Tensor, values: torch.Tensor, take: Callable[[str], torch.Tensor], upto: torch.Tensor
 ) -> torch.Tensor:
     """State after row ``upto[r]`` of chunk r from its start state [R, H, K, V], given the chunks'
-    :func:`gdn_step` values [R, H, L, V] (``take``: the chunks' prepared inputs by name, head-major,
-    k [R, H, L, K], g [R, H, L]): :func:`gdn_step`'s end-state update truncated at that row."""
+    :func:`delta_step` values [R, H, L, V] (``take``: the chunks' prepared inputs by name, head-major,
+    k [R, H, L, K], g [R, H, L] or [R, H, L, K]): :func:`delta_step`'s end-state update truncated there."""
     return prefix_state(state, take("k"), values, take("g"), upto)
 
 
-GDN_KERNEL = ChunkKernel(gdn_intra, gdn_step, gdn_output, gdn_state_at)
+GDN_KERNEL = ChunkKernel(gdn_intra, delta_step, delta_output, delta_state_at)
 
 
 def gdn_chunk_scan(

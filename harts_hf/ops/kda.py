@@ -14,13 +14,14 @@ P paths, N tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from .backends import dispatch, register
+from .gated_delta import delta_output, delta_state_at, delta_step
 from .gla import channel_decay_scores
-from .linear_attention import ChunkKernel, chunk_scan, prefix_state, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["KDA_KERNEL", "kda_chunk_scan", "tree_kda"]
@@ -35,7 +36,7 @@ def kda_intra(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float
 ) -> tuple[torch.Tensor, ...]:
     """Intra-chunk half: q, k [T, L, H, K], v [T, L, H, V], g [T, L, H, K], beta [T, L, H] -> the rows of
-    :func:`kda_step`."""
+    :func:`~harts_hf.ops.gated_delta.delta_step` (shared with GDN)."""
     q, k, v, g = (x.transpose(1, 2).float() for x in (q, k, v, g))  # [T, H, L, K|V]
     beta = beta.transpose(1, 2).float()  # [T, H, L]
     q = q * scale
@@ -55,38 +56,10 @@ def kda_intra(
     wq = torch.cat((w, q * decay), -2)  # [T, H, 2L, K]: [w; q decayed], one product with the state for both
     k_decay = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [T, H, K, L]
     chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [T, H, K, 1]
-    return u, wq, a_qk, chunk_decay, k_decay
+    return u, wq, a_qk, k_decay, chunk_decay
 
 
-def kda_step(
-    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inter-chunk half: start states [n, H, K, V] and the chunks' rows (u [n, H, L, V], [w; q] [n, H, 2L, K],
-    a [n, H, L, L], decay [n, H, K, 1], decayed k^T [n, H, K, L]) -> (o [n, H, L, V], end states, the
-    corrected values v_new [n, H, L, V])."""
-    o, v_new = kda_output(state, u, wq, a, decay, k)
-    return o, torch.addcmul(k @ v_new, state, decay), v_new
-
-
-def kda_output(
-    state: torch.Tensor, u: torch.Tensor, wq: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kda_step` without the end states: (o [n, H, L, V], v_new [n, H, L, V])."""
-    w_state, q_state = (wq @ state).chunk(2, -2)  # [n, H, L, V] each
-    v_new = u - w_state
-    return q_state + a @ v_new, v_new
-
-
-def kda_state_at(
-    state: torch.Tensor, values: torch.Tensor, take: Callable[[str], torch.Tensor], upto: torch.Tensor
-) -> torch.Tensor:
-    """State after row ``upto[r]`` of chunk r from its start state [R, H, K, V], given the chunks'
-    :func:`kda_step` values [R, H, L, V] (``take``: the chunks' prepared inputs by name, head-major,
-    k [R, H, L, K], g [R, H, L, K]): :func:`kda_step`'s end-state update truncated at that row."""
-    return prefix_state(state, take("k"), values, take("g"), upto)
-
-
-KDA_KERNEL = ChunkKernel(kda_intra, kda_step, kda_output, kda_state_at)
+KDA_KERNEL = ChunkKernel(kda_intra, delta_step, delta_output, delta_state_at)
 
 
 def kda_chunk_scan(
