@@ -17,7 +17,19 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["RolloutForest"]
+__all__ = ["RolloutForest", "tree_levels"]
+
+
+def tree_levels(parent: np.ndarray) -> np.ndarray:
+    """Depth of every element of a forest given by ``parent`` (-1 at roots: depth 0), by pointer
+    jumping (list ranking): O(n log height), no per-element loop."""
+    level = (parent >= 0).astype(np.int64)
+    jump = parent.copy()
+    while (active := jump >= 0).any():
+        up = jump[active]
+        level[active] += level[up]
+        jump[active] = jump[up]
+    return level
 
 
 def _as_ids(seq, i: int) -> np.ndarray:
@@ -42,8 +54,7 @@ def _as_mask(mask, i: int, length: int) -> np.ndarray:
     arr = np.asarray(mask)
     if arr.ndim != 1 or arr.shape[0] != length:
         raise ValueError(
-            f"loss mask {i} has shape {arr.shape} but trajectory {i} has {length} tokens: "
-            "give one mask value per token"
+            f"loss mask {i} has shape {arr.shape} but trajectory {i} has {length} tokens: give one mask value per token"
         )
     return arr.astype(bool, copy=False)
 
@@ -186,13 +197,7 @@ class RolloutForest:
         node_len = np.diff(np.append(node_start, n))
         parent_tok = prev[node_start]
         node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
-        # Pointer jumping (list ranking): O(M log height), no per-node loop.
-        level = (node_parent >= 0).astype(np.int64)
-        jump = node_parent.copy()
-        while (active := jump >= 0).any():
-            up = jump[active]
-            level[active] = level[active] + level[up]
-            jump[active] = jump[up]
+        level = tree_levels(node_parent)
         node_tout = node_of[subtree_end[node_start] - 1] + 1
         return node_of, dict(
             node_start=node_start,

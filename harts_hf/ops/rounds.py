@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..forest import tree_levels
 from .tree_batch import TreeBatch
 
 __all__ = ["Round", "Rounds", "build_rounds", "rounds_of"]
@@ -154,17 +155,6 @@ def _pointer_jump(parent: np.ndarray) -> np.ndarray:
         head = nxt
 
 
-def _levels(parent: np.ndarray) -> np.ndarray:
-    """Depth of every node of a forest (-1 parent = root, depth 0), by pointer jumping."""
-    level = (parent >= 0).astype(np.int64)
-    jump = parent.copy()
-    while (active := jump >= 0).any():
-        up = jump[active]
-        level[active] += level[up]
-        jump[active] = jump[up]
-    return level
-
-
 def _nodes(local_prev: np.ndarray, position: np.ndarray):
     """Maximal chains of the piece forest: (node_of [N], node_parent [M], node_end_depth [M]).
 
@@ -187,7 +177,7 @@ def _nodes(local_prev: np.ndarray, position: np.ndarray):
 def _decompose(node_parent: np.ndarray, end_depth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(path head node, round) of every node under the min-rounds choice of continued child."""
     m = node_parent.size
-    level = _levels(node_parent)
+    level = tree_levels(node_parent)
     by_level = np.argsort(level, kind="stable")
     bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
     r = np.ones(m, dtype=np.int64)

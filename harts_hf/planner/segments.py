@@ -16,20 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..forest import tree_levels
 from .geometry import Geometry
 
 __all__ = ["Segments", "segment_rounds", "segments_of"]
-
-
-def _levels(parent: np.ndarray) -> np.ndarray:
-    """Depth of every element of a forest given by ``parent`` (-1 at roots), by pointer jumping."""
-    level = (parent >= 0).astype(np.int64)
-    jump = parent.copy()
-    while (active := jump >= 0).any():
-        up = jump[active]
-        level[active] += level[up]
-        jump[active] = jump[up]
-    return level
 
 
 def segment_rounds(parent: np.ndarray) -> np.ndarray:
@@ -39,7 +29,7 @@ def segment_rounds(parent: np.ndarray) -> np.ndarray:
     r = np.ones(q, dtype=np.int64)
     if not q:
         return r
-    level = _levels(parent)
+    level = tree_levels(parent)
     by_level = np.argsort(level, kind="stable")
     bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
     best = np.zeros(q, dtype=np.int64)
