@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .trainers.cli import add_parser as add_train_parsers
 from .planner import DEFAULT_MAX_TOKENS, CostModel, plan, plan_record, plot_plan, record_table
+from .trainers.cli import add_parser as add_train_parsers
 from .workloads import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 
 __all__ = ["build_parser", "main"]
@@ -29,6 +29,12 @@ def _table(rows: dict[str, object]) -> str:
     """``key  value`` lines with the keys padded to one column."""
     width = max(len(k) for k in rows)
     return "\n".join(f"{k.replace('_', ' '):<{width}}  {_format(v)}" for k, v in rows.items())
+
+
+def _write_json(path: Path | None, record: dict) -> None:
+    """Save a command's record as indented JSON when ``--json`` asked for it."""
+    if path is not None:
+        path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _workload_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,8 +67,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
         "build_seconds": built - generated,
     }
     print(_table(stats))
-    if args.json is not None:
-        args.json.write_text(json.dumps(stats, indent=2) + "\n")
+    _write_json(args.json, stats)
     return 0
 
 
@@ -101,8 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"harts-hf plan: {err}") from err
     record = plan_record([forest], result)
     print(record_table(record))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    _write_json(args.json, record)
     if args.plot is not None:
         plot_plan(result, args.plot)
     return 0
@@ -131,8 +135,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
     for name, value in fitted.as_dict().items():
         print(f"  {name:<11} {value:.3e} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps(fitted.as_dict(), indent=2) + "\n")
+    _write_json(args.json, fitted.as_dict())
     return 0
 
 
@@ -170,8 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"harts-hf bench: {err}") from err
     record = bench_record(run_bench(config))
     print(table(record))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    _write_json(args.json, record)
     if args.plot is not None:
         plot_bench(record, args.plot)
     return 0
@@ -204,8 +206,7 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"harts-hf bench-ops: {err}") from err
     print(format_table(record))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    _write_json(args.json, record)
     return 0
 
 
