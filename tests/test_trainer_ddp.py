@@ -66,7 +66,7 @@ def test_ddp_two_processes_match_stock(tmp_path):
 
 def _worker(out: Path) -> None:
     from datasets import Dataset
-    from test_trainer_exactness import PROMPTS, branching_rollout, id_reward
+    from test_trainer_exactness import PROMPTS, branching_rollout, config_kwargs, id_reward
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -87,24 +87,7 @@ def _worker(out: Path) -> None:
             ("stock", GRPOTrainer, GRPOConfig),
             ("harts", HARTSGRPOTrainer, HARTSGRPOConfig),
         ):
-            args = config_cls(
-                output_dir=str(out / name),
-                use_cpu=True,
-                bf16=False,
-                per_device_train_batch_size=8,
-                num_generations=4,
-                max_steps=2,
-                learning_rate=0.05,
-                optim="sgd",
-                logging_steps=1,
-                report_to=[],
-                seed=0,
-                max_completion_length=16,
-                gradient_checkpointing=False,
-                save_strategy="no",
-                disable_tqdm=True,
-                loss_type=loss,
-            )
+            args = config_cls(**config_kwargs(str(out / name), loss_type=loss))
             snaps = Snapshots()
             trainer = trainer_cls(
                 model=str(out / "model"),

@@ -63,9 +63,10 @@ def id_reward(completion_ids, **kwargs) -> list[float]:
     return [float(sum(c) % 11) / 11 for c in completion_ids]
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
+def config_kwargs(output_dir: str, **overrides) -> dict:
+    """The settings both trainers share (fp32 CPU, SGD, 2 steps), with ``overrides``."""
     args = dict(
-        output_dir=str(tmp_path / trainer_cls.__name__),
+        output_dir=output_dir,
         use_cpu=True,
         bf16=False,
         per_device_train_batch_size=8,
@@ -81,7 +82,11 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
         save_strategy="no",
         disable_tqdm=True,
     )
-    args.update(overrides)
+    return args | overrides
+
+
+def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
+    args = config_kwargs(str(tmp_path / trainer_cls.__name__), **overrides)
     trainer = trainer_cls(
         model=model_dir,
         reward_funcs=id_reward,
