@@ -102,17 +102,12 @@ class TreeEngine:
         self.device = self.hf.get_output_embeddings().weight.device
         self.units: list[Unit] = rank_units(self.forests, plan, rank, self.device)
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
-        self._pair_of = []  # per forest: [num compact tokens] pair number of each target token
-        for forest in self.forests:
-            pair_of = np.full(forest.num_compact_tokens, -1, dtype=np.int64)
-            pairs = np.flatnonzero(forest.prev >= 0)
-            pair_of[pairs] = np.arange(pairs.size)
-            self._pair_of.append(pair_of)
+        # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
+        # the numbers of the pairs it produces.
+        pair_of = [np.cumsum(f.prev >= 0) - 1 for f in self.forests]
+        self.num_pairs = [int((f.prev >= 0).sum()) for f in self.forests]
+        self._pair_index = [torch.as_tensor(pair_of[u.forest][u.pairs], device=self.device) for u in self.units]
         self._handoff: Handoff | None = None
-
-    @property
-    def num_pairs(self) -> list[int]:
-        return [int((f.prev >= 0).sum()) for f in self.forests]
 
     def logprobs(
         self, return_entropy: bool = False
@@ -204,8 +199,7 @@ class TreeEngine:
         for unit in reversed(self.units):
             handoff = Handoff(store, unit, grad=True)
             lp, _ = self._run(unit, handoff, False)
-            index = torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
-            self._send(store, handoff, [lp], [grads[unit.forest][index]])
+            self._send(store, handoff, [lp], [grads[unit.forest][self._pair_index[unit.index]]])
 
     def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backpropagate ``tensors`` plus the unit's exports (with their consumers' gradients),
@@ -242,8 +236,7 @@ class TreeEngine:
         """Pair values of ``units`` (default all) -> per forest [P_f] (0 for the other pairs)."""
         out = [torch.zeros(n, device=self.device) for n in self.num_pairs]
         for unit, value in zip(units or self.units, per_unit):
-            index = torch.as_tensor(self._pair_of[unit.forest][unit.pairs], device=self.device)
-            out[unit.forest] = out[unit.forest].index_put((index,), value.float())
+            out[unit.forest] = out[unit.forest].index_put((self._pair_index[unit.index],), value.float())
         return out
 
     def _record(self, store: Store, entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

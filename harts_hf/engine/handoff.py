@@ -111,8 +111,7 @@ class Handoff:
                 )
         if self.unit.batch.num_context == 0:
             return None
-        source = np.stack((self.unit.producers, self.unit.context_rows))
-        return {field: self._gather(call, field, source) for field in values}
+        return {field: self._gather(call, field, self.unit.context_source) for field in values}
 
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] states after ``rounds_of(batch, chunk_size).external_tokens``, None if E = 0."""

@@ -34,7 +34,7 @@ class Unit:
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
             j is computed on this rank: the (predictor, target) log-probs this call produces.
         pair_rows: [p] row of each predictor in the call's own hidden states.
-        producers: [Nc] unit holding each context token; context_rows: [Nc] its row in that
+        context_source: [2, Nc] for each context token, the unit holding it and its row in that
             unit's ``exports``.
     """
 
@@ -46,13 +46,7 @@ class Unit:
     exports: np.ndarray
     pairs: np.ndarray
     pair_rows: torch.Tensor
-    producers: np.ndarray
-    context_rows: np.ndarray
-
-    @property
-    def context(self) -> np.ndarray:
-        """[Nc] compact indices of the context tokens."""
-        return self.batch.global_index[: self.batch.num_context].cpu().numpy()
+    context_source: np.ndarray
 
 
 def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torch.device) -> list[Unit]:
@@ -62,7 +56,7 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's world size {plan.world_size}")
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
-    calls: list[tuple[int, int, np.ndarray, TreeBatch]] = []
+    calls: list[tuple[int, int, np.ndarray, TreeBatch, np.ndarray]] = []
     for slot in range(plan.num_slots):
         for f, tokens in plan.microbatch(rank, slot):
             tokens = np.unique(tokens)
@@ -76,14 +70,14 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
                     "the rank computes: the plan does not match these forests"
                 )
             owner[f][tokens] = len(calls)
-            calls.append((slot, f, tokens, batch))
+            calls.append((slot, f, tokens, batch, context))
 
     needed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-    for _, f, _, batch in calls:
-        needed[f][batch.global_index[: batch.num_context].cpu().numpy()] = True
+    for _, f, _, _, context in calls:
+        needed[f][context] = True
     row = [np.zeros(f.num_compact_tokens, dtype=np.int64) for f in forests]
     exports = []
-    for _, f, tokens, _ in calls:
+    for _, f, tokens, _, _ in calls:
         mine = tokens[needed[f][tokens]]
         row[f][mine] = np.arange(mine.size)
         exports.append(mine)
@@ -98,10 +92,9 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
             pairs_of[i] = pairs[order[bounds[i] : bounds[i + 1]]]
 
     units = []
-    for i, (slot, f, tokens, batch) in enumerate(calls):
+    for i, (slot, f, tokens, batch, context) in enumerate(calls):
         prev = forests[f].prev
         pairs = pairs_of[i] if pairs_of[i] is not None else np.zeros(0, dtype=np.int64)
-        context = batch.global_index[: batch.num_context].cpu().numpy()
         units.append(
             Unit(
                 index=i,
@@ -112,8 +105,7 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
                 exports=exports[i],
                 pairs=pairs,
                 pair_rows=torch.as_tensor(np.searchsorted(tokens, prev[pairs]), device=device),
-                producers=owner[f][context],
-                context_rows=row[f][context],
+                context_source=np.stack((owner[f][context], row[f][context])),
             )
         )
     return units
