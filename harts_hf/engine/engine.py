@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
-from ..modeling.logprobs import model_head, run_base, to_layout, validate_forest
+from ..modeling.logprobs import Layout, model_head, run_base, validate_forest
 from ..modeling.patch import patched_adapter
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
@@ -106,6 +106,7 @@ class TreeEngine:
         # the numbers of the pairs it produces.
         pair_of = [np.cumsum(f.prev >= 0) - 1 for f in self.forests]
         self.num_pairs = [int((f.prev >= 0).sum()) for f in self.forests]
+        self._layouts = [Layout.of(f, self.device) for f in self.forests]
         self._pair_index = [torch.as_tensor(pair_of[u.forest][u.pairs], device=self.device) for u in self.units]
         self._handoff: Handoff | None = None
 
@@ -228,8 +229,7 @@ class TreeEngine:
 
     def _layout(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         return [
-            torch.where(owned[:, None], to_layout(v, forest), 0.0)
-            for v, forest, owned in zip(values, self.forests, self.owned)
+            torch.where(owned[:, None], layout(v), 0.0) for v, layout, owned in zip(values, self._layouts, self.owned)
         ]
 
     def _scatter(self, per_unit: list[torch.Tensor], units: list[Unit] | None = None) -> list[torch.Tensor]:

@@ -33,10 +33,10 @@ from .patch import patched_adapter
 __all__ = [
     "HEAD_CHUNK_ELEMENTS",
     "Head",
+    "Layout",
     "TreeOutput",
     "model_head",
     "run_base",
-    "to_layout",
     "tree_forward",
     "tree_logprobs",
 ]
@@ -132,17 +132,26 @@ class Head:
         return torch.cat(lps), torch.cat(ents) if entropy else None
 
 
-def to_layout(values: torch.Tensor, forest: RolloutForest) -> torch.Tensor:
-    """[P] pair values -> [B, max_len - 1]: column t of row i is the pair whose target is token t + 1."""
-    pair_of = np.zeros(forest.num_compact_tokens, dtype=np.int64)
-    pairs = np.flatnonzero(forest.prev >= 0)
-    pair_of[pairs] = np.arange(pairs.size)
-    target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
-    valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
-    index = torch.as_tensor(pair_of[target], device=values.device)
-    if values.numel() == 0:
-        return values.new_zeros(index.shape)
-    return torch.where(torch.as_tensor(valid, device=values.device), values[index], 0.0)
+@dataclass(frozen=True)
+class Layout:
+    """Where each column of TRL's ``[B, max_len - 1]`` layout comes from: ``pair`` [B, L - 1] the pair
+    (non-root compact token, forest order) whose target is token t + 1, where ``valid``."""
+
+    pair: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> Layout:
+        pair_of = np.maximum(np.cumsum(forest.prev >= 0) - 1, 0)  # [N] pair number of each target token
+        target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
+        valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+        return cls(torch.as_tensor(pair_of[target], device=device), torch.as_tensor(valid, device=device))
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """[P] pair values -> [B, max_len - 1], exactly 0 past each row's end."""
+        if values.numel() == 0:
+            return values.new_zeros(self.pair.shape)
+        return torch.where(self.valid, values[self.pair], 0.0)
 
 
 def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
@@ -203,7 +212,8 @@ def tree_forward(
     rows = torch.as_tensor(forest.prev[pairs], device=device)
     targets = torch.as_tensor(forest.tokens[pairs], device=device)
     lp, ent = model_head(hf, adapter, head_chunk_tokens).pair_values(hidden, rows, targets, temperature, return_entropy)
-    result = TreeOutput(to_layout(lp, forest), to_layout(ent, forest) if return_entropy else None)
+    layout = Layout.of(forest, device)
+    result = TreeOutput(layout(lp), layout(ent) if return_entropy else None)
     if output_router_logits:
         weights = torch.as_tensor(forest.multiplicity, device=device, dtype=torch.float32)  # [N]
         result.aux_loss = router_aux_loss(hf, out.router_logits, weights)
