@@ -26,7 +26,7 @@ import torch
 
 from ..forest import RolloutForest
 from ..ops.rounds import rounds_of
-from .units import Unit
+from .units import Unit, handoff_rows
 
 __all__ = ["Handoff", "Store"]
 
@@ -50,19 +50,7 @@ class Store:
             ext = [
                 u.batch.global_index[rounds_of(u.batch, chunk_size).external_tokens].cpu().numpy() for u in self.units
             ]
-            needed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in self.forests]
-            owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in self.forests]
-            row = [np.zeros(f.num_compact_tokens, dtype=np.int64) for f in self.forests]
-            for u, e in zip(self.units, ext):
-                needed[u.forest][e] = True
-                owner[u.forest][u.tokens] = u.index
-            exports = []
-            for u in self.units:
-                mine = u.tokens[needed[u.forest][u.tokens]]
-                row[u.forest][mine] = np.arange(mine.size)
-                exports.append(mine)
-            sources = [np.stack((owner[u.forest][e], row[u.forest][e])) for u, e in zip(self.units, ext)]
-            self._states[chunk_size] = (exports, sources)
+            self._states[chunk_size] = handoff_rows(self.forests, [(u.forest, u.tokens) for u in self.units], ext)
         return self._states[chunk_size]
 
     def add_grads(self, leaves: Mapping[Key, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from ..forest import RolloutForest
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
 
-__all__ = ["Unit", "rank_units"]
+__all__ = ["Unit", "handoff_rows", "rank_units"]
 
 
 @dataclass(eq=False)
@@ -49,6 +49,27 @@ class Unit:
     context_source: np.ndarray
 
 
+def handoff_rows(
+    forests: list[RolloutForest], units: list[tuple[int, np.ndarray]], reads: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Who hands what to whom: ``units`` are (forest, own compact indices) in call order, ``reads``
+    the compact indices each unit reads from earlier units. Per unit: its own tokens that some unit
+    reads (sorted: the rows of what it keeps), and [2, r] for each token it reads, the unit holding
+    it and its row there."""
+    owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
+    needed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
+    row = [np.zeros(f.num_compact_tokens, dtype=np.int64) for f in forests]
+    for i, ((f, tokens), read) in enumerate(zip(units, reads)):
+        owner[f][tokens] = i
+        needed[f][read] = True
+    kept = []
+    for f, tokens in units:
+        mine = tokens[needed[f][tokens]]
+        row[f][mine] = np.arange(mine.size)
+        kept.append(mine)
+    return kept, [np.stack((owner[f][read], row[f][read])) for (f, _), read in zip(units, reads)]
+
+
 def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torch.device) -> list[Unit]:
     """The units of ``rank``'s row of ``plan``, with their handoffs; refuses a plan whose context
     tokens were not computed in an earlier slot of the same rank (the engine never reads
@@ -72,15 +93,7 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
             owner[f][tokens] = len(calls)
             calls.append((slot, f, tokens, batch, context))
 
-    needed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-    for _, f, _, _, context in calls:
-        needed[f][context] = True
-    row = [np.zeros(f.num_compact_tokens, dtype=np.int64) for f in forests]
-    exports = []
-    for _, f, tokens, _, _ in calls:
-        mine = tokens[needed[f][tokens]]
-        row[f][mine] = np.arange(mine.size)
-        exports.append(mine)
+    exports, sources = handoff_rows(forests, [(f, tokens) for _, f, tokens, _, _ in calls], [c[4] for c in calls])
 
     pairs_of = [None] * len(calls)
     for f, forest in enumerate(forests):
@@ -105,7 +118,7 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
                 exports=exports[i],
                 pairs=pairs,
                 pair_rows=torch.as_tensor(np.searchsorted(tokens, prev[pairs]), device=device),
-                context_source=np.stack((owner[f][context], row[f][context])),
+                context_source=sources[i],
             )
         )
     return units
