@@ -110,22 +110,20 @@ def test_tree_calls_refuse_a_model_whose_patch_is_gone():
     [
         pytest.param(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2), id="gpt2"),
         pytest.param(
-            tf.JambaConfig(
+            tf.ZambaConfig(
                 vocab_size=VOCAB,
                 hidden_size=32,
                 intermediate_size=48,
-                num_hidden_layers=2,
+                num_hidden_layers=4,
                 num_attention_heads=2,
-                num_key_value_heads=1,
-                num_experts=2,
+                num_key_value_heads=2,
+                n_mamba_heads=2,
                 mamba_d_state=4,
                 mamba_dt_rank=4,
-                attn_layer_offset=1,
-                attn_layer_period=2,
-                expert_layer_offset=1,
-                expert_layer_period=2,
+                attn_layer_period=1,
+                attn_layer_offset=0,
             ),
-            id="jamba",
+            id="zamba",
         ),
     ],
 )
@@ -163,18 +161,46 @@ def test_tampered_modeling_module_is_refused(tamper, monkeypatch):
     assert not is_patched(model) and model.config._attn_implementation == "sdpa"
 
 
-def test_drifted_mixer_forward_is_refused(monkeypatch):
-    """MiniMax's lightning mixer is replaced whole on tree calls: a forward that no longer holds
-    the projections the tree version re-implements is refused."""
-    model = tiny_model("minimax")
-    mixer = sys.modules["transformers.models.minimax.modeling_minimax"].MiniMaxLightningAttention
+def _lightning_without_norm_and_gate(
+    self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs
+):
+    return self.out_proj(self.act_fn(self.qkv_proj(hidden_states))), None
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-        return self.out_proj(self.act_fn(self.qkv_proj(hidden_states))), None
 
-    monkeypatch.setattr(mixer, "forward", forward)
-    with pytest.raises(UnsupportedModelError, match="no longer contains"):
+def _mamba_layer_without_feed_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, **kwargs
+):
+    return hidden_states + self.mamba(self.input_layernorm(hidden_states), past_key_values, attention_mask)
+
+
+def _scan_without_softplus(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
+    """A drifted discretisation (no softplus on dt): never run, only its source is checked."""
+    dt = dt + delta_bias.to(dt.dtype)[..., None]
+    return hidden_states * dt
+
+
+@pytest.mark.parametrize(
+    "family, owner, name, replacement",
+    [
+        pytest.param(
+            "minimax", "MiniMaxLightningAttention", "forward", _lightning_without_norm_and_gate, id="minimax_mixer"
+        ),
+        pytest.param(
+            "jamba", "JambaMambaDecoderLayer", "forward", _mamba_layer_without_feed_forward, id="jamba_mamba_layer"
+        ),
+        pytest.param("jamba", None, "mamba_selective_scan", _scan_without_softplus, id="jamba_selective_scan"),
+    ],
+)
+def test_drifted_restated_code_is_refused(family, owner, name, replacement, monkeypatch):
+    """MiniMax's lightning mixer and Jamba's Mamba mixer and layer are replaced whole on tree calls:
+    a forward (or a kernel function the tree version re-implements) that no longer holds the code
+    the tree version relies on is refused."""
+    model = tiny_model(family)
+    module = sys.modules[f"transformers.models.{family}.modeling_{family}"]
+    monkeypatch.setattr(module if owner is None else vars(module)[owner], name, replacement)
+    with pytest.raises(UnsupportedModelError, match=f"{name} no longer contains"):
         patch_model(model)
+    assert not is_patched(model)
 
 
 def test_unknown_layer_kind_is_refused():

@@ -36,7 +36,7 @@ class FamilyAdapter:
         kernels: module global -> kernel kind (``kinds.KINDS``) it is replaced by on tree calls.
         mixers: classes whose ``forward`` must call every kernel (checked in their source).
         mixer_forwards: class -> kind replacing its whole ``forward`` on tree calls, for mixers
-            without a module-level kernel function.
+            without a module-level kernel hook (and layers that drop the tree kwarg).
         attention: classes that must reach attention through ``ALL_ATTENTION_FUNCTIONS``.
         mask_keys: ``attention_mask`` dict keys of a tree call (None: a 4-D placeholder mask, for
             models whose forward does not take a dict).
@@ -88,9 +88,13 @@ class FamilyAdapter:
             lost = [p for p in KINDS[kind].params if p not in _compat.parameters(fn)]
             if lost:
                 problems.append(f"{where} lost parameters {lost}")
-            gone = [m for m in KINDS[kind].source_markers if m not in _compat.source(fn)]
-            if gone:
-                problems.append(f"{where} no longer contains {gone}")
+            problems += _markers_gone(where, fn, KINDS[kind].source_markers)
+            for other, markers in KINDS[kind].restates.items():
+                at = f"{module.__name__}.{other}"
+                if other not in vars(module):
+                    problems.append(f"{at} is missing")
+                else:
+                    problems += _markers_gone(at, vars(module)[other], markers)
         sources = [_compat.forward_source(vars(module)[c]) for c in self.mixers]
         problems += [
             f"no mixer forward calls {name}" for name in self.kernels if not any(f"{name}(" in s for s in sources)
@@ -101,6 +105,11 @@ class FamilyAdapter:
             if INTERFACE_CALL not in _compat.forward_source(vars(module)[cls])
         ]
         return problems
+
+
+def _markers_gone(where: str, fn: Callable, markers: tuple[str, ...]) -> list[str]:
+    gone = [m for m in markers if m not in _compat.source(fn)]
+    return [f"{where} no longer contains {gone}"] if gone else []
 
 
 def _gemma_softcap(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
@@ -165,6 +174,12 @@ ADAPTERS: dict[str, FamilyAdapter] = {
             attention=("MiniMaxAttention",),
             aux_loss=True,
         ),
+        FamilyAdapter(
+            "jamba",
+            mixer_forwards={"JambaMambaMixer": "jamba_mixer", "JambaMambaDecoderLayer": "jamba_mamba_layer"},
+            attention=("JambaAttention",),
+            aux_loss=True,
+        ),
         _dense("llama", "Llama"),
         _dense("mistral", "Mistral"),
         _dense("qwen2", "Qwen2", mask_keys=SLIDING_MASKS, layer_kinds=frozenset(SLIDING_MASKS)),
@@ -179,11 +194,10 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     )
 }
 
-# Families whose mixers have no function-level hook: named in the refusal so users know why.
+# Known families harts-hf does not take: named in the refusal so users know why.
 REFUSED: dict[str, str] = {
-    "jamba": "its Mamba (v1) selective scan has no tree kernel in harts-hf, and its Mamba decoder layer "
-    "drops the forward kwargs that carry the tree",
-    "zamba": "its Mamba (v1) selective scan has no tree kernel in harts-hf",
+    "zamba": "its multi-head Mamba (v1) mixer (per-head x/dt projections and B/C, one selective scan per "
+    "head, which gets no forward kwargs) is not re-stated for trees in harts-hf",
 }
 
 

@@ -5,24 +5,27 @@ is wrapped once (``patch.py``); on a tree call the wrapper binds the call's argu
 original signature and hands them, by parameter name, to the kind's ``tree_call``. Every kind
 reshapes transformers' batch-of-one layout ([1, N, ...], conv: [1, D, N]) to the token-major
 layout of ``harts_hf.ops`` ([N, ...]) and back, so family code never sees trees. A mixer without
-a module-level kernel (MiniMax's lightning attention) has its ``forward`` wrapped the same way;
-its kind re-states the projections around the tree op and names the source lines it relies on.
+a module-level kernel hook (MiniMax's lightning attention, Jamba's Mamba v1 mixer, whose selective
+scan gets no kwargs) has its ``forward`` wrapped the same way; its kind re-states the projections
+around the tree op and names the source lines it relies on. Jamba's Mamba decoder layer drops the
+forward kwargs, so its kind re-states the layer to hand the tree to the mixer.
 
 Legend: N compact tokens, D channels, W conv width, H heads, K key dim, V value dim,
-P mamba head dim, G groups, S state size.
+P mamba head dim, G groups, S state size, E hidden size, I Mamba v1 channels, R dt rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..ops.conv import tree_causal_conv1d
 from ..ops.gated_delta import tree_gated_delta_rule
-from ..ops.gla import tree_lightning, tree_mamba2_ssd
+from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
 from ..ops.tree_batch import TreeBatch
 
@@ -31,18 +34,22 @@ __all__ = ["KINDS", "TREE_KWARG", "KernelKind", "context_of"]
 Arguments = Mapping[str, Any]
 
 TREE_KWARG = "harts_tree"  # the forward kwarg that carries the TreeBatch down to every layer
+# The stock Mamba v1 scan is sequential, so there is no chunk grid to reproduce: fla's chunk size.
+MAMBA_V1_CHUNK = 64
 
 
 @dataclass(frozen=True)
 class KernelKind:
     """One kernel function shape: the parameters the original must accept and the code it must
     still contain (a module whose function lost either is refused), and the tree implementation
-    taking the bound arguments."""
+    taking the bound arguments. ``restates``: other functions of the modeling module the tree call
+    re-implements instead of calling (name -> code each must still contain)."""
 
     name: str
     params: tuple[str, ...]
     tree_call: Callable[[TreeBatch, Arguments], Any]
     source_markers: tuple[str, ...] = ()
+    restates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _single_row(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -86,20 +93,27 @@ def _linear(
     return o
 
 
-def _conv(batch: TreeBatch, a: Arguments) -> torch.Tensor:
-    x = _single_row(a["hidden_states"], "hidden_states")  # [D, N]
-    weight = a["weight"]  # [D, W]
-    x = x.t().to(weight.dtype)  # [N, D]
-    context = context_of(batch, "conv", {"x": x})
+def _tree_conv(
+    batch: TreeBatch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """transformers' ``causal_conv1d_fn`` on the tree, token-major: x [N, D] -> [N, D] in x's dtype,
+    computed in weight's dtype, the context tokens' inputs taken from the piece's handoff."""
+    xw = x.to(weight.dtype)
+    context = context_of(batch, "conv", {"x": xw})
     out = tree_causal_conv1d(
-        x,
+        xw,
         weight,
-        a["bias"],
+        bias,
         batch,
-        activation=a["activation"],
+        activation=activation,
         context_x=None if context is None else context["x"],
-    )  # [N, D]
-    return out.t().unsqueeze(0).to(a["hidden_states"].dtype)  # [1, D, N]
+    )
+    return out.to(x.dtype)
+
+
+def _conv(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    x = _single_row(a["hidden_states"], "hidden_states").t()  # [N, D]
+    return _tree_conv(batch, x, a["weight"], a["bias"], a["activation"]).t().unsqueeze(0)  # [1, D, N]
 
 
 def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tuple[torch.Tensor, None]]:
@@ -181,6 +195,107 @@ def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None
     return layer.out_proj(o).unsqueeze(0), None  # [1, N, E]
 
 
+def _selective_scan(
+    batch: TreeBatch,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    delta_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """transformers' ``mamba_selective_scan`` (Mamba v1, ``delta_softplus``), token-major, as GLA with
+    one head per channel (H = I, K = S, V = 1): q = C, k = dt * B, v = x, g = dt * A, scale 1; dt, the
+    D skip and the silu(z) gate in the stock dtypes.
+
+    Args:
+        x, dt, z: [N, I] (dt raw, before ``delta_bias`` and softplus); A: [I, S] fp32; B, C: [N, S];
+            D, delta_bias: [I] fp32.
+
+    Returns:
+        [N, I] in the stock scan's dtype (fp32 once the fp32 D is added).
+    """
+
+    def discretize(raw: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Raw {"x", "dt", "B"} [n, ...] -> GLA {"k", "v", "g"} [n, I, ...]."""
+        steps = raw["dt"] if delta_bias is None else raw["dt"] + delta_bias.to(raw["dt"].dtype)
+        steps = F.softplus(steps).float()[..., None]  # [n, I, 1]
+        return {"k": steps * raw["B"].float()[:, None], "v": raw["x"][..., None], "g": A * steps}
+
+    values = {"x": x, "dt": dt, "B": B}  # what context tokens hand over: raw, I + I + S per token
+    own = discretize(values)
+    run = lambda context, states, out: tree_gla(
+        C[:, None],  # [N, 1, S]: one key head shared by every channel
+        own["k"],
+        own["v"],
+        own["g"],
+        batch,
+        scale=1.0,
+        chunk_size=MAMBA_V1_CHUNK,
+        context=None if context is None else discretize(context),
+        initial_states=states,
+        state_out_tokens=out,
+    )
+    y = _linear(batch, "selective_scan", values, MAMBA_V1_CHUNK, run)[..., 0]  # [N, I] in x's dtype
+    if D is not None:
+        y = y + x * D
+    if z is not None:
+        y = y * F.silu(z)
+    return y
+
+
+def _jamba_time_step(layer: torch.nn.Module, time_step: torch.Tensor) -> torch.Tensor:
+    """[N, R] -> [N, I] raw dt, both of the mixer's branches (a quantized dt_proj is called as a module)."""
+    if hasattr(layer.config, "_is_quantized"):
+        return layer.dt_proj(time_step) - layer.dt_proj.bias
+    return (layer.dt_proj.weight @ time_step.t()).t()
+
+
+def _jamba_mixer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """Jamba's ``JambaMambaMixer.forward`` (its selective scan gets no kwargs): the same projections
+    and norms, the conv and the scan on the tree, the same D skip, gate and output projection."""
+    _stateless(a, "cache_params")
+    layer = a["self"]
+    hidden = _single_row(a["hidden_states"], "hidden_states")  # [N, E]
+    x, gate = layer.in_proj(hidden).chunk(2, dim=-1)  # [N, I] each
+    x = _tree_conv(batch, x, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
+    time_step, B, C = torch.split(
+        layer.x_proj(x), [layer.time_step_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1
+    )  # [N, R], [N, S], [N, S]
+    bias = layer.dt_proj.bias.float() if layer.dt_proj.bias is not None else None
+    y = _selective_scan(
+        batch,
+        x,
+        _jamba_time_step(layer, layer.dt_layernorm(time_step)),
+        -torch.exp(layer.A_log.float()),
+        layer.b_layernorm(B),
+        layer.c_layernorm(C),
+        layer.D.float(),
+        gate,
+        bias,
+    )
+    return layer.out_proj(y.to(hidden.dtype)).unsqueeze(0)  # [1, N, E]
+
+
+def _jamba_mamba_layer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """Jamba's ``JambaMambaDecoderLayer.forward``, which drops its kwargs: the same layer, handing
+    the tree to its mixer."""
+    layer = a["self"]
+    residual = a["hidden_states"]  # [1, N, E]
+    hidden_states = layer.mamba(
+        hidden_states=layer.input_layernorm(residual),
+        cache_params=a["past_key_values"],
+        attention_mask=a["attention_mask"],
+        **{TREE_KWARG: batch},
+    )
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = layer.feed_forward(layer.pre_ff_layernorm(hidden_states))
+    return residual + hidden_states
+
+
 def _no_fused_path(batch: TreeBatch, a: Arguments) -> None:
     """The fused mamba_ssm path: returning None sends the mixer down its unfused path."""
     return
@@ -240,6 +355,57 @@ KINDS: dict[str, KernelKind] = {
                 "self.norm(attn_output)",
                 "F.sigmoid(self.output_gate(hidden_states)) * attn_output",
                 "self.out_proj(attn_output)",
+            ),
+        ),
+        KernelKind(
+            "jamba_mixer",
+            ("self", "hidden_states", "cache_params", "attention_mask", "kwargs"),
+            _jamba_mixer,
+            source_markers=(
+                "self.in_proj(hidden_states).transpose(1, 2)",
+                "A = -torch.exp(self.A_log.float())",
+                "hidden_states_B_C, gate = projected_states.chunk(2, dim=1)",
+                "self.conv1d.weight.squeeze(1)",
+                "activation=self.activation",
+                "self.x_proj(hidden_states_B_C)",
+                "[self.time_step_rank, self.ssm_state_size, self.ssm_state_size]",
+                "time_step = self.dt_layernorm(time_step)",
+                "B = self.b_layernorm(B)",
+                "C = self.c_layernorm(C)",
+                'if hasattr(self.config, "_is_quantized"):',
+                "time_step = (self.dt_proj(time_step) - self.dt_proj.bias).transpose(1, 2)",
+                "time_step = self.dt_proj.weight @ time_step.transpose(1, 2)",
+                "self.dt_proj.bias.float() if self.dt_proj.bias is not None else None",
+                "D=self.D.float()",
+                "z=gate",
+                "delta_bias=time_proj_bias",
+                "delta_softplus=True",
+                "self.out_proj(scan_output.transpose(1, 2).to(dtype))",
+            ),
+            restates={
+                "mamba_selective_scan": (
+                    "dt = dt + delta_bias.to(dt.dtype)[..., None]",
+                    "dt = F.softplus(dt)",
+                    "torch.exp(A[None, :, None, :] * dt[:, :, :, None])",
+                    "dt[:, :, :, None] * B[:, None, :, :].float()",
+                    "discrete_B * hidden_states[:, :, :, None].float()",
+                    "scan_output + hidden_states * D[None, :, None]",
+                    "scan_output * F.silu(z)",
+                ),
+            },
+        ),
+        KernelKind(
+            "jamba_mamba_layer",
+            ("self", "hidden_states", "attention_mask", "past_key_values", "kwargs"),
+            _jamba_mamba_layer,
+            source_markers=(
+                "hidden_states = self.input_layernorm(hidden_states)",
+                "hidden_states = self.mamba(",
+                "cache_params=past_key_values",
+                "attention_mask=attention_mask",
+                "hidden_states = residual + hidden_states",
+                "hidden_states = self.pre_ff_layernorm(hidden_states)",
+                "hidden_states = self.feed_forward(hidden_states)",
             ),
         ),
     )
