@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
     "CHECKED_TRANSFORMERS",
+    "accelerate_hooks",
     "attention_function",
     "attention_name",
     "check_version",
@@ -44,6 +45,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHECKED_TRANSFORMERS = "5.23"
+
+
+def accelerate_hooks(children: list[str]) -> Callable[[Callable], Callable]:
+    """transformers' ``force_accelerate_hooks`` (``transformers.integrations.accelerate``): a re-stated
+    forward that reads these children's weights directly fires their accelerate (offload) hooks first,
+    as the stock forward's decorator does."""
+    from transformers.integrations.accelerate import force_accelerate_hooks
+
+    return force_accelerate_hooks(children)
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from ..ops.gated_delta import tree_gated_delta_rule
 from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
 from ..ops.tree_batch import TreeBatch
+from . import _compat
 
 __all__ = ["KINDS", "TREE_KWARG", "KernelKind", "context_of"]
 
@@ -257,8 +258,12 @@ def _jamba_mixer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     """Jamba's ``JambaMambaMixer.forward`` (its selective scan gets no kwargs): the same projections
     and norms, the conv and the scan on the tree, the same D skip, gate and output projection."""
     _stateless(a, "cache_params")
-    layer = a["self"]
-    hidden = _single_row(a["hidden_states"], "hidden_states")  # [N, E]
+    return _jamba_mixer_tree(a["self"], batch, _single_row(a["hidden_states"], "hidden_states"))
+
+
+@_compat.accelerate_hooks(["conv1d", "dt_proj"])  # the stock forward's: their weights are read directly
+def _jamba_mixer_tree(layer: torch.nn.Module, batch: TreeBatch, hidden: torch.Tensor) -> torch.Tensor:
+    """:func:`_jamba_mixer` on hidden [N, E] -> [1, N, E]."""
     x, gate = layer.in_proj(hidden).chunk(2, dim=-1)  # [N, I] each
     x = _tree_conv(batch, x, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
     time_step, B, C = torch.split(
@@ -362,6 +367,7 @@ KINDS: dict[str, KernelKind] = {
             ("self", "hidden_states", "cache_params", "attention_mask", "kwargs"),
             _jamba_mixer,
             source_markers=(
+                '@force_accelerate_hooks(["conv1d", "dt_proj"])',
                 "self.in_proj(hidden_states).transpose(1, 2)",
                 "A = -torch.exp(self.A_log.float())",
                 "hidden_states_B_C, gate = projected_states.chunk(2, dim=1)",
