@@ -1,7 +1,8 @@
 """One prepared GPU check of the fla backend: equivalence with the torch backend on real fla
-kernels (fp32 and bf16, forward and gradients) and timings of tree waves vs trajectory-wise
-calls per layer kind at realistic sizes, and the same for the tree conv (fla's kernel vs the
-torch gather). Exits cleanly without CUDA.
+kernels (fp32 and bf16, forward and gradients; GLA and simple GLA in both the zero-extra-round
+and the cut layout) and timings of tree waves vs trajectory-wise calls per layer kind and layout
+at realistic sizes, and the same for the tree conv (fla's kernel vs the torch gather). Exits
+cleanly without CUDA.
 
     python scripts/gpu_check.py              # on a CUDA machine with fla + triton
     python scripts/gpu_check.py --interpret  # CPU, Triton interpreter, tiny sizes: our kernel only
@@ -144,7 +145,7 @@ def main() -> int:
     from harts_hf.forest import RolloutForest
     from harts_hf.ops import tree_gated_delta_rule, tree_gla, tree_kda, tree_simple_gla
     from harts_hf.ops.backends import ENV
-    from harts_hf.ops.fla.backend import WAVES_LAYOUT
+    from harts_hf.ops.fla.backend import ROUNDS_OPS, WAVES_LAYOUT
     from harts_hf.ops.fla.waves import waves_of
     from harts_hf.ops.rounds import rounds_of
     from harts_hf.ops.tree_batch import TreeBatch
@@ -153,8 +154,12 @@ def main() -> int:
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
 
-    def run(kind, x, batch, backend):
+    default = dict(WAVES_LAYOUT)
+    layouts = {kind: [default[kind]] + (["cut"] if kind in ROUNDS_OPS else []) for kind in ops}
+
+    def run(kind, x, batch, backend, layout=None):
         os.environ[ENV] = backend
+        WAVES_LAYOUT[kind] = layout or default[kind]
         args = [x[n] for n in ("q", "k", "v", "g", "beta") if n in x]
         return ops[kind](*args, batch)[0]
 
@@ -169,10 +174,11 @@ def main() -> int:
                 TreeBatch.from_forest(small, device=dev),
                 "torch",
             )
-            got = run(kind, x, TreeBatch.from_forest(small, device=dev), "fla")
-            errs = rel_errors(ref, got, list(x.values()))
-            status = "ok" if max(errs) <= tol else "FAIL"
-            print(f"{kind:12s} {dtype!s:15s} o {errs[0]:.1e}  grads max {max(errs[1:]):.1e}  {status}")
+            for layout in layouts[kind]:
+                got = run(kind, x, TreeBatch.from_forest(small, device=dev), "fla", layout)
+                errs = rel_errors(ref, got, list(x.values()))
+                status = "ok" if max(errs) <= tol else "FAIL"
+                print(f"{kind:12s} {layout:7s} {dtype!s:15s} o {errs[0]:.1e}  grads max {max(errs[1:]):.1e}  {status}")
 
     print(f"\n== timing, H=16 K=V=128 bf16, ~{args.tokens} compact tokens, fwd+bwd ms")
     turns = max(1, args.tokens // 1200)
@@ -181,17 +187,16 @@ def main() -> int:
     print(f"compact {big.num_compact_tokens}, trajectory tokens {big.num_trajectory_tokens}")
     print(f"{'kind':12s} {'layout':7s} {'rounds':>6s} {'waves':>6s} {'tree ms':>9s} {'traj ms':>9s}")
     for kind in ops:
-        row = []
-        for forest in (big, traj):
-            batch = TreeBatch.from_forest(forest, device=dev)
-            x = inputs(kind, forest.num_compact_tokens, 16, 128, torch.bfloat16, dev, 2)
-            row.append(timed(run, kind, x, batch, "fla"))
+        x = inputs(kind, traj.num_compact_tokens, 16, 128, torch.bfloat16, dev, 2)
+        traj_ms = timed(run, kind, x, TreeBatch.from_forest(traj, device=dev), "fla")
         batch = TreeBatch.from_forest(big, device=dev)
-        cut = WAVES_LAYOUT[kind] == "cut"
-        print(
-            f"{kind:12s} {WAVES_LAYOUT[kind]:7s} {rounds_of(batch, 64).num_rounds:6d} "
-            f"{waves_of(batch, 64, cut).num_waves:6d} {row[0]:9.1f} {row[1]:9.1f}"
-        )
+        x = inputs(kind, big.num_compact_tokens, 16, 128, torch.bfloat16, dev, 2)
+        for layout in layouts[kind]:
+            tree_ms = timed(run, kind, x, batch, "fla", layout)
+            print(
+                f"{kind:12s} {layout:7s} {rounds_of(batch, 64).num_rounds:6d} "
+                f"{waves_of(batch, 64, layout == 'cut').num_waves:6d} {tree_ms:9.1f} {traj_ms:9.1f}"
+            )
     conv_check(small, big, traj, dev)
     return 0
 

@@ -2,9 +2,11 @@
 this file in a subprocess (TRITON_INTERPRET must be set before triton is imported, and the rest
 of the suite must not see triton). Tiny shapes: the interpreter runs kernels in numpy.
 
-Covered: our delta-rule state-gradient kernel; the registry choosing the fla backend; the tree
-conv on fla's real ``causal_conv1d`` forward and backward kernels (only its dh0 kernel, which the
-interpreter refuses, has a stand-in); the bench's fallback note."""
+Covered: our delta-rule state-gradient kernel; the registry choosing the fla backend; the
+diagonal kinds' zero-extra-round kernels (``diagonal.py``) on fla's real chunk pieces (only its
+two state kernels, which the interpreter refuses, have PyTorch stand-ins); the tree conv on fla's
+real ``causal_conv1d`` forward and backward kernels (only its dh0 kernel, which the interpreter
+refuses, has a stand-in); the bench's fallback note."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from itertools import pairwise
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import fla_state_reference
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from chunk_scan_cases import assert_close
 from fla.modules.causal_conv1d import ops as fla_conv_ops
 from fla_naive_segments import naive_segments
@@ -25,11 +29,13 @@ from triton.runtime import autotuner
 from harts_hf.forest import RolloutForest
 from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
 from harts_hf.ops.conv import tree_causal_conv1d_torch
+from harts_hf.ops.fla import backend, diagonal, fallback_note, sequential_calls
 from harts_hf.ops.fla import conv as fla_conv
-from harts_hf.ops.fla import fallback_note, sequential_calls
 from harts_hf.ops.fla.delta_state_grad import delta_state_grad
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
+from harts_hf.ops.fla.waves import waves_of
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
+from harts_hf.ops.gla import tree_gla_torch, tree_simple_gla_torch
 from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
@@ -250,6 +256,128 @@ def test_fallback_note_and_waves(monkeypatch: pytest.MonkeyPatch) -> None:
         f"gated_delta: fla exact cut-path fallback (no interior-boundary state gradients), "
         f"{waves} sequential waves vs {rounds} rounds"
     )
+    for kind in ("gla", "simple_gla"):  # the zero-extra-round layout: no extra waves, no note
+        assert sequential_calls(kind, batch) == rounds
+        assert fallback_note(kind, batch) is None
     monkeypatch.setenv(backends.ENV, "torch")
     assert sequential_calls("gated_delta", batch) == rounds
     assert fallback_note("gated_delta", batch) is None
+
+
+DIAGONAL = {
+    "gla": (tree_gla_torch, backend.tree_gla_fla),
+    "simple_gla": (tree_simple_gla_torch, backend.tree_simple_gla_fla),
+}
+
+
+def boundary_tree(rng: np.random.Generator) -> list[list[int]]:
+    """Branches reading interior chunk boundaries (C = 64) at two tree levels: a 150-token trunk,
+    a leaf at 70 and at 130 (states at 64 and 128), a branch at 100 running to 160 (its path
+    spans 64..160) with a grandchild at 140 (the branch path's interior boundary 128)."""
+    seg = lambda n: rng.integers(0, 1 << 20, size=n).tolist()
+    trunk = seg(150)
+    branch = trunk[:100] + seg(60)
+    return [trunk, trunk[:70] + seg(3), trunk[:130] + seg(7), branch, branch[:140] + seg(5)]
+
+
+DIAGONAL_TREES = {"boundaries": boundary_tree} | {
+    name: NASTY_TREES[name] for name in ("caterpillar", "branch_at_63", "branch_at_64", "branch_at_65")
+}
+
+
+@pytest.fixture
+def state_refs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla's two state kernels by their PyTorch references; every other fla piece runs for real."""
+    monkeypatch.setitem(diagonal.STATE_KERNELS, "fwd_h", fla_state_reference.chunk_fwd_h)
+    monkeypatch.setitem(diagonal.STATE_KERNELS, "bwd_dh", fla_state_reference.chunk_bwd_dh)
+
+
+def diagonal_inputs(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = {
+        "q": torch.randn(n, 1, K, generator=gen),
+        "k": torch.randn(n, 1, K, generator=gen) * 0.5,
+        "v": torch.randn(n, H, V, generator=gen),
+        "g": -F.softplus(torch.randn(n, H, *([K] if kind == "gla" else []), generator=gen)) * 0.1,
+    }
+    return {name: t.requires_grad_() for name, t in x.items()}
+
+
+def chunk_closing(batch: TreeBatch, chunk: int) -> torch.Tensor:
+    """Combined indices of the piece tokens that close a chunk (the states a caller may ask for)."""
+    nc = batch.num_context
+    return torch.as_tensor(np.flatnonzero((batch.position[nc:].numpy() + 1) % chunk == 0) + nc)
+
+
+def compare_diagonal(kind: str, batch: TreeBatch, chunk: int, x, leaves, **kw) -> None:
+    """o, the states after every chunk-closing token, and the gradients of ``leaves`` through both:
+    the fla backend in the zero-extra-round layout vs the torch backend."""
+    torch_fn, fla_fn = DIAGONAL[kind]
+    out = chunk_closing(batch, chunk)
+    args = [x[name] for name in ("q", "k", "v", "g")]
+    ref_o, ref_s = torch_fn(*args, batch, chunk_size=chunk, state_out_tokens=out, **kw)
+    got_o, got_s = fla_fn(*args, batch, chunk_size=chunk, state_out_tokens=out, **kw)
+    assert_close("o", ref_o, got_o)
+    assert_close("states", ref_s, got_s)
+    gen = torch.Generator().manual_seed(9)
+    wo, ws = torch.randn(ref_o.shape, generator=gen), torch.randn(ref_s.shape, generator=gen)
+    loss = lambda o, s: (wo * o).sum() + (ws * s).sum()
+    for name, r, g in zip(
+        leaves,
+        torch.autograd.grad(loss(ref_o, ref_s), list(leaves.values()), retain_graph=True),
+        torch.autograd.grad(loss(got_o, got_s), list(leaves.values())),
+    ):
+        assert_close(f"grad {name}", r, g)
+
+
+CASES = (
+    [pytest.param("gla", "boundaries", 64, id="gla-boundaries")]
+    + [pytest.param("simple_gla", name, 64, id=f"simple_gla-{name}") for name in DIAGONAL_TREES]
+    + [pytest.param("simple_gla", "boundaries", 128, id="simple_gla-boundaries-chunk128")]
+)
+
+
+@pytest.mark.parametrize("kind, tree, chunk", CASES)
+def test_diagonal_rounds_match_torch_backend(kind: str, tree: str, chunk: int, state_refs) -> None:
+    """Whole forests: children read interior chunk-start states of their parents' calls and hand
+    their gradients back through the injection; no extra waves. C = 128 takes every other of
+    fla's 64-token chunk states."""
+    forest = RolloutForest.from_sequences(DIAGONAL_TREES[tree](np.random.default_rng(0)))
+    batch = TreeBatch.from_forest(forest)
+    assert backend.WAVES_LAYOUT[kind] == "rounds"
+    assert waves_of(batch, chunk, cut=False).num_waves <= rounds_of(batch, chunk).num_rounds
+    x = diagonal_inputs(kind, forest.num_compact_tokens, 1)
+    compare_diagonal(kind, batch, chunk, x, x)
+
+
+@pytest.mark.parametrize("kind", list(DIAGONAL))
+def test_diagonal_piece_matches_torch_backend(kind: str, state_refs) -> None:
+    """A piece below the first chunk boundary: context replay, external initial states (a leaf:
+    their gradient is compared too) and state outputs at interior boundaries."""
+    forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
+    piece = TreeBatch.from_forest(forest, tokens=np.flatnonzero(forest.position >= 66))
+    rounds = rounds_of(piece, 64)
+    assert rounds.context_replay.numel() and rounds.external_tokens.numel()
+    x = diagonal_inputs(kind, forest.num_compact_tokens, 2)
+    ids, nc = piece.global_index, piece.num_context
+    own = {name: t[ids[nc:]] for name, t in x.items()}
+    context = {name: t[ids[:nc]] for name, t in x.items() if name != "q"}
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(rounds.external_tokens.numel(), H, K, V, generator=gen).requires_grad_()
+    compare_diagonal(kind, piece, 64, own, {**x, "initial_states": states}, context=context, initial_states=states)
+
+
+def test_diagonal_states_only_gradients(state_refs) -> None:
+    """A loss on the state outputs alone (no gradient reaches o: fla's pieces get a zero do)."""
+    forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
+    batch = TreeBatch.from_forest(forest)
+    x = diagonal_inputs("simple_gla", forest.num_compact_tokens, 4)
+    out = chunk_closing(batch, 64)
+    leaves = [x[name] for name in ("k", "v", "g")]
+    ref, got = (fn(*x.values(), batch, state_out_tokens=out)[1] for fn in DIAGONAL["simple_gla"])
+    for name, r, g in zip(
+        ("k", "v", "g"),
+        torch.autograd.grad(ref.square().sum(), leaves),
+        torch.autograd.grad(got.square().sum(), leaves),
+    ):
+        assert_close(f"grad {name}", r, g)

@@ -1,20 +1,25 @@
-"""The fla backend's glue (waves, varlen packing, state bank, bounded replay, pieces) on CPU:
-fla's kernels swapped for fla's naive references (``fla_naive_segments.py``), compared with the
-torch backend on the nasty trees, forward and every gradient, fp32. The real kernels are compared
-in ``scripts/gpu_check.py`` on a GPU."""
+"""The fla backend's glue (waves in both layouts, varlen packing, state bank, bounded replay,
+pieces) on CPU: fla's kernels swapped for fla's naive references (``fla_naive_segments.py``,
+``fla_naive_chunks.py``), compared with the torch backend on the nasty trees, forward and every
+gradient, fp32; and the diagonal kinds' state-gradient injection against autograd. fla's real
+kernels run in ``fla_interpreter_cases.py`` (Triton's interpreter) and ``scripts/gpu_check.py``."""
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from chunk_scan_cases import assert_close, check_piece
+from fla_naive_chunks import naive_chunk_states
 from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 
 from harts_hf.forest import RolloutForest
 from harts_hf.ops.fla import backend, fallback_note, sequential_calls
+from harts_hf.ops.fla.diagonal import inject_state_grads
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
 from harts_hf.ops.fla.waves import waves_of
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
@@ -24,6 +29,7 @@ from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
 HK, H, K, V = 1, 2, 8, 4
+CHUNK = 16
 KINDS = {
     "gated_delta": (tree_gated_delta_rule_torch, backend.tree_gated_delta_rule_fla),
     "kda": (tree_kda_torch, backend.tree_kda_fla),
@@ -36,6 +42,15 @@ KINDS = {
 def naive_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     for kind in SEGMENT_OPS:
         monkeypatch.setitem(SEGMENT_OPS, kind, naive_segments(kind))
+        monkeypatch.setitem(backend.ROUNDS_OPS, kind, naive_chunk_states(kind, CHUNK))
+
+
+@pytest.fixture(params=["cut", "rounds"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every kind in the exact cut layout, then in the zero-extra-round layout."""
+    for kind in SEGMENT_OPS:
+        monkeypatch.setitem(backend.WAVES_LAYOUT, kind, request.param)
+    return request.param
 
 
 def inputs(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -59,8 +74,8 @@ def call(fn, x: dict[str, torch.Tensor], batch: TreeBatch, chunk: int, **kw):
 
 @pytest.mark.parametrize("build", nasty_tree_params())
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_tree_matches_torch_backend(build, kind: str) -> None:
-    chunk = 16
+def test_tree_matches_torch_backend(build, kind: str, layout: str) -> None:
+    chunk = CHUNK
     forest = RolloutForest.from_sequences(build(np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
     x = inputs(kind, forest.num_compact_tokens, 1)
@@ -81,10 +96,10 @@ def test_tree_matches_torch_backend(build, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_piece_with_context_and_states(kind: str) -> None:
+def test_piece_with_context_and_states(kind: str, layout: str) -> None:
     """A piece cut below a branch: context replay, external initial states and state outputs,
     gradients through the handed-over states."""
-    chunk = 16
+    chunk = CHUNK
     forest = RolloutForest.from_sequences(NASTY_TREES["caterpillar"](np.random.default_rng(0)))
     x = inputs(kind, forest.num_compact_tokens, 3)
     fla_fn = KINDS[kind][1]
@@ -98,9 +113,9 @@ def test_piece_with_context_and_states(kind: str) -> None:
     check_piece(forest, np.flatnonzero(forest.position >= depth), chunk, x, run)
 
 
-def test_state_outputs_match_torch_backend() -> None:
+def test_state_outputs_match_torch_backend(layout: str) -> None:
     """States after chunk-closing tokens equal the torch backend's (cut layout cuts there too)."""
-    chunk = 16
+    chunk = CHUNK
     forest = RolloutForest.from_sequences(NASTY_TREES["deep_chain"](np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
     x = inputs("gated_delta", forest.num_compact_tokens, 4)
@@ -118,3 +133,45 @@ def test_bench_sees_rounds_when_fla_does_not_serve(kind: str) -> None:
     assert not backend.fla_available()
     assert sequential_calls(kind, batch) == rounds_of(batch, 64).num_rounds
     assert fallback_note(kind, batch) is None
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_inject_state_grads_matches_autograd(per_channel: bool) -> None:
+    """The diagonal kinds' injection (``diagonal.inject_state_grads``) turns the state gradients
+    of a chunk recurrence without interior gradients into those with them, as autograd does
+    through h_{c+1} = 2^{G_c} * h_c + u_c (G_c: chunk c's total log2 gate) with <ext_c, h_c>
+    added to the loss."""
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 40, 56, 57, 89, 153]  # 3, 1, 1, 2 and 4 chunks of 16: a 1-token sequence, odd tails
+    nt, S = 11, len(cu) - 1
+    gc = -torch.rand(cu[-1], H, *([K] if per_channel else []), generator=gen)  # per-token log2 gates
+    chunks = [slice(s, min(s + CHUNK, hi)) for lo, hi in pairwise(cu) for s in range(lo, hi, CHUNK)]
+    for sl in chunks:
+        gc[sl] = gc[sl].cumsum(0)  # chunk-local, as fla's kernels take them
+    u, ext, w = (torch.randn(nt, H, K, V, generator=gen) for _ in range(3))  # w: loss weights on end states
+    dht = torch.randn(S, H, K, V, generator=gen)
+
+    def grads(with_ext: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Autograd gradients of every chunk's end state and of every initial state."""
+        h0 = torch.randn(S, H, K, V, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        ends, loss, row = [], 0.0, 0
+        for n, (lo, hi) in enumerate(pairwise(cu)):
+            h = h0[n]
+            for _ in range(-(-(hi - lo) // CHUNK)):
+                loss = loss + (ext[row] * h).sum() * with_ext
+                decay = gc[chunks[row]][-1].exp2().reshape(H, -1, 1)
+                h = decay * h + u[row]
+                h.retain_grad()
+                ends.append(h)
+                loss = loss + (w[row] * h).sum()
+                row += 1
+            loss = loss + (dht[n] * h).sum()
+        loss.backward()
+        return torch.stack([e.grad for e in ends]), h0.grad
+
+    dh, dh0 = grads(with_ext=False)
+    inject_state_grads(dh, dh0, ext, gc, torch.tensor(cu, dtype=torch.int32), CHUNK)
+    ref_dh, ref_dh0 = grads(with_ext=True)
+    assert not torch.allclose(dh0, grads(with_ext=False)[1])
+    assert_close("dh", ref_dh, dh)
+    assert_close("dh0", ref_dh0, dh0)

@@ -2,9 +2,10 @@
 
 Available when fla and triton import and either CUDA is present or Triton's interpreter is on
 (``TRITON_INTERPRET=1``, CPU tests); it accepts calls whose tensors sit where the kernels run and
-whose chunk grid is fla's (a multiple of 64). Each kind runs the exact *cut* layout
-(``waves.py``: one extra wave per needed interior boundary on a chain), logged once per kind;
-``WAVES_LAYOUT`` says which layout each kind uses.
+whose chunk grid is fla's (a multiple of 64). ``WAVES_LAYOUT`` says which layout of
+``waves.py`` each kind runs: the diagonal-decay kinds (GLA, simple GLA) the zero-extra-round
+layout on ``diagonal.py``'s kernels, the delta rules the exact *cut* layout on fla's public ops
+(one extra wave per needed interior boundary on a chain), logged once per kind.
 
 One mechanism serves every kind (as ``linear_attention.run_tree_kind`` serves the torch kinds):
 a kind's fla implementation takes the signature of its torch backend, bound per call, so the
@@ -27,11 +28,13 @@ from ..backends import register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
 from ..kda import tree_kda_torch
+from .diagonal import DiagonalChunkOp
 from .driver import run_waves
 from .public_ops import SEGMENT_OPS
 
 __all__ = [
     "FLA_CHUNK",
+    "ROUNDS_OPS",
     "WAVES_LAYOUT",
     "fla_available",
     "interpreting",
@@ -43,8 +46,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 FLA_CHUNK = 64
-# kind -> "cut" (exact fallback, extra waves) or "rounds" (zero extra rounds).
-WAVES_LAYOUT = {"gated_delta": "cut", "kda": "cut", "gla": "cut", "simple_gla": "cut"}
+# kind -> "cut" (exact fallback, extra waves; SEGMENT_OPS) or "rounds" (zero extra rounds; ROUNDS_OPS).
+WAVES_LAYOUT = {"gated_delta": "cut", "kda": "cut", "gla": "rounds", "simple_gla": "rounds"}
+# kind -> segment kernel that returns per-chunk states (``cut=False``); tests swap entries.
+ROUNDS_OPS = {"gla": DiagonalChunkOp(per_channel=True), "simple_gla": DiagonalChunkOp(per_channel=False)}
 
 Arguments = dict[str, object]
 
@@ -97,8 +102,9 @@ def _fla_kind(kind: str, torch_fn: Callable, prepare: Callable[[Arguments], Argu
         a["scale"] = a["k"].shape[-1] ** -0.5 if a["scale"] is None else a["scale"]
         a.setdefault("beta", None)
         _announce(kind)
-        kernel = functools.partial(SEGMENT_OPS[kind], l2=l2)
-        return run_waves(kernel, batch, chunk_size, cut=WAVES_LAYOUT[kind] == "cut", **a)
+        cut = WAVES_LAYOUT[kind] == "cut"
+        kernel = functools.partial((SEGMENT_OPS if cut else ROUNDS_OPS)[kind], l2=l2)
+        return run_waves(kernel, batch, chunk_size, cut=cut, **a)
 
     tree_op_fla.__name__ = tree_op_fla.__qualname__ = torch_fn.__name__.removesuffix("_torch") + "_fla"
     tree_op_fla.__doc__ = f"fla backend of the ``{kind}`` tree op (arguments: :func:`{torch_fn.__name__}`)."

@@ -4,12 +4,13 @@ The same job as ``linear_attention.run_tree_linear_attention`` (same arguments, 
 but each wave is ONE path-major varlen call in the inputs' own dtype (bf16 stays bf16, as in
 trajectory-wise fla training; states fp32), and states move through the bank of ``waves.py``.
 
-Segment kernel signature (``gla.py``, ``gated_delta.py``, ...)::
+Segment kernel signature (``public_ops.py``, ``diagonal.py``)::
 
     kernel(q, k, v, g, beta, h0, wave, *, scale, chunks) -> (o, h_chunks, h_final)
         q, k [1, T, H, K]; v [1, T, H, V]; g [1, T, H] or [1, T, H, K]; beta [1, T, H] or None;
         h0 [S, H, K, V] fp32; wave: the :class:`Wave` (cu_seqlens); chunks: whether the per-chunk
-        start states are needed (then differentiable: [NT, H, K, V] fp32, else None);
+        start states are needed (then differentiable: [NT, H, K, V] fp32, one per chunk of the
+        kernel's own chunk size, which must divide C: fla's is 64; else None);
         o [1, T, H, V]; h_final [S, H, K, V] fp32.
 
 Legend: Nc context tokens, N piece tokens, H value heads, K key dim, V value dim, E external states.
@@ -101,7 +102,7 @@ def run_waves(
         )
         outs.append(o[0])
         if h_chunks is not None:
-            bank[1 + 2 * w] = h_chunks
+            bank[1 + 2 * w] = h_chunks[:: h_chunks.shape[0] * chunk_size // o.shape[1]]  # every C-chunk's
         bank[2 + 2 * w] = h_final
     o = torch.cat(outs)[waves.own_index].to(v.dtype)  # [N, H, V]
     if state_out_tokens is None:

@@ -1,0 +1,205 @@
+"""Zero-extra-round segment kernels for the diagonal-decay kinds (GLA; simple GLA, which also
+serves Mamba2-SSD and lightning attention), built from fla's lower-level chunk pieces.
+
+In the ``cut=False`` layout (``waves.py``) a child path starts where its parent's call computes
+an interior chunk-start state, so the kernel must return every chunk's start state and take
+their gradients back. fla's forward already computes them (``chunk_fwd_h``); its backward takes
+a state gradient only at a sequence's end (``dht``). With diagonal decay the state-gradient
+recurrence is linear in what enters it, so the children's share is a separate recurrence through
+the chunk decays alone, added to fla's ``dh`` before fla's dq/dk/dv/dg kernels read it (their dg
+terms in h * dh then see the total)::
+
+    h_{c+1} = a_c * h_c + (chunk c's k/v term),   a_c = exp(G_c), G_c chunk c's total log-decay
+    Y_c = dh_ext_c + a_c * Y_{c+1},  Y_NT = 0     (dh_ext_c: gradient children put on h_c)
+    dh_c += Y_{c+1}  (fla's dh_c: gradient of chunk c's END state),  dh0 += Y_0
+
+Everything else is fla's own sequence of calls (``chunk_gla_fwd`` / ``chunk_gla_bwd``,
+``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``): gates as chunk-local cumulative sums in
+log2 units, h recomputed in backward, fp32 states. fla is imported on first use (importing
+harts_hf never imports triton); its two state kernels go through ``STATE_KERNELS`` so CPU tests
+can run every other piece in Triton's interpreter, which cannot run those two.
+
+Legend: T packed tokens (batch 1, varlen), S sequences, NT chunks (all sequences), H heads,
+K key dim, V value dim, BT fla's chunk (64).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .waves import Wave
+
+__all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
+
+T = torch.Tensor
+BT = 64
+
+
+def _fla(module: str, name: str) -> Callable:
+    """fla's ``module.name``, imported when first called."""
+    return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+# fla's state kernels (Triton's interpreter cannot run them): tests swap in PyTorch references.
+STATE_KERNELS = {
+    "fwd_h": _fla("fla.ops.common.chunk_h", "chunk_fwd_h"),
+    "bwd_dh": _fla("fla.ops.common.chunk_h", "chunk_bwd_dh"),
+}
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """fla's chunk rows of a varlen call in step-major order, for the reverse scan: local chunk 0
+    of every sequence, then chunk 1 of those that have one, ..., longest sequences first within
+    each step, so a step's successors are the leading rows of the next step.
+
+    Args:
+        order: [NT] fla row of each step-major row.
+        last: [NT] packed index of each step-major chunk's last token.
+        offsets: [max chunks + 1] step-major start of each local chunk index.
+        rank: [S] sequences longest first (the position within each step).
+    """
+
+    order: np.ndarray
+    last: np.ndarray
+    offsets: np.ndarray
+    rank: np.ndarray
+
+    @classmethod
+    def of(cls, cu_seqlens_cpu: T, chunk: int) -> _Chunks:
+        cu = cu_seqlens_cpu.numpy().astype(np.int64)
+        lengths = np.diff(cu)
+        counts = -(-lengths // chunk)
+        rank = np.argsort(-counts, kind="stable")
+        active = counts.size - np.searchsorted(np.sort(counts), np.arange(counts.max(initial=0)), side="right")
+        offsets = np.concatenate(([0], np.cumsum(active)))
+        step = np.repeat(np.arange(active.size), active)  # local chunk index of each step-major row
+        seq = rank[np.arange(step.size) - offsets[step]]
+        order = np.cumsum(counts)[seq] - counts[seq] + step
+        last = cu[seq] + np.minimum((step + 1) * chunk, lengths[seq]) - 1
+        return cls(order, last, offsets, rank)
+
+
+def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, cu_seqlens_cpu: T, chunk: int = BT) -> None:
+    """Adds the gradients children put on chunk-start states to fla's state gradients, in place
+    (the module docstring's Y recurrence), one batched step per local chunk index.
+
+    dh [NT, H, K, V] fp32: fla's gradient of each chunk's end state; dh0 [S, H, K, V] fp32;
+    dh_ext [NT, H, K, V]: gradient of each chunk's start state (fla's ``h`` rows); gc [T, H] or
+    [T, H, K]: chunk-local cumulative log2 gates (at a chunk's last token: its total, G_c / ln 2);
+    cu_seqlens_cpu [S + 1].
+    """
+    ch = _Chunks.of(cu_seqlens_cpu, chunk)
+    order = torch.as_tensor(ch.order, device=dh.device)
+    y = dh_ext[order].float()  # [NT, H, K, V] step-major, becomes Y
+    a = torch.exp2(gc[torch.as_tensor(ch.last, device=gc.device)].float())  # [NT, H] or [NT, H, K]
+    a = a.reshape(*a.shape[:2], -1, 1)  # [NT, H, K or 1, 1]
+    off = ch.offsets
+    for c in range(off.size - 3, -1, -1):
+        n = off[c + 2] - off[c + 1]  # sequences with a chunk c + 1: the leading ones of step c
+        y[off[c] : off[c] + n].addcmul_(a[off[c] : off[c] + n], y[off[c + 1] : off[c + 1] + n])
+    dh.index_add_(0, order[off[1] :] - 1, y[off[1] :])
+    dh0.index_add_(0, torch.as_tensor(ch.rank[: off[1]], device=dh.device), y[: off[1]])
+
+
+# fla's other pieces, in the order fla's own chunk_gla / chunk_simple_gla call them.
+_prepare_chunk_indices = _fla("fla.ops.utils", "prepare_chunk_indices")
+_local_cumsum = _fla("fla.ops.utils", "chunk_local_cumsum")
+_gla_fwd_intra = _fla("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
+_gla_fwd_o = _fla("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
+_gla_bwd_dv = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
+_gla_bwd_dA = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
+_gla_bwd_dqk_intra = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
+_gla_bwd_dqkg = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
+_fwd_o = _fla("fla.ops.common.chunk_o", "chunk_fwd_o")
+_bwd_dqkwg = _fla("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
+_bwd_dv = _fla("fla.ops.common.chunk_o", "chunk_bwd_dv")
+
+
+def _forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool) -> tuple[T, T, T]:
+    """fla's chunk_gla_fwd / chunk_simple_gla_fwd, keeping the fp32 chunk states it would drop."""
+    from fla.ops.utils.constant import RCP_LN2  # fla's kernels take log2 gates (exp2)
+
+    cu = wave.cu_seqlens
+    idx = _prepare_chunk_indices(cu, BT, cu_seqlens_cpu=wave.cu_seqlens_cpu)
+    common = {"cu_seqlens": cu, "chunk_size": BT}
+    gc = _local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=idx)  # [1, T, H(, K)] log2, fp32
+    gate = {"gk": gc} if per_channel else {"g": gc}
+    h, ht = STATE_KERNELS["fwd_h"](k=k, v=v, **gate, h0=h0, output_final_state=True, states_in_fp32=True, **common)
+    hk = h.to(k.dtype)  # [1, NT, H, K, V]: fla's forward keeps h in k's dtype for the output
+    if per_channel:
+        A = _gla_fwd_intra(q=q, k=k, g=gc, scale=scale, chunk_indices=idx, **common)
+        o = _gla_fwd_o(q=q, v=v, g=gc, A=A, h=hk, scale=scale, chunk_indices=idx, **common)
+    else:
+        A = None
+        o = _fwd_o(q=q, k=k, v=v, h=hk, g=gc, scale=scale, chunk_indices=idx, **common)
+    ctx.save_for_backward(q, k, v, gc, h0, A, idx)
+    ctx.wave, ctx.scale, ctx.per_channel, ctx.g_dtype = wave, scale, per_channel, g.dtype
+    return o, h[0], ht
+
+
+def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T, T, T, T]:
+    """fla's chunk_gla_bwd / chunk_simple_gla_bwd, with the children's gradients added to dh and
+    dh0 before the dq/dk/dv/dg pieces read them."""
+    q, k, v, gc, h0, A, idx = ctx.saved_tensors
+    wave, scale = ctx.wave, ctx.scale
+    common = {"cu_seqlens": wave.cu_seqlens, "chunk_size": BT}
+    do = torch.zeros_like(v) if do is None else do  # only states were differentiated
+    gate = {"gk": gc} if ctx.per_channel else {"g": gc}
+    h, _ = STATE_KERNELS["fwd_h"](k=k, v=v, **gate, h0=h0, output_final_state=False, states_in_fp32=True, **common)
+    # dh [1, NT, H, K, V]: gradient of each chunk's end state; dh0 [S, H, K, V]
+    dh, dh0 = STATE_KERNELS["bwd_dh"](
+        q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, **gate, states_in_fp32=True, **common
+    )
+    if dh_ext is not None:
+        inject_state_grads(dh[0], dh0, dh_ext, gc[0], wave.cu_seqlens_cpu)
+    if ctx.per_channel:
+        dv = _gla_bwd_dv(k=k, g=gc, A=A, do=do, dh=dh, chunk_indices=idx, **common)
+        dA = _gla_bwd_dA(v=v, do=do, scale=scale, chunk_indices=idx, **common)
+        dq, dk = _gla_bwd_dqk_intra(q=q, k=k, g=gc, dA=dA, chunk_indices=idx, **common)
+        dq, dk, dg = _gla_bwd_dqkg(
+            q=q, k=k, v=v, h=h, g=gc, do=do, dh=dh, dq=dq, dk=dk, scale=scale, chunk_indices=idx, **common
+        )
+    else:
+        dq, dk, _, dg = _bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common)
+        dv = _bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common)
+        dg = _local_cumsum(dg, BT, reverse=True, cu_seqlens=wave.cu_seqlens, chunk_indices=idx)
+    return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), dh0
+
+
+class _DiagonalChunk(torch.autograd.Function):
+    """o, per-chunk start states and final states of one varlen call, with gradients into all three."""
+
+    @staticmethod
+    def forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool):
+        from fla.utils import input_guard  # contiguous inputs, kernels on the inputs' device
+
+        ctx.set_materialize_grads(False)
+        return input_guard(_forward)(ctx, q, k, v, g, h0, wave, scale, per_channel)
+
+    @staticmethod
+    def backward(ctx, do: T | None, dh_ext: T | None, dht: T | None):
+        from fla.utils import input_guard
+
+        return *input_guard(_backward)(ctx, do, dh_ext, dht), None, None, None
+
+
+@dataclass(frozen=True)
+class DiagonalChunkOp:
+    """GLA (``per_channel``: g [1, T, H, K]) or simple GLA (g [1, T, H]) as a segment kernel of
+    the ``cut=False`` layout (``driver.py`` signature; ``beta`` and ``l2`` belong to the delta
+    rules): also returns the start state of each of fla's 64-token chunks, h_chunks
+    [NT, H, K, V] fp32, differentiable."""
+
+    per_channel: bool
+
+    def __call__(
+        self, q: T, k: T, v: T, g: T, beta: T | None, h0: T, wave: Wave, *, scale: float, chunks: bool, l2: bool = False
+    ) -> tuple[T, T | None, T]:
+        o, h, ht = _DiagonalChunk.apply(q, k, v, g, h0, wave, scale, self.per_channel)
+        return o, h if chunks else None, ht
