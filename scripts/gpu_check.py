@@ -1,8 +1,8 @@
 """One prepared GPU check of the fla backend: equivalence with the torch backend on real fla
-kernels (fp32 and bf16, forward and gradients; GLA and simple GLA in both the zero-extra-round
-and the cut layout) and timings of tree waves vs trajectory-wise calls per layer kind and layout
-at realistic sizes, and the same for the tree conv (fla's kernel vs the torch gather). Exits
-cleanly without CUDA.
+kernels (fp32 and bf16, forward and gradients; every kind in both the zero-extra-round layout,
+GDN and KDA on our state-gradient kernel with fla's q/k l2norm, and the cut layout) and timings
+of tree waves vs trajectory-wise calls per layer kind and layout at realistic sizes, and the
+same for the tree conv (fla's kernel vs the torch gather). Exits cleanly without CUDA.
 
     python scripts/gpu_check.py              # on a CUDA machine with fla + triton
     python scripts/gpu_check.py --interpret  # CPU, Triton interpreter, tiny sizes: our kernel only
@@ -161,7 +161,7 @@ def main() -> int:
         os.environ[ENV] = backend
         WAVES_LAYOUT[kind] = layout or default[kind]
         args = [x[n] for n in ("q", "k", "v", "g", "beta") if n in x]
-        return ops[kind](*args, batch)[0]
+        return ops[kind](*args, batch, **({"use_qk_l2norm": True} if "beta" in x else {}))[0]
 
     print("== equivalence: fla backend vs torch backend (max |diff| / max |ref|)")
     small = RolloutForest.from_sequences(tree(rng, 100, 12, 30, 9))

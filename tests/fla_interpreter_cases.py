@@ -3,8 +3,10 @@ this file in a subprocess (TRITON_INTERPRET must be set before triton is importe
 of the suite must not see triton). Tiny shapes: the interpreter runs kernels in numpy.
 
 Covered: our delta-rule state-gradient kernel; the registry choosing the fla backend; the
-diagonal kinds' zero-extra-round kernels (``diagonal.py``) on fla's real chunk pieces (only its
-two state kernels, which the interpreter refuses, have PyTorch stand-ins); the tree conv on fla's
+zero-extra-round kernels of the diagonal kinds (``diagonal.py``) and of the delta rules
+(``delta.py``, on our state-gradient kernel) on fla's real chunk pieces (fla's state kernels,
+which the interpreter refuses, and KDA's token-parallel intra kernel, too slow there, have
+PyTorch stand-ins); the tree conv on fla's
 real ``causal_conv1d`` forward and backward kernels (only its dh0 kernel, which the interpreter
 refuses, has a stand-in); the bench's fallback note."""
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from chunk_scan_cases import assert_close
 from fla.modules.causal_conv1d import ops as fla_conv_ops
+from fla.ops.kda import chunk_intra as fla_kda_intra
 from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 from triton.runtime import autotuner
@@ -29,13 +32,14 @@ from triton.runtime import autotuner
 from harts_hf.forest import RolloutForest
 from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
 from harts_hf.ops.conv import tree_causal_conv1d_torch
-from harts_hf.ops.fla import backend, diagonal, fallback_note, sequential_calls
+from harts_hf.ops.fla import backend, delta, diagonal, fallback_note, sequential_calls
 from harts_hf.ops.fla import conv as fla_conv
 from harts_hf.ops.fla.delta_state_grad import delta_state_grad
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
 from harts_hf.ops.fla.waves import waves_of
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
 from harts_hf.ops.gla import tree_gla_torch, tree_simple_gla_torch
+from harts_hf.ops.kda import tree_kda_torch
 from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
@@ -105,8 +109,10 @@ def test_delta_state_grad_matches_autograd(per_channel: bool, external: bool) ->
 
 
 def test_registry_picks_fla_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HARTS_BACKEND=fla runs the fla backend on CPU under the interpreter (naive segment kernels
-    standing in for fla's state kernels, which the interpreter cannot run) and equals torch."""
+    """HARTS_BACKEND=fla runs the fla backend on CPU under the interpreter (in the cut layout on
+    naive segment kernels standing in for fla's public op, which the interpreter cannot run) and
+    equals torch."""
+    monkeypatch.setitem(backend.WAVES_LAYOUT, "gated_delta", "cut")
     monkeypatch.setitem(SEGMENT_OPS, "gated_delta", naive_segments("gated_delta"))
     monkeypatch.setenv(backends.ENV, "fla")
     forest = RolloutForest.from_sequences(NASTY_TREES["branch_at_65"](np.random.default_rng(0)))
@@ -250,24 +256,29 @@ def test_fallback_note_and_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = TreeBatch.from_forest(RolloutForest.from_sequences([*seqs, trunk]))
     rounds = rounds_of(batch, 64).num_rounds
     monkeypatch.setenv(backends.ENV, "fla")
+    for kind in ROUNDS:  # the zero-extra-round layout: no extra waves, no note
+        assert sequential_calls(kind, batch) == rounds
+        assert fallback_note(kind, batch) is None
+    monkeypatch.setitem(backend.WAVES_LAYOUT, "gated_delta", "cut")
     waves = sequential_calls("gated_delta", batch)
     assert waves > rounds
     assert fallback_note("gated_delta", batch) == (
         f"gated_delta: fla exact cut-path fallback (no interior-boundary state gradients), "
         f"{waves} sequential waves vs {rounds} rounds"
     )
-    for kind in ("gla", "simple_gla"):  # the zero-extra-round layout: no extra waves, no note
-        assert sequential_calls(kind, batch) == rounds
-        assert fallback_note(kind, batch) is None
     monkeypatch.setenv(backends.ENV, "torch")
     assert sequential_calls("gated_delta", batch) == rounds
     assert fallback_note("gated_delta", batch) is None
 
 
-DIAGONAL = {
+# Kinds in the zero-extra-round layout: (torch backend, fla backend).
+ROUNDS = {
     "gla": (tree_gla_torch, backend.tree_gla_fla),
     "simple_gla": (tree_simple_gla_torch, backend.tree_simple_gla_fla),
+    "gated_delta": (tree_gated_delta_rule_torch, backend.tree_gated_delta_rule_fla),
+    "kda": (tree_kda_torch, backend.tree_kda_fla),
 }
+DELTA_RULES = ("gated_delta", "kda")
 
 
 def boundary_tree(rng: np.random.Generator) -> list[list[int]]:
@@ -280,26 +291,36 @@ def boundary_tree(rng: np.random.Generator) -> list[list[int]]:
     return [trunk, trunk[:70] + seg(3), trunk[:130] + seg(7), branch, branch[:140] + seg(5)]
 
 
-DIAGONAL_TREES = {"boundaries": boundary_tree} | {
+ROUNDS_TREES = {"boundaries": boundary_tree} | {
     name: NASTY_TREES[name] for name in ("caterpillar", "branch_at_63", "branch_at_64", "branch_at_65")
 }
 
 
 @pytest.fixture
 def state_refs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fla's two state kernels by their PyTorch references; every other fla piece runs for real."""
+    """fla's state kernels by their PyTorch references, and KDA's token-parallel intra kernel (which
+    the interpreter runs, but one program per token: minutes); every other fla piece (and our
+    delta-rule state-gradient kernel) runs for real."""
     monkeypatch.setitem(diagonal.STATE_KERNELS, "fwd_h", fla_state_reference.chunk_fwd_h)
     monkeypatch.setitem(diagonal.STATE_KERNELS, "bwd_dh", fla_state_reference.chunk_bwd_dh)
+    monkeypatch.setitem(delta.STATE_KERNELS, "fwd_h", fla_state_reference.delta_fwd_h)
+    token_parallel = fla_state_reference.kda_intra_token_parallel
+    monkeypatch.setattr(fla_kda_intra, "chunk_kda_fwd_intra_token_parallel", token_parallel)
 
 
-def diagonal_inputs(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
+def rounds_inputs(kind: str, n: int, seed: int, key_heads: int = 1) -> dict[str, torch.Tensor]:
+    """Leaves of a ``kind`` call; ``key_heads`` < H: grouped value heads (GVA). Delta-rule keys of
+    norm about 1, so that I - beta k k^T stays a contraction without the l2norm."""
     gen = torch.Generator().manual_seed(seed)
+    delta_rule = kind in DELTA_RULES
     x = {
-        "q": torch.randn(n, 1, K, generator=gen),
-        "k": torch.randn(n, 1, K, generator=gen) * 0.5,
+        "q": torch.randn(n, key_heads, K, generator=gen),
+        "k": torch.randn(n, key_heads, K, generator=gen) * (0.25 if delta_rule else 0.5),
         "v": torch.randn(n, H, V, generator=gen),
-        "g": -F.softplus(torch.randn(n, H, *([K] if kind == "gla" else []), generator=gen)) * 0.1,
+        "g": -F.softplus(torch.randn(n, H, *([K] if kind in ("gla", "kda") else []), generator=gen)) * 0.1,
     }
+    if delta_rule:
+        x["beta"] = torch.rand(n, H, generator=gen)
     return {name: t.requires_grad_() for name, t in x.items()}
 
 
@@ -309,14 +330,18 @@ def chunk_closing(batch: TreeBatch, chunk: int) -> torch.Tensor:
     return torch.as_tensor(np.flatnonzero((batch.position[nc:].numpy() + 1) % chunk == 0) + nc)
 
 
-def compare_diagonal(kind: str, batch: TreeBatch, chunk: int, x, leaves, **kw) -> None:
+def call(kind: str, backend_index: int, x, batch: TreeBatch, **kw):
+    """``kind``'s torch (0) or fla (1) backend on the leaves of ``x`` (the ones a call takes)."""
+    args = [x[name] for name in ("q", "k", "v", "g", "beta") if name in x]
+    return ROUNDS[kind][backend_index](*args, batch, **kw)
+
+
+def compare_rounds(kind: str, batch: TreeBatch, chunk: int, x, leaves, **kw) -> None:
     """o, the states after every chunk-closing token, and the gradients of ``leaves`` through both:
     the fla backend in the zero-extra-round layout vs the torch backend."""
-    torch_fn, fla_fn = DIAGONAL[kind]
     out = chunk_closing(batch, chunk)
-    args = [x[name] for name in ("q", "k", "v", "g")]
-    ref_o, ref_s = torch_fn(*args, batch, chunk_size=chunk, state_out_tokens=out, **kw)
-    got_o, got_s = fla_fn(*args, batch, chunk_size=chunk, state_out_tokens=out, **kw)
+    ref_o, ref_s = call(kind, 0, x, batch, chunk_size=chunk, state_out_tokens=out, **kw)
+    got_o, got_s = call(kind, 1, x, batch, chunk_size=chunk, state_out_tokens=out, **kw)
     assert_close("o", ref_o, got_o)
     assert_close("states", ref_s, got_s)
     gen = torch.Generator().manual_seed(9)
@@ -330,54 +355,68 @@ def compare_diagonal(kind: str, batch: TreeBatch, chunk: int, x, leaves, **kw) -
         assert_close(f"grad {name}", r, g)
 
 
+def l2_kw(kind: str, l2: bool) -> dict[str, bool]:
+    return {"use_qk_l2norm": l2} if kind in DELTA_RULES else {}
+
+
 CASES = (
-    [pytest.param("gla", "boundaries", 64, id="gla-boundaries")]
-    + [pytest.param("simple_gla", name, 64, id=f"simple_gla-{name}") for name in DIAGONAL_TREES]
-    + [pytest.param("simple_gla", "boundaries", 128, id="simple_gla-boundaries-chunk128")]
+    [pytest.param("gla", "boundaries", 64, False, id="gla-boundaries")]
+    + [pytest.param("simple_gla", name, 64, False, id=f"simple_gla-{name}") for name in ROUNDS_TREES]
+    + [pytest.param("simple_gla", "boundaries", 128, False, id="simple_gla-boundaries-chunk128")]
+    + [
+        pytest.param("gated_delta", "branch_at_63", 64, False, id="gated_delta-branch_at_63"),
+        pytest.param("gated_delta", "branch_at_64", 64, True, id="gated_delta-branch_at_64-l2"),
+        pytest.param("gated_delta", "branch_at_65", 64, False, id="gated_delta-branch_at_65"),
+        pytest.param("gated_delta", "boundaries", 128, False, id="gated_delta-boundaries-chunk128"),
+        pytest.param("kda", "branch_at_65", 64, True, id="kda-branch_at_65-l2"),
+    ]
 )
 
 
-@pytest.mark.parametrize("kind, tree, chunk", CASES)
-def test_diagonal_rounds_match_torch_backend(kind: str, tree: str, chunk: int, state_refs) -> None:
+@pytest.mark.parametrize("kind, tree, chunk, l2", CASES)
+def test_rounds_match_torch_backend(kind: str, tree: str, chunk: int, l2: bool, state_refs) -> None:
     """Whole forests: children read interior chunk-start states of their parents' calls and hand
-    their gradients back through the injection; no extra waves. C = 128 takes every other of
-    fla's 64-token chunk states."""
-    forest = RolloutForest.from_sequences(DIAGONAL_TREES[tree](np.random.default_rng(0)))
+    their gradients back (the diagonal kinds' injection, our delta-rule kernel); no extra waves.
+    C = 128 takes every other of fla's 64-token chunk states."""
+    forest = RolloutForest.from_sequences(ROUNDS_TREES[tree](np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
     assert backend.WAVES_LAYOUT[kind] == "rounds"
     assert waves_of(batch, chunk, cut=False).num_waves <= rounds_of(batch, chunk).num_rounds
-    x = diagonal_inputs(kind, forest.num_compact_tokens, 1)
-    compare_diagonal(kind, batch, chunk, x, x)
+    x = rounds_inputs(kind, forest.num_compact_tokens, 1)
+    compare_rounds(kind, batch, chunk, x, x, **l2_kw(kind, l2))
 
 
-@pytest.mark.parametrize("kind", list(DIAGONAL))
-def test_diagonal_piece_matches_torch_backend(kind: str, state_refs) -> None:
+@pytest.mark.parametrize("kind", list(ROUNDS))
+def test_rounds_piece_matches_torch_backend(kind: str, state_refs) -> None:
     """A piece below the first chunk boundary: context replay, external initial states (a leaf:
-    their gradient is compared too) and state outputs at interior boundaries."""
+    their gradient is compared too) and state outputs at interior boundaries, children at both
+    tree levels of the boundary tree (the delta rules' only C = 64 case on it); the delta rules
+    with as many key heads as value heads and the l2norm."""
     forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
     piece = TreeBatch.from_forest(forest, tokens=np.flatnonzero(forest.position >= 66))
     rounds = rounds_of(piece, 64)
     assert rounds.context_replay.numel() and rounds.external_tokens.numel()
-    x = diagonal_inputs(kind, forest.num_compact_tokens, 2)
+    x = rounds_inputs(kind, forest.num_compact_tokens, 2, key_heads=H if kind in DELTA_RULES else 1)
     ids, nc = piece.global_index, piece.num_context
     own = {name: t[ids[nc:]] for name, t in x.items()}
     context = {name: t[ids[:nc]] for name, t in x.items() if name != "q"}
     gen = torch.Generator().manual_seed(3)
     states = torch.randn(rounds.external_tokens.numel(), H, K, V, generator=gen).requires_grad_()
-    compare_diagonal(kind, piece, 64, own, {**x, "initial_states": states}, context=context, initial_states=states)
+    leaves = {**x, "initial_states": states}
+    compare_rounds(kind, piece, 64, own, leaves, context=context, initial_states=states, **l2_kw(kind, True))
 
 
-def test_diagonal_states_only_gradients(state_refs) -> None:
+@pytest.mark.parametrize("kind", ["simple_gla", "gated_delta"])
+def test_rounds_states_only_gradients(kind: str, state_refs) -> None:
     """A loss on the state outputs alone (no gradient reaches o: fla's pieces get a zero do)."""
     forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
-    x = diagonal_inputs("simple_gla", forest.num_compact_tokens, 4)
+    x = rounds_inputs(kind, forest.num_compact_tokens, 4)
     out = chunk_closing(batch, 64)
-    leaves = [x[name] for name in ("k", "v", "g")]
-    ref, got = (fn(*x.values(), batch, state_out_tokens=out)[1] for fn in DIAGONAL["simple_gla"])
+    names = [name for name in x if name != "q"]
+    leaves = [x[name] for name in names]
+    ref, got = (call(kind, i, x, batch, state_out_tokens=out)[1] for i in (0, 1))
     for name, r, g in zip(
-        ("k", "v", "g"),
-        torch.autograd.grad(ref.square().sum(), leaves),
-        torch.autograd.grad(got.square().sum(), leaves),
+        names, torch.autograd.grad(ref.square().sum(), leaves), torch.autograd.grad(got.square().sum(), leaves)
     ):
         assert_close(f"grad {name}", r, g)

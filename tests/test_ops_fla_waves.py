@@ -1,5 +1,6 @@
 """The fla backend's glue (waves in both layouts, varlen packing, state bank, bounded replay,
-pieces) on CPU: fla's kernels swapped for fla's naive references (``fla_naive_segments.py``,
+pieces) on CPU for every kind, delta rules included (their l2norm and grouped value heads too):
+fla's kernels swapped for fla's naive references (``fla_naive_segments.py``,
 ``fla_naive_chunks.py``), compared with the torch backend on the nasty trees, forward and every
 gradient, fp32; and the diagonal kinds' state-gradient injection against autograd. fla's real
 kernels run in ``fla_interpreter_cases.py`` (Triton's interpreter) and ``scripts/gpu_check.py``."""
@@ -28,7 +29,7 @@ from harts_hf.ops.kda import tree_kda_torch
 from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
-HK, H, K, V = 1, 2, 8, 4
+HK, H, K, V = 1, 2, 8, 4  # HK < H: grouped value heads (GVA)
 CHUNK = 16
 KINDS = {
     "gated_delta": (tree_gated_delta_rule_torch, backend.tree_gated_delta_rule_fla),
@@ -36,6 +37,10 @@ KINDS = {
     "gla": (tree_gla_torch, backend.tree_gla_fla),
     "simple_gla": (tree_simple_gla_torch, backend.tree_simple_gla_fla),
 }
+
+
+# The real kernels and layouts (the fixtures below swap them).
+DEFAULT_LAYOUT, DEFAULT_ROUNDS_OPS = dict(backend.WAVES_LAYOUT), dict(backend.ROUNDS_OPS)
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +116,28 @@ def test_piece_with_context_and_states(kind: str, layout: str) -> None:
 
     depth = 3 * chunk + 5
     check_piece(forest, np.flatnonzero(forest.position >= depth), chunk, x, run)
+
+
+@pytest.mark.parametrize("tree", ["caterpillar", "deep_chain"])
+@pytest.mark.parametrize("kind", ["gated_delta", "kda"])
+def test_delta_rules_with_l2norm(kind: str, tree: str, layout: str) -> None:
+    """The delta rules' in-kernel q/k l2norm reaches the segment kernels of both layouts; o and
+    every gradient equal the torch backend's."""
+    forest = RolloutForest.from_sequences(NASTY_TREES[tree](np.random.default_rng(0)))
+    x = inputs(kind, forest.num_compact_tokens, 6)
+    torch_fn, fla_fn = KINDS[kind]
+    ref = call(torch_fn, x, TreeBatch.from_forest(forest), CHUNK, use_qk_l2norm=True)[0]
+    got = call(fla_fn, x, TreeBatch.from_forest(forest), CHUNK, use_qk_l2norm=True)[0]
+    assert_close("o", ref, got)
+    leaves = list(x.values())
+    for name, r, g in zip(x, torch.autograd.grad(ref.sum(), leaves), torch.autograd.grad(got.sum(), leaves)):
+        assert_close(f"grad {name}", r, g)
+
+
+def test_every_kind_defaults_to_the_zero_extra_round_layout() -> None:
+    """Each kind runs the rounds layout by default, on a kernel that returns per-chunk states."""
+    assert set(DEFAULT_LAYOUT.values()) == {"rounds"}
+    assert set(DEFAULT_ROUNDS_OPS) == set(DEFAULT_LAYOUT) == set(KINDS)
 
 
 def test_state_outputs_match_torch_backend(layout: str) -> None:

@@ -3,9 +3,10 @@
 Available when fla and triton import and either CUDA is present or Triton's interpreter is on
 (``TRITON_INTERPRET=1``, CPU tests); it accepts calls whose tensors sit where the kernels run and
 whose chunk grid is fla's (a multiple of 64). ``WAVES_LAYOUT`` says which layout of
-``waves.py`` each kind runs: the diagonal-decay kinds (GLA, simple GLA) the zero-extra-round
-layout on ``diagonal.py``'s kernels, the delta rules the exact *cut* layout on fla's public ops
-(one extra wave per needed interior boundary on a chain), logged once per kind.
+``waves.py`` each kind runs: every kind the zero-extra-round layout, the diagonal-decay kinds
+(GLA, simple GLA) on ``diagonal.py``'s kernels, the delta rules (GDN, KDA) on ``delta.py``'s; the
+exact *cut* layout on fla's public ops (one extra wave per needed interior boundary on a chain,
+logged once per kind) stays selectable per kind.
 
 One mechanism serves every kind (as ``linear_attention.run_tree_kind`` serves the torch kinds):
 a kind's fla implementation takes the signature of its torch backend, bound per call, so the
@@ -28,6 +29,7 @@ from ..backends import register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
 from ..kda import tree_kda_torch
+from .delta import DeltaChunkOp
 from .diagonal import DiagonalChunkOp
 from .driver import run_waves
 from .public_ops import SEGMENT_OPS
@@ -47,9 +49,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 FLA_CHUNK = 64
 # kind -> "cut" (exact fallback, extra waves; SEGMENT_OPS) or "rounds" (zero extra rounds; ROUNDS_OPS).
-WAVES_LAYOUT = {"gated_delta": "cut", "kda": "cut", "gla": "rounds", "simple_gla": "rounds"}
+WAVES_LAYOUT = {"gated_delta": "rounds", "kda": "rounds", "gla": "rounds", "simple_gla": "rounds"}
 # kind -> segment kernel that returns per-chunk states (``cut=False``); tests swap entries.
-ROUNDS_OPS = {"gla": DiagonalChunkOp(per_channel=True), "simple_gla": DiagonalChunkOp(per_channel=False)}
+ROUNDS_OPS = {
+    "gated_delta": DeltaChunkOp(),
+    "kda": DeltaChunkOp(),
+    "gla": DiagonalChunkOp(per_channel=True),
+    "simple_gla": DiagonalChunkOp(per_channel=False),
+}
 
 Arguments = dict[str, object]
 

@@ -34,21 +34,21 @@ import torch
 
 from .waves import Wave
 
-__all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
+__all__ = ["BT", "STATE_KERNELS", "DiagonalChunkOp", "fla_piece", "inject_state_grads"]
 
 T = torch.Tensor
 BT = 64
 
 
-def _fla(module: str, name: str) -> Callable:
-    """fla's ``module.name``, imported when first called."""
+def fla_piece(module: str, name: str) -> Callable:
+    """fla's ``module.name``, imported when first called (importing harts_hf never imports triton)."""
     return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 # fla's state kernels (Triton's interpreter cannot run them): tests swap in PyTorch references.
 STATE_KERNELS = {
-    "fwd_h": _fla("fla.ops.common.chunk_h", "chunk_fwd_h"),
-    "bwd_dh": _fla("fla.ops.common.chunk_h", "chunk_bwd_dh"),
+    "fwd_h": fla_piece("fla.ops.common.chunk_h", "chunk_fwd_h"),
+    "bwd_dh": fla_piece("fla.ops.common.chunk_h", "chunk_bwd_dh"),
 }
 
 
@@ -108,17 +108,17 @@ def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, cu_seqlens_cpu: T, chunk
 
 
 # fla's other pieces, in the order fla's own chunk_gla / chunk_simple_gla call them.
-_prepare_chunk_indices = _fla("fla.ops.utils", "prepare_chunk_indices")
-_local_cumsum = _fla("fla.ops.utils", "chunk_local_cumsum")
-_gla_fwd_intra = _fla("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
-_gla_fwd_o = _fla("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
-_gla_bwd_dv = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
-_gla_bwd_dA = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
-_gla_bwd_dqk_intra = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
-_gla_bwd_dqkg = _fla("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
-_fwd_o = _fla("fla.ops.common.chunk_o", "chunk_fwd_o")
-_bwd_dqkwg = _fla("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
-_bwd_dv = _fla("fla.ops.common.chunk_o", "chunk_bwd_dv")
+_prepare_chunk_indices = fla_piece("fla.ops.utils", "prepare_chunk_indices")
+_local_cumsum = fla_piece("fla.ops.utils", "chunk_local_cumsum")
+_gla_fwd_intra = fla_piece("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
+_gla_fwd_o = fla_piece("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
+_gla_bwd_dv = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
+_gla_bwd_dA = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
+_gla_bwd_dqk_intra = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
+_gla_bwd_dqkg = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
+_fwd_o = fla_piece("fla.ops.common.chunk_o", "chunk_fwd_o")
+_bwd_dqkwg = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
+_bwd_dv = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dv")
 
 
 def _forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool) -> tuple[T, T, T]:
