@@ -8,6 +8,7 @@ kernels run in ``fla_interpreter_cases.py`` (Triton's interpreter) and ``scripts
 from __future__ import annotations
 
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -202,3 +203,12 @@ def test_inject_state_grads_matches_autograd(per_channel: bool) -> None:
     assert not torch.allclose(dh0, grads(with_ext=False)[1])
     assert_close("dh", ref_dh, dh)
     assert_close("dh0", ref_dh0, dh0)
+
+
+def test_fla_refuses_gpu_head_dims_below_its_tiles() -> None:
+    """On a GPU the fla backend takes only head dims its tl.dot tiles fit (>= 16); a Mamba v1 layer
+    (GLA with V = 1) goes to the torch backend instead of failing to compile."""
+    gpu = lambda *shape: SimpleNamespace(is_cuda=True, shape=shape)
+    assert backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=64)
+    assert not backend._accepts(gpu(8, 512, 16), gpu(8, 512, 16), gpu(8, 512, 1), chunk_size=64)
+    assert not backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=32)

@@ -48,6 +48,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 FLA_CHUNK = 64
+MIN_GPU_HEAD_DIM = 16  # Triton's tl.dot wants every tile dimension >= 16 on a GPU
 # kind -> "cut" (exact fallback, extra waves; SEGMENT_OPS) or "rounds" (zero extra rounds; ROUNDS_OPS).
 WAVES_LAYOUT = {"gated_delta": "rounds", "kda": "rounds", "gla": "rounds", "simple_gla": "rounds"}
 # kind -> segment kernel that returns per-chunk states (``cut=False``); tests swap entries.
@@ -81,8 +82,11 @@ def runs_on(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or interpreting()
 
 
-def _accepts(q: torch.Tensor, *args, chunk_size: int = 64, **kwargs) -> bool:
-    return runs_on(q) and chunk_size % FLA_CHUNK == 0
+def _accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, chunk_size: int = 64, **kwargs) -> bool:
+    """fla's chunk grid, and on a GPU head dims its kernels' ``tl.dot`` tiles take (Jamba's Mamba v1
+    runs as GLA with V = 1: the torch backend serves it)."""
+    dims_fit = not q.is_cuda or min(q.shape[-1], v.shape[-1]) >= MIN_GPU_HEAD_DIM
+    return runs_on(q) and chunk_size % FLA_CHUNK == 0 and dims_fit
 
 
 @functools.cache
