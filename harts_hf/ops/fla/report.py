@@ -28,8 +28,8 @@ def fla_serves(kind: str, batch: TreeBatch, chunk_size: int = 64) -> bool:
     """Whether the registry runs a ``kind`` call on ``batch`` (tensors on its device) on fla."""
     if kind not in _FLA_OPS:
         return False
-    probe = torch.empty(0, device=batch.device)  # stands in for the call's first tensor
-    return implementation(kind, probe, batch, chunk_size=chunk_size) is _FLA_OPS[kind]
+    probe = torch.empty(0, 1, 64, device=batch.device)  # stands in for q, k, v of a layer with 64-dim heads
+    return implementation(kind, probe, probe, probe, batch, chunk_size=chunk_size) is _FLA_OPS[kind]
 
 
 def sequential_calls(kind: str, batch: TreeBatch, chunk_size: int = 64) -> int:
