@@ -32,6 +32,7 @@ from ..kda import tree_kda_torch
 from .delta import DeltaChunkOp
 from .diagonal import DiagonalChunkOp
 from .driver import run_waves
+from .pieces import BT as FLA_CHUNK
 from .public_ops import SEGMENT_OPS
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-FLA_CHUNK = 64
 MIN_GPU_HEAD_DIM = 16  # Triton's tl.dot wants every tile dimension >= 16 on a GPU
 # kind -> "cut" (exact fallback, extra waves; SEGMENT_OPS) or "rounds" (zero extra rounds; ROUNDS_OPS).
 WAVES_LAYOUT = {"gated_delta": "rounds", "kda": "rounds", "gla": "rounds", "simple_gla": "rounds"}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .diagonal import BT, fla_piece
+from .pieces import BT, fla_chunks, fla_piece
 from .waves import Wave
 
 __all__ = ["STATE_KERNELS", "DeltaChunkOp", "fwd_h_fp32"]
@@ -191,23 +191,6 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
     return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0
 
 
-class _DeltaChunk(torch.autograd.Function):
-    """o, per-chunk start states and final states of one varlen call, with gradients into all three."""
-
-    @staticmethod
-    def forward(ctx, q: T, k: T, v: T, g: T, beta: T, h0: T, wave: Wave, scale: float, l2: bool):
-        from fla.utils import input_guard  # contiguous inputs, kernels on the inputs' device
-
-        ctx.set_materialize_grads(False)
-        return input_guard(_forward)(ctx, q, k, v, g, beta, h0, wave, scale, l2)
-
-    @staticmethod
-    def backward(ctx, do: T | None, dh_ext: T | None, dht: T | None):
-        from fla.utils import input_guard
-
-        return *input_guard(_backward)(ctx, do, dh_ext, dht), None, None, None
-
-
 @dataclass(frozen=True)
 class DeltaChunkOp:
     """GDN (g [1, T, H]) or KDA (g [1, T, H, K]), beta [1, T, H], as a segment kernel of the
@@ -218,5 +201,5 @@ class DeltaChunkOp:
     def __call__(
         self, q: T, k: T, v: T, g: T, beta: T | None, h0: T, wave: Wave, *, scale: float, chunks: bool, l2: bool = False
     ) -> tuple[T, T | None, T]:
-        o, h, ht = _DeltaChunk.apply(q, k, v, g, beta, h0, wave, scale, l2)
+        o, h, ht = fla_chunks(_forward, _backward, q, k, v, g, beta, h0, wave, scale, l2)
         return o, h if chunks else None, ht

@@ -15,8 +15,8 @@ terms in h * dh then see the total)::
 
 Everything else is fla's own sequence of calls (``chunk_gla_fwd`` / ``chunk_gla_bwd``,
 ``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``): gates as chunk-local cumulative sums in
-log2 units, h recomputed in backward, fp32 states. fla is imported on first use (importing
-harts_hf never imports triton); its two state kernels go through ``STATE_KERNELS`` so CPU tests
+log2 units, h recomputed in backward, fp32 states (``pieces.py``: fla imported on first use); its
+two state kernels go through ``STATE_KERNELS`` so CPU tests
 can run every other piece in Triton's interpreter, which cannot run those two.
 
 Legend: T packed tokens (batch 1, varlen), S sequences, NT chunks (all sequences), H heads,
@@ -25,24 +25,17 @@ K key dim, V value dim, BT fla's chunk (64).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .pieces import BT, fla_chunks, fla_piece
 from .waves import Wave
 
-__all__ = ["BT", "STATE_KERNELS", "DiagonalChunkOp", "fla_piece", "inject_state_grads"]
+__all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
 
 T = torch.Tensor
-BT = 64
-
-
-def fla_piece(module: str, name: str) -> Callable:
-    """fla's ``module.name``, imported when first called (importing harts_hf never imports triton)."""
-    return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 # fla's state kernels (Triton's interpreter cannot run them): tests swap in PyTorch references.
@@ -172,23 +165,6 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
     return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), dh0
 
 
-class _DiagonalChunk(torch.autograd.Function):
-    """o, per-chunk start states and final states of one varlen call, with gradients into all three."""
-
-    @staticmethod
-    def forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool):
-        from fla.utils import input_guard  # contiguous inputs, kernels on the inputs' device
-
-        ctx.set_materialize_grads(False)
-        return input_guard(_forward)(ctx, q, k, v, g, h0, wave, scale, per_channel)
-
-    @staticmethod
-    def backward(ctx, do: T | None, dh_ext: T | None, dht: T | None):
-        from fla.utils import input_guard
-
-        return *input_guard(_backward)(ctx, do, dh_ext, dht), None, None, None
-
-
 @dataclass(frozen=True)
 class DiagonalChunkOp:
     """GLA (``per_channel``: g [1, T, H, K]) or simple GLA (g [1, T, H]) as a segment kernel of
@@ -201,5 +177,5 @@ class DiagonalChunkOp:
     def __call__(
         self, q: T, k: T, v: T, g: T, beta: T | None, h0: T, wave: Wave, *, scale: float, chunks: bool, l2: bool = False
     ) -> tuple[T, T | None, T]:
-        o, h, ht = _DiagonalChunk.apply(q, k, v, g, h0, wave, scale, self.per_channel)
+        o, h, ht = fla_chunks(_forward, _backward, q, k, v, g, h0, wave, scale, self.per_channel)
         return o, h if chunks else None, ht

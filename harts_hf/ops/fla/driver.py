@@ -4,7 +4,7 @@ The same job as ``linear_attention.run_tree_linear_attention`` (same arguments, 
 but each wave is ONE path-major varlen call in the inputs' own dtype (bf16 stays bf16, as in
 trajectory-wise fla training; states fp32), and states move through the bank of ``waves.py``.
 
-Segment kernel signature (``public_ops.py``, ``diagonal.py``)::
+Segment kernel signature (``public_ops.py``, ``diagonal.py``, ``delta.py``)::
 
     kernel(q, k, v, g, beta, h0, wave, *, scale, chunks) -> (o, h_chunks, h_final)
         q, k [1, T, H, K]; v [1, T, H, V]; g [1, T, H] or [1, T, H, K]; beta [1, T, H] or None;

@@ -1,0 +1,46 @@
+"""What the fla backend's zero-extra-round segment kernels share (``diagonal.py``, ``delta.py``):
+fla's chunk size, fla's lower-level pieces imported on first use (importing harts_hf never imports
+triton), and the autograd Function around a kind's forward / backward sequence of fla calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["BT", "fla_chunks", "fla_piece"]
+
+BT = 64  # fla's chunk size: its kernels' per-chunk states sit on this grid
+
+
+def fla_piece(module: str, name: str) -> Callable:
+    """fla's ``module.name``, imported when first called."""
+    return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+class _FlaChunks(torch.autograd.Function):
+    """o, per-chunk start states and final states of one varlen call, with gradients into all three.
+    ``steps`` = (forward, backward): ``forward(ctx, *args) -> (o, h_chunks, h_final)``, ``backward(ctx,
+    do, dh_ext, dht)`` -> the gradients of the leading tensor arguments (the rest get None)."""
+
+    @staticmethod
+    def forward(ctx, steps: tuple[Callable, Callable], *args):
+        from fla.utils import input_guard  # contiguous inputs, kernels on the inputs' device
+
+        ctx.set_materialize_grads(False)
+        ctx.backward_steps, ctx.num_args = steps[1], len(args)
+        return input_guard(steps[0])(ctx, *args)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor | None, dh_ext: torch.Tensor | None, dht: torch.Tensor | None):
+        from fla.utils import input_guard
+
+        grads = input_guard(ctx.backward_steps)(ctx, do, dh_ext, dht)
+        return None, *grads, *[None] * (ctx.num_args - len(grads))
+
+
+def fla_chunks(forward: Callable, backward: Callable, *args) -> tuple[torch.Tensor, ...]:
+    """``forward(ctx, *args)`` with ``backward`` as its gradient (see :class:`_FlaChunks`)."""
+    return _FlaChunks.apply((forward, backward), *args)
