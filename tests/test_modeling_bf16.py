@@ -25,14 +25,12 @@ import torch
 from tiny_models import (
     FAMILIES,
     Run,
-    _grads,
     family_forest,
     loss_weights,
     oracle_run,
     padded_run,
     sharpen_routers,
     tiny_model,
-    trainable,
     tree_run,
 )
 
@@ -55,23 +53,6 @@ def _variation(ref: Run, other: Run, real: torch.Tensor) -> np.ndarray:
     )
 
 
-def left_padded_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Tensor) -> Run:
-    """The model on all trajectories as ONE left-padded batch (rows end together), read back into the
-    trajectory layout (row i's predictions start at column width - len_i)."""
-    width = max(len(s) for s in seqs)
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])  # [B, width]
-    mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()
-    logp = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-    cols = (width - lengths)[:, None] + torch.arange(width - 1)[None]  # [B, width - 1]
-    keep = cols < width - 1
-    cols = cols.clamp(max=width - 2)
-    lp = logp.gather(-1, ids[:, 1:, None])[..., 0].gather(1, cols)
-    ent = -(logp.exp() * logp).sum(-1).gather(1, cols)
-    lp, ent = torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
-    return Run(lp.detach(), _grads((lp * weights.to(lp.dtype)).sum(), trainable(model)), ent.detach())
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bf16_within_baseline_variation(family):
     seqs = family_forest(np.random.default_rng(2), small=True)
@@ -84,7 +65,7 @@ def test_bf16_within_baseline_variation(family):
     baseline = np.maximum.reduce(
         [
             _variation(ref, padded_run(model, seqs, weights), real),
-            _variation(ref, left_padded_run(model, seqs, weights), real),
+            _variation(ref, padded_run(model, seqs, weights, left=True), real),
             _variation(ref, Run(wide.logprobs, [g.to(torch.bfloat16) for g in wide.grads], wide.entropy), real),
         ]
     )

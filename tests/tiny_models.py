@@ -335,15 +335,21 @@ def oracle_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Ten
     )
 
 
-def padded_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Tensor) -> Run:
-    """The model on all trajectories as ONE right-padded batch with an attention mask."""
+def padded_run(model: torch.nn.Module, seqs: list[list[int]], weights: torch.Tensor, *, left: bool = False) -> Run:
+    """The model on all trajectories as ONE padded batch with an attention mask, right-padded or
+    ``left``-padded (rows end together, as TRL lays out prompts), read back into the trajectory layout."""
     width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # [B, width]
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    logp = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-    keep = mask[:, 1:].bool()
-    lp = torch.where(keep, logp.gather(-1, ids[:, 1:, None])[..., 0], 0.0)
-    ent = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
+    lengths = torch.tensor([len(s) for s in seqs])
+    start = width - lengths if left else torch.zeros_like(lengths)  # [B] column of each row's first token
+    cols = torch.arange(width)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = (cols[None] >= start[:, None]) & (cols[None] < (start + lengths)[:, None])  # [B, width]
+    ids[mask] = torch.tensor([t for s in seqs for t in s])
+    logp = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits[:, :-1].float().log_softmax(-1)
+    at = (start[:, None] + cols[None, :-1]).clamp(max=width - 2)  # [B, width - 1] prediction of position j
+    keep = cols[None, :-1] < (lengths - 1)[:, None]
+    lp = torch.where(keep, logp.gather(-1, ids[:, 1:, None])[..., 0].gather(1, at), 0.0)
+    ent = torch.where(keep, -(logp.exp() * logp).sum(-1).gather(1, at), 0.0)
     return Run(lp.detach(), _grads((lp * weights.to(lp.dtype)).sum(), trainable(model)), ent.detach())
 
 
