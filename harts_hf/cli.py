@@ -154,6 +154,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scale", type=float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
     )
+    p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default: default; gpu for a CUDA run)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
@@ -167,7 +168,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         config = default_config(
-            args.quick, model=args.model, workload=args.workload, scale=args.scale, dtype=args.dtype, device=args.device
+            args.quick,
+            model=args.model,
+            size=args.size,
+            workload=args.workload,
+            scale=args.scale,
+            dtype=args.dtype,
+            device=args.device,
         )
     except ValueError as err:
         raise SystemExit(f"harts-hf bench: {err}") from err

@@ -64,6 +64,11 @@ def test_scale_refused_by_a_shape_without_it():
         main(["workload", "grpo-group", "--scale", "0.5"])
 
 
+def test_bench_size_reaches_the_config():
+    with pytest.raises(SystemExit, match="unknown size 'huge'; choose one of default, gpu, quick, tiny"):
+        main(["bench", "--size", "huge"])
+
+
 def test_python_dash_m():
     done = subprocess.run(
         [sys.executable, "-m", "harts_hf", "workload", "deep-chain", "--seed", "2"],

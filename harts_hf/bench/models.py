@@ -56,6 +56,11 @@ SIZES: dict[str, ModelSize] = {
         hidden=256, intermediate=768, groups=1, heads=4, kv_heads=2, head_dim=64, linear_heads=4,
         linear_head_dim=32, experts=8, top_k=2, expert_intermediate=256, vocab=8192,
     ),
+    # gpu: a step sized for one H100/H200 (bf16): Qwen3.5's head shapes, 8 layers.
+    "gpu": ModelSize(
+        hidden=1024, intermediate=3072, groups=2, heads=8, kv_heads=2, head_dim=128, linear_heads=8,
+        linear_head_dim=128, experts=16, top_k=4, expert_intermediate=512, vocab=32768,
+    ),
     "quick": ModelSize(
         hidden=64, intermediate=192, groups=1, heads=4, kv_heads=2, head_dim=16, linear_heads=4,
         linear_head_dim=16, experts=4, top_k=2, expert_intermediate=64, vocab=1024,
