@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from hashlib import blake2b
 
 import numpy as np
 
@@ -243,6 +244,15 @@ class RolloutForest:
     @property
     def max_length(self) -> int:
         return int(self.lengths.max())
+
+    @cached_property
+    def shape_digest(self) -> str:
+        """A fingerprint of the forest's shape (parent links and trajectories, not token ids): what a
+        plan is valid for, so that a plan made for another forest is refused instead of misapplied."""
+        digest = blake2b(digest_size=16)
+        for arr in (self.prev, self.traj_offsets, self.restore):
+            digest.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        return digest.hexdigest()
 
     @property
     def num_leaves(self) -> int:

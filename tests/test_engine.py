@@ -172,6 +172,13 @@ def test_refuses_foreign_plan_and_dropout():
     other = RolloutForest.from_sequences(other.trajectories()[:3])
     with pytest.raises(ValueError, match="other forests"):
         TreeEngine(model, forest, plan(other, world_size=1, max_tokens_per_microbatch=10_000))
+    # As many trajectories, another shape (a longer shared prompt): refused, not misapplied.
+    prompt = lambda n: [1 + t % 100 for t in range(n)]
+    group = lambda n: RolloutForest.from_sequences([prompt(n) + [3, 4 + i] for i in range(4)])
+    with pytest.raises(ValueError, match="other forests"):
+        TreeEngine(model, group(90), plan(group(30), world_size=1, max_tokens_per_microbatch=4096))
+    same_shape = RolloutForest.from_sequences([[7] * 30 + [5, 6 + i] for i in range(4)])
+    TreeEngine(model, same_shape, plan(group(30), world_size=1, max_tokens_per_microbatch=4096))
     with pytest.raises(ValueError, match="world size"):
         TreeEngine(model, forest, plan(forest, world_size=1, max_tokens_per_microbatch=10_000), rank=1)
     model.config.attention_dropout = 0.1

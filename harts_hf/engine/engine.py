@@ -91,10 +91,11 @@ class TreeEngine:
         if plan is None:
             budget = max_tokens_per_microbatch or DEFAULT_MAX_TOKENS
             plan = make_plan(self.forests, world_size=1, max_tokens_per_microbatch=budget)
-        if len(plan.traj_rank) != len(self.forests) or [t.size for t in plan.traj_rank] != [
-            f.num_trajectories for f in self.forests
-        ]:
-            raise ValueError("the plan was made for other forests (trajectory counts differ)")
+        if plan.forest_digests != tuple(forest.shape_digest for forest in self.forests):
+            raise ValueError(
+                "the plan was made for other forests (their shapes differ): plan these forests, "
+                "harts_hf.plan(forests, ...), and pass that plan"
+            )
         self.plan = plan
         self.rank = rank
         self.temperature = temperature

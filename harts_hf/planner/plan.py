@@ -73,7 +73,8 @@ class Plan:
     ``ops.rounds`` derive for the microbatch; the plan says where each input comes from.
 
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
-    last token; its whole path is on that rank).
+    last token; its whole path is on that rank). ``forest_digests``: per forest, the
+    ``RolloutForest.shape_digest`` the plan was made for.
     """
 
     world_size: int
@@ -104,6 +105,7 @@ class Plan:
     entry_state_piece: np.ndarray
     entry_replay: np.ndarray
     traj_rank: list[np.ndarray]
+    forest_digests: tuple[str, ...]
     num_compact_tokens: int
     replicated_tokens: int
     replay_tokens: int
@@ -305,6 +307,7 @@ def build_plan(
         entry_state_piece=state_piece,
         entry_replay=depth - aligned,
         traj_rank=_traj_rank(geo, forests, pieces),
+        forest_digests=tuple(forest.shape_digest for forest in forests),
         num_compact_tokens=geo.num_tokens,
         replicated_tokens=int((pieces.hi - pieces.lo)[pieces.replica].sum()),
         replay_tokens=_replay(geo, pieces, seg, entry_parent, entry_rank, chunk_size),
