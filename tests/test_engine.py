@@ -78,7 +78,9 @@ def assert_same(ref, got):
         torch.testing.assert_close(g, r, rtol=0, atol=TOL * scale)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "kimi_linear", "nemotron_h", "lfm2", "minimax", "falcon_h1", "jamba"])
+@pytest.fixture(
+    scope="module", params=["qwen3_5", "kimi_linear", "nemotron_h", "lfm2", "minimax", "falcon_h1", "jamba"]
+)
 def family_model(request):
     model = tiny_model(request.param)
     return patch_model(model)
