@@ -57,6 +57,11 @@ def _as_mask(mask, i: int, length: int) -> np.ndarray:
         raise ValueError(
             f"loss mask {i} has shape {arr.shape} but trajectory {i} has {length} tokens: give one mask value per token"
         )
+    if arr.dtype != bool and not (arr.dtype.kind in "iuf" and np.isin(arr, (0, 1)).all()):
+        raise ValueError(
+            f"loss mask {i} must hold booleans or 0/1 (got {arr.dtype} values such as {arr[~np.isin(arr, (0, 1))][:3]}): "
+            "give a token mask, not labels"
+        )
     return arr.astype(bool, copy=False)
 
 

@@ -183,6 +183,8 @@ def test_refuses_foreign_plan_and_dropout():
     TreeEngine(model, same_shape, plan(group(30), world_size=1, max_tokens_per_microbatch=4096))
     with pytest.raises(ValueError, match="world size"):
         TreeEngine(model, forest, plan(forest, world_size=1, max_tokens_per_microbatch=10_000), rank=1)
+    with pytest.raises(ValueError, match="must be positive"):  # 0 is not "no budget given"
+        TreeEngine(model, forest, max_tokens_per_microbatch=0)
     model.config.attention_dropout = 0.1
     model.train()
     engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([40])))
@@ -288,3 +290,7 @@ def test_attached_logprobs_backpropagate_through_the_replay():
     assert lps[0].requires_grad and not ents[0].requires_grad
     loss_fn(lps).backward()
     assert_same(ref, (lps[0].detach(), [torch.zeros_like(p) if p.grad is None else p.grad for p in params]))
+    model.requires_grad_(False)  # a frozen model (a reference policy): its log-probs, nothing to attach
+    frozen = engine.attached_logprobs()
+    assert not frozen[0].requires_grad
+    torch.testing.assert_close(frozen[0], lps[0].detach(), rtol=0, atol=TOL)

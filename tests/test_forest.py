@@ -157,13 +157,9 @@ def test_unshared_forest_is_trajectory_wise(case):
     [
         pytest.param([], None, ValueError, "no sequences", id="no-sequences"),
         pytest.param([[1, 2], [], [3]], None, ValueError, "trajectory 1 is empty", id="empty-sequence"),
-        pytest.param(
-            [[1, 2], [1.0, 2.5]], None, TypeError, "trajectory 1: token ids must be integers", id="float-ids"
-        ),
+        pytest.param([[1, 2], [1.0, 2.5]], None, TypeError, "trajectory 1: token ids must be integers", id="float-ids"),
         pytest.param([[1, 2], [True, False]], None, TypeError, "trajectory 1", id="bool-ids"),
-        pytest.param(
-            [[1, 2], [3, 4, 5, -1]], None, ValueError, "trajectory 1, position 3: negative", id="negative-id"
-        ),
+        pytest.param([[1, 2], [3, 4, 5, -1]], None, ValueError, "trajectory 1, position 3: negative", id="negative-id"),
         pytest.param([[1], [[2, 3]]], None, ValueError, "trajectory 1: expected a 1-D", id="nested"),
         pytest.param(
             [[1, 2], [3, 4, 5]],
@@ -173,6 +169,8 @@ def test_unshared_forest_is_trajectory_wise(case):
             id="mask-length",
         ),
         pytest.param([[1, 2], [3, 4, 5]], [[1, 0]], ValueError, "1 loss masks for 2", id="mask-count"),
+        pytest.param([[3, 4, 5]], [[-100, -100, 5]], ValueError, "loss mask 0 .* not labels", id="mask-labels"),
+        pytest.param([[3, 4, 5]], [[0.5, 0.0, 1.0]], ValueError, "loss mask 0 must hold", id="mask-fractions"),
     ],
 )
 def test_bad_inputs_name_the_trajectory(seqs, masks, error, message):

@@ -76,6 +76,14 @@ def test_single_token_trajectories_give_an_empty_layout(model):
     forest = RolloutForest.from_sequences([[3], [4], [3]])
     lp, ent = tree_logprobs(model, forest, return_entropy=True)
     assert lp.shape == ent.shape == (3, 0)
+    model.zero_grad()
+    lp.sum().backward()  # nothing to predict: zero gradients, as the stock model's empty loss gives
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_list_is_not_a_forest(model):
+    with pytest.raises(TypeError, match="RolloutForest.from_sequences"):
+        tree_logprobs(model, [[3, 4, 5]])
 
 
 def test_out_of_vocabulary_ids_are_refused(model):
@@ -89,6 +97,7 @@ def test_forest_deeper_than_the_model_is_refused(model):
         tree_logprobs(model, RolloutForest.from_sequences([too_long]))
 
 
-def test_non_positive_temperature_is_refused(model):
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_non_positive_temperature_is_refused(model, temperature):
     with pytest.raises(ValueError, match="temperature"):
-        tree_logprobs(model, RolloutForest.from_sequences([[3, 4]]), temperature=0.0)
+        tree_logprobs(model, RolloutForest.from_sequences([[3, 4]]), temperature=temperature)

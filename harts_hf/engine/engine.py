@@ -26,6 +26,7 @@ Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -82,14 +83,14 @@ class TreeEngine:
         temperature: float = 1.0,
         head_chunk_tokens: int | None = None,
     ):
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
+        if not 0 < temperature < math.inf:
+            raise ValueError(f"temperature must be positive and finite, got {temperature}")
         self.hf, self.adapter = patched_adapter(model)
         self.forests = as_forests(forests)
         for forest in self.forests:
             validate_forest(self.hf, forest)
         if plan is None:
-            budget = max_tokens_per_microbatch or DEFAULT_MAX_TOKENS
+            budget = DEFAULT_MAX_TOKENS if max_tokens_per_microbatch is None else max_tokens_per_microbatch
             plan = make_plan(self.forests, world_size=1, max_tokens_per_microbatch=budget)
         if plan.forest_digests != tuple(forest.shape_digest for forest in self.forests):
             raise ValueError(
@@ -133,8 +134,9 @@ class TreeEngine:
         store = Store(self.forests, self.units)
         with torch.no_grad(), self._hooks():
             values, ents = self._record(store, return_entropy)
-        anchor = next(p for p in self.hf.parameters() if p.requires_grad)
-        values = _Replay.apply(self, store, anchor, *values)
+        anchor = next((p for p in self.hf.parameters() if p.requires_grad), None)
+        if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
+            values = _Replay.apply(self, store, anchor, *values)
         lp = self._layout(list(values))
         return (lp, self._layout(ents)) if return_entropy else lp
 

@@ -14,6 +14,7 @@ Legend: N compact tokens, P pairs (non-root compact tokens), B trajectories, V v
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,10 @@ class TreeOutput:
 
 def validate_forest(hf, forest: RolloutForest) -> None:
     """Refuse a forest the model cannot run: no LM head, out-of-vocabulary ids, too long."""
+    if not isinstance(forest, RolloutForest):
+        raise TypeError(
+            f"expected a RolloutForest, got {type(forest).__name__}: build one with RolloutForest.from_sequences"
+        )
     head = hf.get_output_embeddings()
     if head is None:
         raise UnsupportedModelError(f"{type(hf).__name__} has no LM head: pass the *ForCausalLM model")
@@ -120,10 +125,8 @@ class Head:
             temperature=temperature,
             entropy=entropy,
         )
-        lps, ents = (
-            [hidden.new_zeros(0, dtype=torch.float32)],
-            [hidden.new_zeros(0, dtype=torch.float32)],
-        )
+        # Start from an empty slice of hidden: no pairs still leaves log-probs on the graph.
+        lps, ents = [hidden[:0, 0].float()], [hidden.new_zeros(0, dtype=torch.float32)]
         for s in range(0, rows.numel(), self.chunk):
             args = (hidden, rows[s : s + self.chunk], targets[s : s + self.chunk])
             lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
@@ -149,8 +152,8 @@ class Layout:
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """[P] pair values -> [B, max_len - 1], exactly 0 past each row's end."""
-        if values.numel() == 0:
-            return values.new_zeros(self.pair.shape)
+        if values.numel() == 0:  # nothing to predict: zeros still on the graph (zero gradients, as stock)
+            return values.new_zeros(self.pair.shape) + values.sum()
         return torch.where(self.valid, values[self.pair], 0.0)
 
 
@@ -196,8 +199,8 @@ def tree_forward(
     routing depends only on its own hidden state, so each compact token stands for all of its
     ``multiplicity`` trajectory copies. ``head_chunk_tokens`` overrides the pairs per head chunk.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
     hf, adapter = patched_adapter(model)
     head = hf.get_output_embeddings()
     validate_forest(hf, forest)

@@ -22,6 +22,10 @@ __all__ = ["row_sequences", "rows_forest", "to_completion_layout"]
 
 def row_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:
     """The real tokens of every row (the attention mask's ones, in order)."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must be one [B, P + C] shape"
+        )
     ids = input_ids.detach().cpu().numpy()  # [B, P + C]
     keep = attention_mask.detach().cpu().numpy().astype(bool)
     return [row[m] for row, m in zip(ids, keep)]
@@ -38,6 +42,11 @@ def to_completion_layout(
     logits_to_keep: int,
 ) -> torch.Tensor:
     """[B, C]: TRL's completion layout of trajectory-layout values (0 past each real completion)."""
+    if values.size(0) != attention_mask.size(0) or not 0 < logits_to_keep < attention_mask.size(1):
+        raise ValueError(
+            f"values {tuple(values.shape)}, attention_mask {tuple(attention_mask.shape)} and logits_to_keep "
+            f"{logits_to_keep} do not fit: one row per mask row, 0 < logits_to_keep < the mask's width"
+        )
     width = attention_mask.size(1) - logits_to_keep
     mask = attention_mask.to(values.device)
     prompt_len = mask[:, :width].sum(1, keepdim=True)  # [B, 1]
