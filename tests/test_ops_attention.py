@@ -189,6 +189,20 @@ def test_refuses_mismatched_context():
         tree_attention(q, k, v, batch, scale=SCALE, context_kv=(k[: nc - 1], v[: nc - 1]))
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        pytest.param({"sliding_window": 0}, "sliding_window", id="window-0"),
+        pytest.param({"softcap": 0.0}, "softcap", id="softcap-0"),
+        pytest.param({"dropout": 1.0}, "dropout", id="dropout-1"),
+    ],
+)
+def test_refuses_options_that_mean_nothing(option, message):
+    batch, (q, k, v, _) = _small_case()
+    with pytest.raises(ValueError, match=message):
+        tree_attention(q, k, v, batch, scale=SCALE, **option)
+
+
 MEMORY_PROBE = textwrap.dedent(
     """
     import resource, numpy as np, torch

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from chunk_scan_cases import assert_close
-from test_ops_gated_delta import gdn_inputs
+from test_ops_gated_delta import H, K, V, gdn_inputs
 from trees import NASTY_TREES
 
 from harts_hf.forest import RolloutForest
@@ -135,3 +135,27 @@ def test_missing_handoffs_are_refused() -> None:
     x = gdn_inputs(batch.num_tokens, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="context"):
         tree_gated_delta_rule(*x.values(), batch, chunk_size=16)
+
+
+def test_inputs_that_do_not_fit_the_piece_are_refused() -> None:
+    """Rows, context rows, context keys, state shapes and chunk sizes that do not fit: a clear error,
+    never a shifted (silently wrong) run."""
+    forest = RolloutForest.from_sequences(NASTY_TREES["grpo_group"](np.random.default_rng(0)))
+    batch = TreeBatch.from_forest(forest, np.flatnonzero(forest.position >= 37))
+    gen = torch.Generator().manual_seed(0)
+    x, ctx = gdn_inputs(batch.num_tokens, gen), gdn_inputs(batch.num_context, gen)
+    context = {n: ctx[n] for n in ("k", "v", "g", "beta")}
+    fits = {"context": context, "initial_states": torch.zeros(rounds_of(batch, 16).external_tokens.numel(), H, K, V)}
+    run = lambda x, **kw: tree_gated_delta_rule(*x.values(), batch, chunk_size=16, **(fits | kw))
+    run(x)  # fits
+    with pytest.raises(ValueError, match="input v has"):
+        run({**x, "v": x["v"][:-1]})
+    whole = gdn_inputs(forest.num_compact_tokens, gen)
+    with pytest.raises(ValueError, match="context k has"):
+        run(x, context={n: whole[n] for n in context})
+    with pytest.raises(ValueError, match="context lacks 'beta'"):
+        run(x, context={n: context[n] for n in ("k", "v", "g")})
+    with pytest.raises(ValueError, match=r"initial_states must be \[E, H, K, V\]"):
+        run(x, initial_states=fits["initial_states"].transpose(-1, -2))
+    with pytest.raises(ValueError, match="chunk_size must be positive"):
+        tree_gated_delta_rule(*x.values(), batch, chunk_size=0, **fits)

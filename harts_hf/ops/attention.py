@@ -92,7 +92,6 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     flat = np.full(int(base[-1]), nk, dtype=np.int64)
     flat[offset[block] + rank] = key
 
-
     def as_t(a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.long, device=batch.device)
 
@@ -219,11 +218,6 @@ class _Layout:
         return s.add_(bias[None, :, None]), dcap
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    """Softmax / accumulation dtype: fp32, or fp64 for fp64 inputs (gradcheck)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def _q_factor(scale: float, softcap: float | None) -> float:
     return scale if softcap is None else scale / softcap
 
@@ -298,6 +292,17 @@ class _Attention(torch.autograd.Function):
         )
 
 
+def _check_options(softcap: float | None, dropout: float, sliding_window: int | None, block_size: int) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None for no cap), got {softcap}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or None for no window), got {sliding_window}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
 def _check(q, k, v, batch, sinks, context_kv) -> None:
     n, hq, d = q.shape
     if k.shape[:2] != v.shape[:2] or k.shape[0] != n or k.shape[2] != d or hq % k.shape[1]:
@@ -332,6 +337,7 @@ def tree_attention_torch(
     """Pure-PyTorch ancestor attention (see :func:`tree_attention`); ``block_size`` and
     ``group_elements`` (scores computed at once) trade padding against per-call overhead."""
     _check(q, k, v, batch, sinks, context_kv)
+    _check_options(softcap, dropout, sliding_window, block_size)
     if context_kv is not None:
         k = torch.cat((context_kv[0], k))
         v = torch.cat((context_kv[1], v))

@@ -234,15 +234,16 @@ def run_tree_linear_attention(
     """
     rounds = rounds_of(batch, chunk_size)
     nc = batch.num_context
-    rounds.check_inputs(q.shape[0], context, initial_states)
+    own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
+    rounds.check_inputs(own, context, nc, initial_states)
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))
     plan = scan_plan_of(batch, chunk_size, state_out_tokens)
 
-    own = {"k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
-    tables = {"q": _combined(q, None, nc)}
-    tables |= {name: _combined(x, None if context is None else context[name], nc) for name, x in own.items()}
+    tables = {
+        name: _combined(x, None if context is None or name == "q" else context[name], nc) for name, x in own.items()
+    }
     layout = ragged_rounds_of(batch, chunk_size)
     sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]
     split = {name: t.index_select(0, plan.gather).split(sizes) for name, t in tables.items()}
@@ -310,7 +311,7 @@ def run_tree_kind(
     ctx = None
     if context is not None:
         names = ("k", "v", "g") + (() if beta is None else ("beta",))
-        ctx = {n: prep_qk(context[n]) if n == "k" else context[n].float() for n in names}
+        ctx = {n: prep_qk(context[n]) if n == "k" else context[n].float() for n in names if n in context}
     o, states = run_tree_linear_attention(
         kernel,
         batch,

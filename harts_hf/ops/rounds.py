@@ -26,6 +26,7 @@ Tc chunks of a round.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,20 +102,39 @@ class Rounds:
     def num_paths(self) -> int:
         return int(self.path_round.size)
 
-    def check_inputs(self, num_inputs: int, context: object | None, initial_states: torch.Tensor | None) -> None:
-        """Refuse a piece's inputs that do not fit it (every backend calls this first)."""
+    def check_inputs(
+        self,
+        own: Mapping[str, torch.Tensor],
+        context: Mapping[str, torch.Tensor] | None,
+        num_context: int,
+        initial_states: torch.Tensor | None,
+    ) -> None:
+        """Refuse a piece's inputs that do not fit it (every backend calls this first): ``own`` the
+        per-token inputs by name (q, k [N, Hk, K], v [N, H, V], g, beta), ``context`` the same names
+        but q for the batch's ``num_context`` context tokens, ``initial_states`` [E, H, K, V]."""
         n = self.token_path.size
-        if num_inputs != n:
-            raise ValueError(f"inputs have {num_inputs} tokens but the batch has {n} piece tokens")
+        for name, x in own.items():
+            if x.shape[0] != n:
+                raise ValueError(f"input {name} has {x.shape[0]} tokens but the batch has {n} piece tokens")
         if self.context_replay.numel() and context is None:
             raise ValueError(
                 f"this piece replays {self.context_replay.numel()} context tokens: pass their inputs as `context`"
             )
+        for name in () if context is None else [name for name in own if name != "q"]:
+            if name not in context:
+                raise ValueError(f"context lacks {name!r}: give {sorted(set(own) - {'q'})} of the context tokens")
+            if context[name].shape[0] != num_context:
+                raise ValueError(
+                    f"context {name} has {context[name].shape[0]} tokens but the batch has {num_context} context tokens"
+                )
         num_ext = self.external_tokens.numel()
         if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
             raise ValueError(
                 f"this piece needs initial_states for its {num_ext} external boundary states (Rounds.external_tokens)"
             )
+        state = (own["v"].shape[1], own["k"].shape[-1], own["v"].shape[-1])
+        if initial_states is not None and tuple(initial_states.shape[1:]) != state:
+            raise ValueError(f"initial_states must be [E, H, K, V] = [{num_ext}, {', '.join(map(str, state))}]")
 
     def state_index(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round, row of that round's ``cat([h_start, h_final])``) holding the state after each
@@ -232,6 +252,8 @@ def _replay(prev: np.ndarray, first: np.ndarray, replay_len: np.ndarray, C: int)
 
 def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
     """Decompose ``batch`` into min-rounds paths and pack each round (see module docstring)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     C = chunk_size
     nc = batch.num_context
     position = batch.position.cpu().numpy()

@@ -73,7 +73,9 @@ def run_waves(
     waves: Waves = waves_of(batch, chunk_size, cut, state_out_tokens)
     rounds = waves.rounds
     nc = batch.num_context
-    rounds.check_inputs(q.shape[0], context, initial_states)
+    rounds.check_inputs(
+        {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta}), context, nc, initial_states
+    )
     heads = v.shape[1]
     expand = lambda x: x.repeat_interleave(heads // x.shape[1], dim=1)
     own = {"q": expand(q), "k": expand(k), "v": v, "g": g} | ({} if beta is None else {"beta": beta})
