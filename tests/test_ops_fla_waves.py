@@ -20,6 +20,7 @@ from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 
 from harts_hf.forest import RolloutForest
+from harts_hf.ops import backends
 from harts_hf.ops.fla import backend, fallback_note, sequential_calls
 from harts_hf.ops.fla.diagonal import inject_state_grads
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
@@ -212,3 +213,14 @@ def test_fla_refuses_gpu_head_dims_below_its_tiles() -> None:
     assert backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=64)
     assert not backend._accepts(gpu(8, 512, 16), gpu(8, 512, 16), gpu(8, 512, 1), chunk_size=64)
     assert not backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=32)
+
+
+def test_gated_kinds_leave_fla_where_it_refuses_their_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Hopper with Triton 3.4 - 3.7.0 fla refuses gated chunk backward (fla #640): GDN and simple
+    GLA go to the torch backend instead of failing mid-backward; KDA and GLA keep fla's kernels."""
+    gpu = SimpleNamespace(is_cuda=True, shape=(8, 2, 64))
+    accepts = lambda kind: backends._REGISTRY[kind]["fla"].accepts(gpu, gpu, gpu, chunk_size=64)
+    monkeypatch.setattr(backend, "fla_refuses_gated_backward", lambda: False)
+    assert all(accepts(kind) for kind in KINDS)
+    monkeypatch.setattr(backend, "fla_refuses_gated_backward", lambda: True)
+    assert [kind for kind in KINDS if accepts(kind)] == ["kda", "gla"]

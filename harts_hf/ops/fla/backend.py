@@ -89,6 +89,34 @@ def _accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, chunk_siz
     return runs_on(q) and chunk_size % FLA_CHUNK == 0 and dims_fit
 
 
+# Kinds whose backward runs fla's gated ``chunk_bwd_dqkwg``, which fla 0.6.0 refuses on Hopper with
+# Triton 3.4 - 3.7.0 (wrong results there, fla issue #640).
+GATED_DQKWG_KINDS = ("gated_delta", "simple_gla")
+
+
+@functools.cache
+def fla_refuses_gated_backward() -> bool:
+    """fla's own test of that Triton bug on this machine (warned once: those kinds fall back to torch)."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    refuses = bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+    if refuses:
+        logger.warning(
+            "harts-hf: fla refuses gated chunk backward with this Triton on Hopper (fla #640): %s run on the "
+            "torch backend; install triton>=3.7.1 for fla's kernels",
+            ", ".join(GATED_DQKWG_KINDS),
+        )
+    return refuses
+
+
+def _accepts_kind(kind: str) -> Callable[..., bool]:
+    """:func:`_accepts`, and for :data:`GATED_DQKWG_KINDS` a Triton fla runs them correctly with."""
+    gated = kind in GATED_DQKWG_KINDS
+    return lambda q, *args, **kwargs: (
+        _accepts(q, *args, **kwargs) and not (gated and q.is_cuda and fla_refuses_gated_backward())
+    )
+
+
 @functools.cache
 def _announce(kind: str) -> None:
     if WAVES_LAYOUT[kind] == "cut":
@@ -120,7 +148,7 @@ def _fla_kind(kind: str, torch_fn: Callable, prepare: Callable[[Arguments], Argu
     tree_op_fla.__name__ = tree_op_fla.__qualname__ = torch_fn.__name__.removesuffix("_torch") + "_fla"
     tree_op_fla.__doc__ = f"fla backend of the ``{kind}`` tree op (arguments: :func:`{torch_fn.__name__}`)."
     tree_op_fla.__signature__ = signature
-    return register(kind, "fla", available=fla_available, accepts=_accepts)(tree_op_fla)
+    return register(kind, "fla", available=fla_available, accepts=_accepts_kind(kind))(tree_op_fla)
 
 
 def _per_token_decay(a: Arguments) -> Arguments:
