@@ -73,12 +73,11 @@ def run_waves(
     waves: Waves = waves_of(batch, chunk_size, cut, state_out_tokens)
     rounds = waves.rounds
     nc = batch.num_context
-    rounds.check_inputs(
-        {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta}), context, nc, initial_states
-    )
+    own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
+    rounds.check_inputs(own, context, nc, initial_states)
     heads = v.shape[1]
     expand = lambda x: x.repeat_interleave(heads // x.shape[1], dim=1)
-    own = {"q": expand(q), "k": expand(k), "v": v, "g": g} | ({} if beta is None else {"beta": beta})
+    own |= {"q": expand(q), "k": expand(k)}
     ctx = {} if context is None else dict(context)
     if "k" in ctx:
         ctx["k"] = expand(ctx["k"])
