@@ -43,15 +43,30 @@ SUB_CHUNK = 8  # rows per sub-chunk of the per-channel decayed scores (see chann
 
 
 def gla_step(
-    state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, chunk_decay: torch.Tensor, kv_local: torch.Tensor
+    state: torch.Tensor,
+    q_decay: torch.Tensor,
+    o_intra: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    k_end: torch.Tensor,
+    v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, None]:
     """Inter-chunk half of (simple) GLA: the active paths' start states [n, H, K, V] and their
-    chunk's rows -> (outputs [n, H, L, V], end states, None: the state update adds the plain v)."""
-    return q_decay @ state + o_intra, torch.addcmul(kv_local, state, chunk_decay), None
+    chunk's rows -> (outputs [n, H, L, V], end states, None: the state update adds the plain v).
+
+    The chunk's own state contribution ``k_end @ v`` (k decayed to the chunk's end, [n, H, K, L]) is
+    formed here rather than in the intra half: only chunks whose end state is read need it, and most
+    chunks of a tree (leaves, path ends) are not such chunks.
+    """
+    return q_decay @ state + o_intra, torch.addcmul(k_end @ v, state, chunk_decay), None
 
 
 def gla_output(
-    state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, chunk_decay: torch.Tensor, kv_local: torch.Tensor
+    state: torch.Tensor,
+    q_decay: torch.Tensor,
+    o_intra: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    k_end: torch.Tensor,
+    v: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """:func:`gla_step` without the end states."""
     return q_decay @ state + o_intra, None
@@ -111,9 +126,9 @@ def gla_intra(
     g = g.cumsum(-2)
     o_intra = channel_decay_scores((q,), k, g)[0] @ v  # [T, H, L, V]
     q_decay = q * g.exp()  # [T, H, L, K]
-    kv_local = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2) @ v  # [T, H, K, V]
+    k_end = (k * (g[:, :, -1:] - g).exp()).transpose(-1, -2)  # [T, H, K, L]
     chunk_decay = g[:, :, -1].exp().unsqueeze(-1)  # [T, H, K, 1]
-    return q_decay, o_intra, chunk_decay, kv_local
+    return q_decay, o_intra, chunk_decay, k_end, v
 
 
 GLA_KERNEL = ChunkKernel(gla_intra, gla_step, gla_output, gla_state_at)
@@ -158,9 +173,9 @@ def simple_gla_intra(
     mask = segment_sum(g).exp()  # [T, H, L, L]
     o_intra = (q @ k.transpose(-1, -2) * mask) @ v  # [T, H, L, V]
     q_decay = q * decay.exp().unsqueeze(-1)  # [T, H, L, K]
-    kv_local = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2) @ v  # [T, H, K, V]
+    k_end = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2)  # [T, H, K, L]
     chunk_decay = decay[..., -1].exp()[..., None, None]  # [T, H, 1, 1]
-    return q_decay, o_intra, chunk_decay, kv_local
+    return q_decay, o_intra, chunk_decay, k_end, v
 
 
 SIMPLE_GLA_KERNEL = ChunkKernel(simple_gla_intra, gla_step, gla_output, gla_state_at)
