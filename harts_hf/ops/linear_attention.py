@@ -52,6 +52,7 @@ import torch
 from .rounds import rounds_of
 from .scan_plan import RoundPlan, scan_plan_of
 from .tail_chunks import RaggedRound, ragged_rounds_of
+from .take_rows import take_rows
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -184,7 +185,7 @@ def scan_ragged(
     kept, finals = [], []
     for visit, keep in zip(rnd.steps, plan.keep):
         if keep is not None:
-            kept.append(state if isinstance(keep, slice) else state.index_select(0, keep))
+            kept.append(state if isinstance(keep, slice) else take_rows(state, keep))
         ends = []
         for i, (states, (s, _)) in enumerate(zip(state.split([n for _, n in visit.visits]), visit.visits)):
             if i < visit.following or plan.finals:
@@ -197,9 +198,9 @@ def scan_ragged(
                 values[s].append(vals)
         if ends:
             state = torch.cat(ends) if len(ends) > 1 else ends[0]
-            state = state if visit.order is None else state.index_select(0, visit.order)
+            state = state if visit.order is None else take_rows(state, visit.order)
     h_start = torch.cat(kept) if kept else None
-    h_final = torch.cat(finals).index_select(0, rnd.final_order) if plan.finals else None
+    h_final = take_rows(torch.cat(finals), rnd.final_order) if plan.finals else None
     return [torch.cat(o) if o else None for o in outs], values, h_start, h_final
 
 
@@ -246,7 +247,7 @@ def run_tree_linear_attention(
     }
     layout = ragged_rounds_of(batch, chunk_size)
     sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]
-    split = {name: t.index_select(0, plan.gather).split(sizes) for name, t in tables.items()}
+    split = {name: take_rows(t, plan.gather).split(sizes) for name, t in tables.items()}
     inputs, rows = [], []  # per length: prepared inputs {name: [T, L, H, ...]}; per round, the intra rows
     for j, (length, counts) in enumerate(zip(plan.lengths, plan.counts)):
         x = {name: parts[j].unflatten(0, (sum(counts), length)) for name, parts in split.items()}
@@ -259,16 +260,15 @@ def run_tree_linear_attention(
     for r, (ragged, rplan) in enumerate(zip(layout, plan.rounds)):
         streams = [plan.lengths.index(length) for length in ragged.lengths]
         per_stream = [rows[j][r] for j in streams]
-        o, values, h_start, h_final = scan_ragged(h_in.index_select(0, rplan.h0), ragged, rplan, per_stream, kernel)
+        o, values, h_start, h_final = scan_ragged(take_rows(h_in, rplan.h0), ragged, rplan, per_stream, kernel)
         for j, out in zip(streams, o):
             if out is not None:
                 outs[j].append(out)
         mids = [  # [R_s, H, K, V] states after rows of this round's chunks, for the next round's paths
             kernel.state_at(
-                h_start.index_select(0, start),
-                torch.cat(values[req.stream]).index_select(0, req.chunk) if values[req.stream] else None,
-                # Head-major, so the gather's backward adds contiguous rows (a transposed gradient takes a slow path).
-                lambda name, x=inputs[streams[req.stream]], chunk=chunk: x[name].transpose(1, 2).index_select(0, chunk),
+                take_rows(h_start, start),
+                take_rows(torch.cat(values[req.stream]), req.chunk) if values[req.stream] else None,
+                lambda name, x=inputs[streams[req.stream]], chunk=chunk: take_rows(x[name].transpose(1, 2), chunk),
                 req.row,
             )
             for req, start, chunk in zip(ragged.requests, rplan.request_start, rplan.request_chunk)
@@ -276,12 +276,12 @@ def run_tree_linear_attention(
         later = [x for x in (h_start, h_final, *mids) if x is not None]  # the states later rounds read
         h_in = later[0] if len(later) == 1 else torch.cat(later) if later else None
         if rplan.picks is not None:
-            picked.append(h_in.index_select(0, rplan.picks))
+            picked.append(take_rows(h_in, rplan.picks))
     flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_j * L_j, H, V]
-    o = torch.cat(flat).index_select(0, plan.output)  # [N, H, V]
+    o = take_rows(torch.cat(flat), plan.output)  # [N, H, V]
     if state_out_tokens is None:
         return o, None
-    return o, torch.cat(picked).index_select(0, plan.pick_order) if picked else zeros[:0]
+    return o, take_rows(torch.cat(picked), plan.pick_order) if picked else zeros[:0]
 
 
 def run_tree_kind(
