@@ -7,10 +7,14 @@ overheads are identical and only the sharing differs. Ideal speedups: the token 
 the token-linear kinds (conv, linear attention), the attended-pair ratio for attention (pairs of a
 forest = sum over compact tokens of position + 1). Linear kinds also report ``grid_ideal``, the
 ratio of chunk slots of :func:`~harts_hf.ops.rounds.rounds_of`'s C-slot layout (chunk-padded paths,
-replays of the parent's tokens up to the branch point included; the fla backend's layout): at small
-scales paths are not much longer than a chunk, and that grid caps the speedup (swe-like with one task:
-grid 1.66x vs tokens 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02). The torch backend computes the
-ragged layout of :func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece
+replays of the parent's tokens up to the branch point included; the fla backend's layout). It is also
+the ratio of chunk counts, so of the work every chunked kernel does per chunk whatever the chunk's
+length (read each head's K x V start state, write its end state, and again in backward). At small
+scales paths are not much longer than a chunk and the grid ideal lies far below the token ideal
+(swe-like with one task: 1.66x vs 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02, 4.53x vs 5.98x at
+0.05); the cheaper a kind's per-token work (simple GLA), the nearer its speedup lands to the grid
+ideal. (Where the trajectory-wise tensors outgrow the caches, a speedup can pass the token ideal: KDA
+and GLA at 0.02.) The torch backend computes the ragged layout of :func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece
 tokens, chunks at their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
 and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
