@@ -61,14 +61,9 @@ def gla_step(
 
 
 def gla_output(
-    state: torch.Tensor,
-    q_decay: torch.Tensor,
-    o_intra: torch.Tensor,
-    chunk_decay: torch.Tensor,
-    k_end: torch.Tensor,
-    v: torch.Tensor,
+    state: torch.Tensor, q_decay: torch.Tensor, o_intra: torch.Tensor, *state_rows: torch.Tensor
 ) -> tuple[torch.Tensor, None]:
-    """:func:`gla_step` without the end states."""
+    """:func:`gla_step` without the end states (``state_rows``: the chunk decay, k_end and v it ignores)."""
     return q_decay @ state + o_intra, None
 
 
