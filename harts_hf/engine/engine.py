@@ -26,7 +26,6 @@ Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
-from ..modeling.logprobs import Layout, model_head, run_base, validate_forest
+from ..modeling.logprobs import Layout, model_head, run_base, validate_forest, validate_temperature
 from ..modeling.patch import patched_adapter
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
@@ -83,8 +82,7 @@ class TreeEngine:
         temperature: float = 1.0,
         head_chunk_tokens: int | None = None,
     ):
-        if not 0 < temperature < math.inf:
-            raise ValueError(f"temperature must be positive and finite, got {temperature}")
+        validate_temperature(temperature)
         self.hf, self.adapter = patched_adapter(model)
         self.forests = as_forests(forests)
         for forest in self.forests:

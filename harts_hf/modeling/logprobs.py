@@ -63,6 +63,12 @@ class TreeOutput:
     expert_load: torch.Tensor | None = None
 
 
+def validate_temperature(temperature: float) -> None:
+    """Refuse a temperature the logits cannot be divided by (zero, negative, NaN or infinite)."""
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
 def validate_forest(hf, forest: RolloutForest) -> None:
     """Refuse a forest the model cannot run: no LM head, out-of-vocabulary ids, too long."""
     if not isinstance(forest, RolloutForest):
@@ -199,8 +205,7 @@ def tree_forward(
     routing depends only on its own hidden state, so each compact token stands for all of its
     ``multiplicity`` trajectory copies. ``head_chunk_tokens`` overrides the pairs per head chunk.
     """
-    if not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    validate_temperature(temperature)
     hf, adapter = patched_adapter(model)
     head = hf.get_output_embeddings()
     validate_forest(hf, forest)
