@@ -14,8 +14,9 @@ scales paths are not much longer than a chunk and the grid ideal lies far below 
 (swe-like with one task: 1.66x vs 5.62x at CPU_SCALE, 3.41x vs 5.97x at scale 0.02, 4.53x vs 5.98x at
 0.05); the cheaper a kind's per-token work (simple GLA), the nearer its speedup lands to the grid
 ideal. (Where the trajectory-wise tensors outgrow the caches, a speedup can pass the token ideal: KDA
-and GLA at 0.02.) The torch backend computes the ragged layout of :func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece
-tokens, chunks at their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
+and GLA at 0.02.) The torch backend computes the ragged layout of
+:func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece tokens, chunks at
+their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
 and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
 ``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
