@@ -7,9 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from harts_hf.cli import main
-from harts_hf.ops.bench import KINDS, LINEAR_KINDS, bench_ops, format_table
+from harts_hf.forest import RolloutForest
+from harts_hf.ops.bench import KINDS, LINEAR_KINDS, _intra_case, _ragged_slots, bench_ops, format_table
+from harts_hf.ops.tree_batch import TreeBatch
 
 TOP_FIELDS = {
     "trajectories",
@@ -24,7 +27,7 @@ TOP_FIELDS = {
     "kinds",
 }
 KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds", "note"}
-LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding"}
+LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding", "intra_speedup", "rest_speedup"}
 
 
 def grpo_group(prompt: int, completions: list[int]) -> list[list[int]]:
@@ -75,6 +78,21 @@ def test_ideals_and_rounds_of_a_grpo_group() -> None:
             # Ragged layout: the completions' chunks run at 16 slots (10 tokens, rounded up to 8).
             assert row["slot_ideal"] == pytest.approx(2 * (64 + 16) / (64 + 2 * 16))
             assert (row["replayed"], row["padding"]) == (0, 2 * 6)
+            assert row["intra_speedup"] > 0 and (row["rest_speedup"] is None or row["rest_speedup"] > 0)
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_intra_half_runs_on_the_chunks_of_the_ragged_layout(kind: str) -> None:
+    """The timed chunk-local half covers the torch driver's chunks: one [T, L, H, K] block per chunk length,
+    as many slots as the ragged layout, and gradients reach every input."""
+    batch = TreeBatch.from_forest(RolloutForest.from_sequences(grpo_group(70, [10, 3, 30])))
+    case = _intra_case(kind, batch, torch.Generator().manual_seed(0))
+    q_blocks = case.inputs[:: 5 if kind in ("gated_delta", "kda") else 4]
+    lengths = sorted({q.shape[1] for q in q_blocks}, reverse=True)
+    # The prompt goes on with the 30-token completion: chunks of 64 and 36 (-> 40); the others 10 (-> 16), 3 (-> 8).
+    assert lengths == [64, 40, 16, 8] and sum(q.shape[0] * q.shape[1] for q in q_blocks) == _ragged_slots(batch)[0]
+    torch.autograd.backward(case.op(*case.inputs), case.grad)
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in case.inputs)
 
 
 def test_unknown_kind_and_bad_repeats_are_refused() -> None:

@@ -19,6 +19,13 @@ and GLA at 0.02.) The torch backend computes the ragged layout of
 their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
 and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
+Where the time goes, for linear kinds: ``intra_speedup`` times the kernel's chunk-local half
+(``ChunkKernel.intra``: intra-chunk scores, decays) alone on each forest's chunks, the per-token work
+that sharing divides by the slot ratio; ``rest_speedup`` is the speedup of everything else (the
+chunk-to-chunk scan, the mid-chunk states child paths start from, gathers), the per-chunk state work
+that sharing divides by about the chunk ratio. The whole speedup lies between the two, weighted by
+their shares of the trajectory-wise time.
+
 ``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
 (:func:`keep_freed_memory`), so the numbers measure the kernels rather than thread scheduling on a
 shared machine or page faults on the bigger trajectory-wise tensors.
@@ -45,16 +52,24 @@ from ..forest import RolloutForest
 from .attention import tree_attention
 from .conv import tree_causal_conv1d
 from .fla import fallback_note, sequential_calls
-from .gated_delta import tree_gated_delta_rule
-from .gla import tree_gla, tree_simple_gla
-from .kda import tree_kda
+from .gated_delta import GDN_KERNEL, tree_gated_delta_rule
+from .gla import GLA_KERNEL, SIMPLE_GLA_KERNEL, tree_gla, tree_simple_gla
+from .kda import KDA_KERNEL, tree_kda
+from .linear_attention import ChunkKernel
 from .rounds import rounds_of
+from .scan_plan import scan_plan_of
 from .tail_chunks import ragged_rounds_of
 from .tree_batch import TreeBatch
 
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
 
 LINEAR_KINDS = ("gated_delta", "kda", "gla", "simple_gla")
+KERNELS: dict[str, ChunkKernel] = {
+    "gated_delta": GDN_KERNEL,
+    "kda": KDA_KERNEL,
+    "gla": GLA_KERNEL,
+    "simple_gla": SIMPLE_GLA_KERNEL,
+}
 KINDS = ("attention", "conv", *LINEAR_KINDS)
 CHUNK = 64  # the chunk grid of transformers' and fla's linear-attention kernels
 HEADS, HEAD_DIM = 4, 64  # linear kinds: H = 4, K = V = 64
@@ -64,11 +79,11 @@ CONV_DIM, CONV_WIDTH = 256, 4
 
 @dataclass(frozen=True)
 class _Case:
-    """One kind on one forest: leaf inputs, an output gradient and the op."""
+    """One kind on one forest: leaf inputs, the output gradient(s) and the op."""
 
     inputs: tuple[torch.Tensor, ...]
-    grad: torch.Tensor
-    op: Callable[..., torch.Tensor]
+    grad: torch.Tensor | tuple[torch.Tensor, ...]
+    op: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 
 
 def keep_freed_memory() -> bool:
@@ -122,12 +137,39 @@ def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
     return _Case(inputs, torch.randn(*out_shape, generator=gen), op)
 
 
+def _intra_case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
+    """The chunk-local half of linear ``kind`` alone (``ChunkKernel.intra``), as the torch driver runs
+    it on ``batch``: once per chunk length of the ragged layout, on that length's chunks of every round."""
+    kernel, plan = KERNELS[kind], scan_plan_of(batch, CHUNK)
+    per_channel, delta = kind in ("kda", "gla"), kind in ("gated_delta", "kda")
+    inputs: list[torch.Tensor] = []  # per chunk length: q, k, v, g[, beta] [T, L, H, ...]
+    for length, counts in zip(plan.lengths, plan.counts):
+        shape = (sum(counts), length, HEADS)
+        if shape[0]:
+            inputs += [_randn(gen, *shape, HEAD_DIM) for _ in range(3)]
+            g = -F.softplus(torch.randn(*shape, *(HEAD_DIM,) * per_channel, generator=gen)) * 0.1
+            inputs += [g.requires_grad_(), *([torch.rand(*shape, generator=gen).requires_grad_()] if delta else [])]
+    width = 5 if delta else 4
+
+    def op(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = (xs[i : i + width] for i in range(0, len(xs), width))
+        return tuple(
+            out
+            for q, k, v, g, *beta in blocks
+            for out in kernel.intra(q, k, v, g, beta[0] if beta else None, scale=HEAD_DIM**-0.5)
+        )
+
+    with torch.no_grad():
+        grads = tuple(torch.randn(out.shape, generator=gen) for out in op(*inputs))
+    return _Case(tuple(inputs), grads, op)
+
+
 def _run(case: _Case) -> float:
     """Seconds of one forward + backward (input gradients reset first)."""
     for x in case.inputs:
         x.grad = None
     start = time.perf_counter()
-    case.op(*case.inputs).backward(case.grad)
+    torch.autograd.backward(case.op(*case.inputs), case.grad)
     return time.perf_counter() - start
 
 
@@ -167,8 +209,9 @@ def bench_ops(
 
     Returns the forest statistics and, per kind: ``tree_ms``, ``traj_ms``, ``speedup``, ``ideal``,
     ``of_ideal`` (speedup / ideal), ``rounds`` / ``traj_rounds`` (sequential kernel calls per
-    layer), and ``grid_ideal``, ``slot_ideal``, ``replayed``, ``padding`` for the linear kinds (see the
-    module docstring); ``kept_memory`` says whether freed memory was kept.
+    layer), and ``grid_ideal``, ``slot_ideal``, ``replayed``, ``padding``, ``intra_speedup``,
+    ``rest_speedup`` (None where the chunk-local half took longer than the whole) for the linear kinds
+    (see the module docstring); ``kept_memory`` says whether freed memory was kept.
     """
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -205,11 +248,15 @@ def _bench(
     pair_ratio = _attended_pairs(traj) / _attended_pairs(tree)
     gen = torch.Generator().manual_seed(seed)
     results: dict[str, dict[str, object]] = {}
-    bar = tqdm(total=len(kinds) * (repeats + 1) * 2, desc="bench-ops", unit="run", disable=not progress)
+    runs = sum(4 if kind in LINEAR_KINDS else 2 for kind in kinds) * (repeats + 1)
+    bar = tqdm(total=runs, desc="bench-ops", unit="run", disable=not progress)
     for kind in kinds:
         bar.set_postfix_str(kind)
+        linear = kind in LINEAR_KINDS
         cases = {name: _case(kind, b, gen) for name, b in batches.items()}
-        times: dict[str, list[float]] = {"tree": [], "traj": []}
+        if linear:
+            cases |= {f"{name}_intra": _intra_case(kind, b, gen) for name, b in batches.items()}
+        times: dict[str, list[float]] = {name: [] for name in cases}
         for rep in range(repeats + 1):
             for name, case in cases.items():
                 seconds = _run(case)
@@ -217,7 +264,6 @@ def _bench(
                     times[name].append(seconds)
                 bar.update()
         tree_s, traj_s = (statistics.median(times[name]) for name in ("tree", "traj"))
-        linear = kind in LINEAR_KINDS
         ideal = pair_ratio if kind == "attention" else tree.compression
         row: dict[str, object] = {
             "tree_ms": 1e3 * tree_s,
@@ -235,6 +281,9 @@ def _bench(
             row["slot_ideal"] = _ragged_slots(batches["traj"])[0] / slots
             row["replayed"] = filled - tree.num_compact_tokens
             row["padding"] = slots - filled
+            tree_intra, traj_intra = (statistics.median(times[f"{name}_intra"]) for name in ("tree", "traj"))
+            row["intra_speedup"] = traj_intra / tree_intra
+            row["rest_speedup"] = (traj_s - traj_intra) / (tree_s - tree_intra) if tree_s > tree_intra else None
         results[kind] = row
     bar.close()
     return {
@@ -257,10 +306,11 @@ def format_table(report: dict[str, object]) -> str:
         f"{report['compact_tokens']:,} compact ({report['compression']:.2f}x), attended pairs "
         f"{report['attended_pair_ratio']:.2f}x; median of {report['repeats']}, {report['threads']} thread(s)"
     )
-    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "slot ideal", "rounds")
+    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "slot ideal", "intra", "rest")
+    head += ("rounds",)
+    ratio = lambda x: "-" if x is None else f"{x:.2f}x"
     rows = [head]
     for kind, r in report["kinds"].items():
-        grid, slot = r.get("grid_ideal"), r.get("slot_ideal")
         rows.append(
             (
                 kind,
@@ -269,8 +319,7 @@ def format_table(report: dict[str, object]) -> str:
                 f"{r['speedup']:.2f}x",
                 f"{r['ideal']:.2f}x",
                 f"{r['of_ideal']:.2f}",
-                "-" if grid is None else f"{grid:.2f}x",
-                "-" if slot is None else f"{slot:.2f}x",
+                *(ratio(r.get(name)) for name in ("grid_ideal", "slot_ideal", "intra_speedup", "rest_speedup")),
                 f"{r['rounds']} (vs {r['traj_rounds']})",
             )
         )
