@@ -20,11 +20,12 @@ their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``repla
 and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
 Where the time goes, for linear kinds: ``intra_speedup`` times the kernel's chunk-local half
-(``ChunkKernel.intra``: intra-chunk scores, decays) alone on each forest's chunks, the per-token work
-that sharing divides by the slot ratio; ``rest_speedup`` is the speedup of everything else (the
-chunk-to-chunk scan, the mid-chunk states child paths start from, gathers), the per-chunk state work
-that sharing divides by about the chunk ratio. The whole speedup lies between the two, weighted by
-their shares of the trajectory-wise time.
+(``ChunkKernel.intra``: intra-chunk scores, decays) alone on each forest's chunks: per-token work
+that sharing divides by the slot ratio or more (a short chunk's scores cost less per token);
+``rest_speedup`` is the speedup of everything else (the chunk-to-chunk scan, the mid-chunk states
+child paths start from, gathers), mostly per-chunk state work that sharing divides by about the chunk
+ratio. The whole speedup lies between the two, weighted by their shares of the trajectory-wise time
+(swe-like at CPU_SCALE: intra 5.2-5.5x, rest 1.4-3.4x).
 
 ``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
 (:func:`keep_freed_memory`), so the numbers measure the kernels rather than thread scheduling on a
@@ -64,13 +65,13 @@ from .tree_batch import TreeBatch
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
 
 LINEAR_KINDS = ("gated_delta", "kda", "gla", "simple_gla")
+KINDS = ("attention", "conv", *LINEAR_KINDS)
 KERNELS: dict[str, ChunkKernel] = {
     "gated_delta": GDN_KERNEL,
     "kda": KDA_KERNEL,
     "gla": GLA_KERNEL,
     "simple_gla": SIMPLE_GLA_KERNEL,
-}
-KINDS = ("attention", "conv", *LINEAR_KINDS)
+}  # the torch backend's kernel of each linear kind (its chunk-local half is timed alone)
 CHUNK = 64  # the chunk grid of transformers' and fla's linear-attention kernels
 HEADS, HEAD_DIM = 4, 64  # linear kinds: H = 4, K = V = 64
 ATTN_HEADS = 8  # attention: 8 heads x 64
