@@ -27,7 +27,8 @@ TOP_FIELDS = {
     "kinds",
 }
 KIND_FIELDS = {"tree_ms", "traj_ms", "speedup", "ideal", "of_ideal", "rounds", "traj_rounds", "note"}
-LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding", "intra_speedup", "rest_speedup"}
+LINEAR_FIELDS = {"grid_ideal", "slot_ideal", "replayed", "padding"}
+LINEAR_FIELDS |= {"tree_intra_ms", "traj_intra_ms", "intra_speedup", "rest_speedup"}
 
 
 def grpo_group(prompt: int, completions: list[int]) -> list[list[int]]:
@@ -78,7 +79,10 @@ def test_ideals_and_rounds_of_a_grpo_group() -> None:
             # Ragged layout: the completions' chunks run at 16 slots (10 tokens, rounded up to 8).
             assert row["slot_ideal"] == pytest.approx(2 * (64 + 16) / (64 + 2 * 16))
             assert (row["replayed"], row["padding"]) == (0, 2 * 6)
-            assert row["intra_speedup"] > 0 and (row["rest_speedup"] is None or row["rest_speedup"] > 0)
+            assert row["intra_speedup"] == pytest.approx(row["traj_intra_ms"] / row["tree_intra_ms"])
+            assert row["rest_speedup"] is None or row["rest_speedup"] == pytest.approx(
+                (row["traj_ms"] - row["traj_intra_ms"]) / (row["tree_ms"] - row["tree_intra_ms"])
+            )
 
 
 @pytest.mark.parametrize("kind", LINEAR_KINDS)

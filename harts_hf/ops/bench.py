@@ -210,9 +210,10 @@ def bench_ops(
 
     Returns the forest statistics and, per kind: ``tree_ms``, ``traj_ms``, ``speedup``, ``ideal``,
     ``of_ideal`` (speedup / ideal), ``rounds`` / ``traj_rounds`` (sequential kernel calls per
-    layer), and ``grid_ideal``, ``slot_ideal``, ``replayed``, ``padding``, ``intra_speedup``,
-    ``rest_speedup`` (None where the chunk-local half took longer than the whole) for the linear kinds
-    (see the module docstring); ``kept_memory`` says whether freed memory was kept.
+    layer), and ``grid_ideal``, ``slot_ideal``, ``replayed``, ``padding``, ``tree_intra_ms``,
+    ``traj_intra_ms``, ``intra_speedup``, ``rest_speedup`` (None where the chunk-local half took longer
+    than the whole) for the linear kinds (see the module docstring); ``kept_memory`` says whether freed
+    memory was kept.
     """
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -283,6 +284,7 @@ def _bench(
             row["replayed"] = filled - tree.num_compact_tokens
             row["padding"] = slots - filled
             tree_intra, traj_intra = (statistics.median(times[f"{name}_intra"]) for name in ("tree", "traj"))
+            row["tree_intra_ms"], row["traj_intra_ms"] = 1e3 * tree_intra, 1e3 * traj_intra
             row["intra_speedup"] = traj_intra / tree_intra
             row["rest_speedup"] = (traj_s - traj_intra) / (tree_s - tree_intra) if tree_s > tree_intra else None
         results[kind] = row
