@@ -109,6 +109,16 @@ def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tenso
     return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
 
 
+def _linear_inputs(kind: str, gen: torch.Generator, *lead: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g (a log-decay < 0, per key channel for KDA / GLA), and beta for the delta-rule kinds,
+    each [*lead, H, ...]: the inputs of linear ``kind``, whole layer or chunk-local half alike."""
+    q, k, v = (_randn(gen, *lead, HEADS, HEAD_DIM) for _ in range(3))
+    gate_shape = (*lead, HEADS, *(HEAD_DIM,) * (kind in ("kda", "gla")))
+    g = (-F.softplus(torch.randn(*gate_shape, generator=gen)) * 0.1).requires_grad_()
+    beta = (torch.rand(*lead, HEADS, generator=gen).requires_grad_(),) if kind in ("gated_delta", "kda") else ()
+    return (q, k, v, g, *beta)
+
+
 def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
     """Realistic small-layer inputs (fp32) for ``kind`` on ``batch``."""
     n = batch.num_tokens
@@ -122,19 +132,14 @@ def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
         out_shape = (n, CONV_DIM)
         op = lambda x, w, b: tree_causal_conv1d(x, w, b, batch, activation="silu")
     else:
-        q, k, v = (_randn(gen, n, HEADS, HEAD_DIM) for _ in range(3))
-        gate_shape = (n, HEADS, HEAD_DIM) if kind in ("kda", "gla") else (n, HEADS)
-        g = (-F.softplus(torch.randn(*gate_shape, generator=gen)) * 0.1).requires_grad_()  # log-decay < 0
+        inputs = _linear_inputs(kind, gen, n)
         out_shape = (n, HEADS, HEAD_DIM)
         if kind in ("gated_delta", "kda"):
-            beta = torch.rand(n, HEADS, generator=gen).requires_grad_()
             fn = tree_gated_delta_rule if kind == "gated_delta" else tree_kda
             op = lambda q, k, v, g, beta: fn(q, k, v, g, beta, batch, use_qk_l2norm=True, chunk_size=CHUNK)[0]
-            inputs = (q, k, v, g, beta)
         else:
             fn = tree_gla if kind == "gla" else tree_simple_gla
             op = lambda q, k, v, g: fn(q, k, v, g, batch, chunk_size=CHUNK)[0]
-            inputs = (q, k, v, g)
     return _Case(inputs, torch.randn(*out_shape, generator=gen), op)
 
 
@@ -142,21 +147,18 @@ def _intra_case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
     """The chunk-local half of linear ``kind`` alone (``ChunkKernel.intra``), as the torch driver runs
     it on ``batch``: once per chunk length of the ragged layout, on that length's chunks of every round."""
     kernel, plan = KERNELS[kind], scan_plan_of(batch, CHUNK)
-    per_channel, delta = kind in ("kda", "gla"), kind in ("gated_delta", "kda")
-    inputs: list[torch.Tensor] = []  # per chunk length: q, k, v, g[, beta] [T, L, H, ...]
-    for length, counts in zip(plan.lengths, plan.counts):
-        shape = (sum(counts), length, HEADS)
-        if shape[0]:
-            inputs += [_randn(gen, *shape, HEAD_DIM) for _ in range(3)]
-            g = -F.softplus(torch.randn(*shape, *(HEAD_DIM,) * per_channel, generator=gen)) * 0.1
-            inputs += [g.requires_grad_(), *([torch.rand(*shape, generator=gen).requires_grad_()] if delta else [])]
-    width = 5 if delta else 4
+    blocks = [  # per chunk length: q, k, v, g[, beta] [T, L, H, ...]
+        _linear_inputs(kind, gen, sum(counts), length)
+        for length, counts in zip(plan.lengths, plan.counts)
+        if sum(counts)
+    ]
+    inputs, width = [x for block in blocks for x in block], len(blocks[0])
 
     def op(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        blocks = (xs[i : i + width] for i in range(0, len(xs), width))
+        parts = (xs[i : i + width] for i in range(0, len(xs), width))
         return tuple(
             out
-            for q, k, v, g, *beta in blocks
+            for q, k, v, g, *beta in parts
             for out in kernel.intra(q, k, v, g, beta[0] if beta else None, scale=HEAD_DIM**-0.5)
         )
 
@@ -309,8 +311,19 @@ def format_table(report: dict[str, object]) -> str:
         f"{report['compact_tokens']:,} compact ({report['compression']:.2f}x), attended pairs "
         f"{report['attended_pair_ratio']:.2f}x; median of {report['repeats']}, {report['threads']} thread(s)"
     )
-    head = ("kind", "tree ms", "traj ms", "speedup", "ideal", "of ideal", "grid ideal", "slot ideal", "intra", "rest")
-    head += ("rounds",)
+    head = (
+        "kind",
+        "tree ms",
+        "traj ms",
+        "speedup",
+        "ideal",
+        "of ideal",
+        "grid ideal",
+        "slot ideal",
+        "intra",
+        "rest",
+        "rounds",
+    )
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"
     rows = [head]
     for kind, r in report["kinds"].items():
