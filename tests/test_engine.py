@@ -167,7 +167,7 @@ def test_single_microbatch_holds_one_graph():
     assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), engine_run(model, forest, engine.plan, loss_fn))
 
 
-def test_refuses_foreign_plan_and_dropout():
+def test_refuses_foreign_plan_dropout_and_empty_head_chunks():
     model = patch_model(tiny_model("qwen3_5"))
     _, forest = _forest(0)
     _, other = _forest(1)
@@ -190,6 +190,14 @@ def test_refuses_foreign_plan_and_dropout():
     engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([40])))
     with pytest.raises(ValueError, match="dropout"):
         engine.backward(lambda lps: lps[0].sum())
+    model.config.attention_dropout = 0.0
+    model.config.router_jitter_noise = 0.1  # MoE router noise (Mixtral, MiniMax): redrawn by every rerun
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        engine.backward(lambda lps: lps[0].sum())
+    model.eval()
+    engine.backward(lambda lps: lps[0].sum())  # no draws in eval mode
+    with pytest.raises(ValueError, match="head_chunk_tokens"):
+        TreeEngine(model, forest, head_chunk_tokens=0)
 
 
 @pytest.mark.slow

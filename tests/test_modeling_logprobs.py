@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +103,23 @@ def test_forest_deeper_than_the_model_is_refused(model):
 def test_non_positive_temperature_is_refused(model, temperature):
     with pytest.raises(ValueError, match="temperature"):
         tree_logprobs(model, RolloutForest.from_sequences([[3, 4]]), temperature=temperature)
+
+
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_non_positive_head_chunk_is_refused(model, chunk):
+    """A head chunk of no pairs would skip the head and give all-zero log-probs: refused up front."""
+    with pytest.raises(ValueError, match="head_chunk_tokens"):
+        tree_forward(model, RolloutForest.from_sequences([[3, 4, 5], [3, 4, 6]]), head_chunk_tokens=chunk)
+
+
+def test_train_mode_noise_is_announced():
+    """Dropout in train mode draws once per compact token, shared by the trajectories through it: said
+    in a warning; eval mode (no draws) stays quiet."""
+    noisy = patch_model(tiny_model("qwen3_5"))
+    noisy.config.attention_dropout = 0.2
+    forest = RolloutForest.from_sequences([[3, 4, 5], [3, 4, 6]])
+    with pytest.warns(UserWarning, match="attention_dropout"):
+        tree_logprobs(noisy.train(), forest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tree_logprobs(noisy.eval(), forest)

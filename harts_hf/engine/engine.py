@@ -33,7 +33,14 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
-from ..modeling.logprobs import Layout, model_head, run_base, validate_forest, validate_temperature
+from ..modeling.logprobs import (
+    Layout,
+    model_head,
+    run_base,
+    stochastic_parts,
+    validate_forest,
+    validate_temperature,
+)
 from ..modeling.patch import patched_adapter
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
@@ -46,13 +53,10 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def _check_no_dropout(hf: nn.Module) -> None:
-    if not hf.training:
-        return
-    active = [n for n, m in hf.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    if active or getattr(hf.config, "attention_dropout", 0.0):
+    if active := stochastic_parts(hf):
         raise ValueError(
-            "the engine reruns microbatches, so dropout must be off: set the config's dropout "
-            f"probabilities to 0 or call model.eval() (active: {active[:3] or ['attention_dropout']})"
+            "the engine reruns microbatches, so dropout and router noise must be off: set the config's "
+            f"dropout probabilities and jitter to 0 or call model.eval() (active: {', '.join(active[:3])})"
         )
 
 

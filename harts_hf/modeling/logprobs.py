@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ __all__ = [
     "TreeOutput",
     "model_head",
     "run_base",
+    "stochastic_parts",
     "tree_forward",
     "tree_logprobs",
 ]
@@ -67,6 +70,21 @@ def validate_temperature(temperature: float) -> None:
     """Refuse a temperature the logits cannot be divided by (zero, negative, NaN or infinite)."""
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
+def stochastic_parts(hf) -> list[str]:
+    """What draws random numbers in ``hf``'s forward: its ``nn.Dropout`` modules with p > 0 and the
+    config's functional dropout and router noise (``attention_dropout``, ``router_jitter_noise``, ...);
+    empty in eval mode, where none of them acts."""
+    if not hf.training:
+        return []
+    modules = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    noise = [
+        name
+        for name, value in vars(hf.config).items()
+        if re.fullmatch(r"attention_dropout|\w*jitter\w*", name) and isinstance(value, (int, float)) and value > 0
+    ]
+    return modules + noise
 
 
 def validate_forest(hf, forest: RolloutForest) -> None:
@@ -164,6 +182,8 @@ class Layout:
 
 
 def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
+    if head_chunk_tokens is not None and head_chunk_tokens < 1:
+        raise ValueError(f"head_chunk_tokens must be a positive number of pairs (or None), got {head_chunk_tokens}")
     head = hf.get_output_embeddings()
     logits_of = head if adapter.logits is None else (lambda h: adapter.logits(hf, head(h)))
     return Head(
@@ -204,13 +224,26 @@ def tree_forward(
     computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
     routing depends only on its own hidden state, so each compact token stands for all of its
     ``multiplicity`` trajectory copies. ``head_chunk_tokens`` overrides the pairs per head chunk.
+
+    In train mode, dropout and router noise draw once per compact token, so trajectories that share a
+    prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
+    trajectory-wise training) but the trajectories' noise is correlated. A warning says so; TRL's
+    trainers switch dropout off by default (``disable_dropout``).
     """
     validate_temperature(temperature)
     hf, adapter = patched_adapter(model)
+    if noisy := stochastic_parts(hf):
+        warnings.warn(
+            f"{type(hf).__name__} is in train mode with dropout / router noise ({', '.join(noisy[:3])}): trajectories "
+            "that share a prefix share its random draw; call model.eval() or set them to 0 for draws like "
+            "trajectory-wise training",
+            stacklevel=2,
+        )
     head = hf.get_output_embeddings()
     validate_forest(hf, forest)
     if output_router_logits and not adapter.aux_loss:
         raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
+    pair_head = model_head(hf, adapter, head_chunk_tokens)
     device = head.weight.device
     batch = TreeBatch.from_forest(forest, device=device)
     extra = {"output_router_logits": True} if output_router_logits else {}
@@ -219,7 +252,7 @@ def tree_forward(
     pairs = np.flatnonzero(forest.prev >= 0)
     rows = torch.as_tensor(forest.prev[pairs], device=device)
     targets = torch.as_tensor(forest.tokens[pairs], device=device)
-    lp, ent = model_head(hf, adapter, head_chunk_tokens).pair_values(hidden, rows, targets, temperature, return_entropy)
+    lp, ent = pair_head.pair_values(hidden, rows, targets, temperature, return_entropy)
     layout = Layout.of(forest, device)
     result = TreeOutput(layout(lp), layout(ent) if return_entropy else None)
     if output_router_logits:
