@@ -304,6 +304,10 @@ def _check_options(softcap: float | None, dropout: float, sliding_window: int | 
 
 
 def _check(q, k, v, batch, sinks, context_kv) -> None:
+    if not q.dim() == k.dim() == v.dim() == 3:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need [N, heads, head_dim] each")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     n, hq, d = q.shape
     if k.shape[:2] != v.shape[:2] or k.shape[0] != n or k.shape[2] != d or hq % k.shape[1]:
         shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"

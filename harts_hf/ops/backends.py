@@ -17,6 +17,7 @@ The chosen backend is logged once per (kind, backend).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -85,13 +86,21 @@ def implementation(kind: str, *args, **kwargs) -> Callable:
     )
 
 
-def dispatch(kind: str) -> Callable[[Callable], Callable]:
+def dispatch(kind: str, check: Callable[..., None] | None = None) -> Callable[[Callable], Callable]:
     """Decorator for a public op: it keeps the op's signature and docstring (its body is only the
-    docstring) and runs each call on the implementation :func:`implementation` picks for it."""
+    docstring) and runs each call on the implementation :func:`implementation` picks for it.
+    ``check`` gets the call's arguments by name (defaults filled in) and refuses bad inputs once,
+    before any backend sees them."""
 
     def wrap(public: Callable) -> Callable:
+        signature = inspect.signature(public)
+
         @functools.wraps(public)
         def call(*args, **kwargs):
+            if check is not None:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                check(**bound.arguments)
             return implementation(kind, *args, **kwargs)(*args, **kwargs)
 
         return call

@@ -66,9 +66,11 @@ class _Conv(torch.autograd.Function):
         return dxa.to(xa.dtype), dweight.to(weight.dtype), None
 
 
-def check_conv_args(x, weight, bias, batch, context_x) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: need x [N, D] and weight [D, W]")
+def check_conv_args(x, weight, bias, batch, context_x, activation=None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 1:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: need x [N, D] and weight [D, W], W >= 1")
+    if activation is not None and activation not in ACT2FN:
+        raise ValueError(f"unknown activation {activation!r}: use an ACT2FN name (e.g. 'silu') or None")
     if bias is not None and bias.shape != (x.shape[1],):
         raise ValueError(f"bias must have shape ({x.shape[1]},), got {tuple(bias.shape)}")
     if x.shape[0] != batch.num_tokens:
@@ -90,7 +92,7 @@ def tree_causal_conv1d_torch(
     context_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch tree causal conv (see :func:`tree_causal_conv1d`)."""
-    check_conv_args(x, weight, bias, batch, context_x)
+    check_conv_args(x, weight, bias, batch, context_x, activation)
     parts = (x,) if context_x is None else (context_x, x)
     xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [Nk + 1, D]
     table = batch.cached(("conv", weight.shape[1]), lambda b: _gather_table(b, weight.shape[1]))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, prefix_state, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["GDN_KERNEL", "gdn_chunk_scan", "tree_gated_delta_rule"]
@@ -143,7 +143,7 @@ def tree_gated_delta_rule_torch(
     )
 
 
-@dispatch("gated_delta")
+@dispatch("gated_delta", check=linear_inputs_check(per_channel=False))
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

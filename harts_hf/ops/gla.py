@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, expand_heads, prefix_state, run_tree_kind
+from .linear_attention import (
+    ChunkKernel,
+    chunk_scan,
+    expand_heads,
+    linear_inputs_check,
+    prefix_state,
+    run_tree_kind,
+)
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -221,7 +228,7 @@ def tree_gla_torch(
     )
 
 
-@dispatch("gla")
+@dispatch("gla", check=linear_inputs_check(per_channel=True))
 def tree_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -290,7 +297,7 @@ def tree_simple_gla_torch(
     )
 
 
-@dispatch("simple_gla")
+@dispatch("simple_gla", check=linear_inputs_check(per_channel=False))
 def tree_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -353,6 +360,8 @@ def tree_mamba2_ssd(
         y [N, H, P] fp32 (as ``mamba2_chunk_scan`` returns), and the requested states (or None).
     """
     heads = x.shape[1]
+    if A.shape != (heads,) or (D is not None and D.shape != (heads,)):
+        raise ValueError(f"A {tuple(A.shape)}{'' if D is None else f', D {tuple(D.shape)}'}: need one value per head ({heads})")
 
     def discretize(inputs: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(v = x * dt [n, H, P], g = A * dt [n, H]) with dt prepared as ``mamba2_chunk_scan`` does."""

@@ -21,7 +21,7 @@ import torch
 from .backends import dispatch, register
 from .gated_delta import delta_output, delta_state_at, delta_step
 from .gla import channel_decay_scores
-from .linear_attention import ChunkKernel, chunk_scan, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["KDA_KERNEL", "kda_chunk_scan", "tree_kda"]
@@ -111,7 +111,7 @@ def tree_kda_torch(
     )
 
 
-@dispatch("kda")
+@dispatch("kda", check=linear_inputs_check(per_channel=True))
 def tree_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -59,6 +59,7 @@ __all__ = [
     "ChunkKernel",
     "chunk_scan",
     "expand_heads",
+    "linear_inputs_check",
     "prefix_state",
     "run_tree_linear_attention",
     "scan_ragged",
@@ -89,6 +90,42 @@ class ChunkKernel(NamedTuple):
     step: Step
     output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     state_at: Callable[..., torch.Tensor]
+
+
+def _fits(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """``shape`` is ``target`` with some dimensions possibly 1 (broadcast)."""
+    return len(shape) == len(target) and all(s in (1, t) for s, t in zip(shape, target))
+
+
+def linear_inputs_check(*, per_channel: bool) -> Callable[..., None]:
+    """The :func:`~harts_hf.ops.backends.dispatch` check of a linear kind (``per_channel``: g has a
+    decay per key channel): q [N, Hq, K], k [N, Hk, K] and v [N, H, V] with H a multiple of Hq and Hk
+    (each repeated to H heads; Jamba shares one query head between all channels); g [N, H] or [N, H, K];
+    beta [N, H]; g_gamma [H] (size-1 dimensions broadcast); all floating point. A mismatch is refused
+    here rather than broadcast into another recurrence or failing deep in a kernel."""
+
+    def check(q, k, v, g, beta=None, *, g_gamma=None, **_) -> None:
+        given = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "g_gamma": g_gamma}
+        given = {name: x for name, x in given.items() if x is not None}
+        shapes = ", ".join(f"{name} {tuple(x.shape)}" for name, x in given.items())
+        for name, x in given.items():
+            if not x.is_floating_point():
+                raise ValueError(f"{name} must be floating point, got {x.dtype}")
+        fits = lambda x: x.dim() == 3 and v.shape[1] % x.shape[1] == 0
+        if v.dim() != 3 or not (fits(q) and fits(k)) or q.shape[2] != k.shape[2]:
+            raise ValueError(f"{shapes}: need q [N, Hq, K], k [N, Hk, K], v [N, H, V] with H a multiple of Hq and Hk")
+        heads, key_dim = v.shape[1], q.shape[2]  # token counts: checked against the batch by Rounds.check_inputs
+        gate = (heads, key_dim) if per_channel else (heads,)
+        if g is not None and not _fits(g.shape[1:], gate):
+            raise ValueError(
+                f"{shapes}: g must be [N, {', '.join(map(str, gate))}] (log-decay per token, head{', channel' * per_channel})"
+            )
+        if beta is not None and not _fits(beta.shape[1:], (heads,)):
+            raise ValueError(f"{shapes}: beta must be [N, {heads}]")
+        if g_gamma is not None and not _fits(g_gamma.shape, (heads,)):
+            raise ValueError(f"{shapes}: g_gamma must be [{heads}] (one log-decay per head)")
+
+    return check
 
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -127,6 +127,11 @@ class Rounds:
                 raise ValueError(
                     f"context {name} has {context[name].shape[0]} tokens but the batch has {num_context} context tokens"
                 )
+            if context[name].shape[1:] != own[name].shape[1:]:
+                raise ValueError(
+                    f"context {name} is [{num_context}, {', '.join(map(str, context[name].shape[1:]))}] per token "
+                    f"but the piece's {name} is [N, {', '.join(map(str, own[name].shape[1:]))}]"
+                )
         num_ext = self.external_tokens.numel()
         if (0 if initial_states is None else initial_states.shape[0]) != num_ext:
             raise ValueError(

@@ -112,7 +112,7 @@ def tree_causal_conv1d_fla(
     context_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fla backend of :func:`harts_hf.ops.tree_causal_conv1d` (same arguments and result)."""
-    check_conv_args(x, weight, bias, batch, context_x)
+    check_conv_args(x, weight, bias, batch, context_x, activation)
     if uses_gather(batch):
         return tree_causal_conv1d_torch(x, weight, bias, batch, activation=activation, context_x=context_x)
     from fla.modules.causal_conv1d import causal_conv1d
