@@ -77,7 +77,8 @@ def test_recipe_dir_is_a_loadable_model_card():
 
 @pytest.mark.slow
 def test_recipe_trains_per_turn_samples_on_forests(tmp_path):
-    """recipes/grpo_agentic.py on the local config directory: per-turn samples share prefixes."""
+    """recipes/grpo_agentic.py on the local config directory (with a KL reference): per-turn samples
+    share prefixes."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -92,11 +93,14 @@ def test_recipe_trains_per_turn_samples_on_forests(tmp_path):
         str(out),
         "--num_tasks",
         "4",
+        "--beta",  # the KL reference of the in-code model is reloaded from a saved copy, as TRL reloads one
+        "0.1",
     ]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert (out / "reference-model" / "model.safetensors").exists()
     line = next(x for x in run.stdout.splitlines() + run.stderr.splitlines() if "compression" in x and "step" in x)
     assert float(line.split("compression ")[1].split("x")[0]) > 2.0
 

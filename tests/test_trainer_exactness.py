@@ -128,6 +128,20 @@ CASES = [
         dict(loss_type="dapo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
         id="dapo-two-microbatches",
     ),
+    pytest.param(  # one generation batch, two optimizer steps: each step trains the rows TRL's shuffle gives it
+        dict(loss_type="grpo", steps_per_generation=2, per_device_train_batch_size=4),
+        id="grpo-generation-over-two-steps",
+    ),
+    pytest.param(
+        dict(
+            loss_type="dapo",
+            steps_per_generation=4,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=4,
+            beta=0.1,
+        ),
+        id="dapo-generation-over-two-steps-of-two",
+    ),
 ]
 
 
@@ -186,3 +200,18 @@ def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path):
     assert microbatches and min(microbatches) >= 3  # the engine split every forest
     np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
     assert max_param_diff(harts.model, stock.model) < TOL
+
+
+def test_engine_refuses_the_entropy_bonus(model_dir, tmp_path):
+    """The engine's entropies carry no gradient: an entropy bonus on a split forest is refused, not
+    silently dropped from the update."""
+    with pytest.raises(ValueError, match="entropy bonus"):
+        train(
+            HARTSGRPOTrainer,
+            HARTSGRPOConfig,
+            model_dir,
+            tmp_path,
+            loss_type="grpo",
+            entropy_coef=0.1,
+            harts_max_tokens_per_microbatch=48,
+        )

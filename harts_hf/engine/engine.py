@@ -56,7 +56,8 @@ def _check_no_dropout(hf: nn.Module) -> None:
     if active := stochastic_parts(hf):
         raise ValueError(
             "the engine reruns microbatches, so dropout and router noise must be off: set the config's "
-            f"dropout probabilities and jitter to 0 or call model.eval() (active: {', '.join(active[:3])})"
+            f"dropout probabilities and jitter to 0, call model.eval() or pass TRL's disable_dropout=True "
+            f"(active: {', '.join(active[:3])})"
         )
 
 

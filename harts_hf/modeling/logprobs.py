@@ -227,16 +227,16 @@ def tree_forward(
 
     In train mode, dropout and router noise draw once per compact token, so trajectories that share a
     prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
-    trajectory-wise training) but the trajectories' noise is correlated. A warning says so; TRL's
-    trainers switch dropout off by default (``disable_dropout``).
+    trajectory-wise training) but the trajectories' noise is correlated. A warning says so (TRL's
+    ``disable_dropout=True`` switches dropout off).
     """
     validate_temperature(temperature)
     hf, adapter = patched_adapter(model)
     if noisy := stochastic_parts(hf):
         warnings.warn(
             f"{type(hf).__name__} is in train mode with dropout / router noise ({', '.join(noisy[:3])}): trajectories "
-            "that share a prefix share its random draw; call model.eval() or set them to 0 for draws like "
-            "trajectory-wise training",
+            "that share a prefix share its random draw; call model.eval(), set them to 0 or pass TRL's "
+            "disable_dropout=True for draws like trajectory-wise training",
             stacklevel=2,
         )
     head = hf.get_output_embeddings()

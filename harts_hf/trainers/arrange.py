@@ -8,11 +8,17 @@ microbatches are visited in a random order. The random draw is the one TRL makes
 (``torch.randperm`` of the batch), so the RNG stream, hence later sampling, stays in lockstep with
 stock training.
 
-The gradient is unchanged: every loss TRL normalises by a global token count (dapo, cispo, vespo)
-or by the row count of equally sized microbatches (grpo, sapo, dr_grpo, luspo) sums to the same
-value however rows are grouped into microbatches. bnpo, the entropy bonus and the MoE aux loss
-normalise per microbatch in TRL itself, so they depend on the grouping (TRL's own shuffle already
-draws a random one); with one microbatch per generation batch they are exact too.
+Rows only move between microbatches of the same optimizer step: when a generation batch spans
+several optimizer steps (``steps_per_generation`` not dividing ``gradient_accumulation_steps``),
+its microbatches are taken in blocks of ``gcd(steps_per_generation, gradient_accumulation_steps)``
+(blocks that never straddle an optimizer step), each block holding exactly the rows TRL's shuffle
+gives it, and the rows are arranged within each block. So every optimizer step trains the rows stock
+TRL trains, and its gradient is unchanged: every loss TRL normalises by a global token count (dapo,
+cispo, vespo) or by the row count of equally sized microbatches (grpo, sapo, dr_grpo, luspo) sums to
+the same value however the step's rows are grouped into microbatches. bnpo, the entropy bonus,
+``top_entropy_quantile`` (its threshold), the MoE aux loss and the per-microbatch logged metrics (kl,
+entropy, clip ratios) are computed per microbatch in TRL itself, so they depend on the grouping
+(TRL's own shuffle already draws a random one); with one microbatch per block they are exact too.
 
 With several processes (:func:`distribute`) the ranks all-gather the generation batch, compute the
 same plan over it, and each keeps the rows whose trajectories the plan assigns to it (a row's loss
@@ -25,6 +31,7 @@ Legend: B rows, R ranks, S microbatches per generation batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,10 +83,18 @@ def _slices_in_random_order(order: np.ndarray, perm: torch.Tensor, slices: int) 
     return np.concatenate([order[s * size : (s + 1) * size] for s in visit])
 
 
-def arrange_local(batch: dict, slices: int) -> dict:
-    """This rank's rows in trie order, cut into ``slices`` microbatches visited in a random order."""
+def arrange_local(batch: dict, slices: int, accumulation: int) -> dict:
+    """This rank's rows cut into ``slices`` microbatches: per block of gcd(slices, ``accumulation``)
+    microbatches (module docstring), the rows TRL's shuffle gives the block, in trie order, cut into
+    the block's microbatches, visited in a random order."""
     perm = torch.randperm(_num_rows(batch))  # the draw TRL's shuffle makes
-    return _take(batch, _slices_in_random_order(trie_order(batch_sequences(batch)), perm, slices))
+    block = math.gcd(slices, accumulation)
+    seqs = batch_sequences(batch)
+    arranged = []
+    for rows, draw in zip(perm.numpy().reshape(slices // block, -1), perm.split(block)):
+        order = rows[trie_order([seqs[r] for r in rows])]
+        arranged.append(_slices_in_random_order(order, draw, block))
+    return _take(batch, np.concatenate(arranged))
 
 
 def _gather(batch: dict, accelerator) -> dict:

@@ -134,6 +134,12 @@ class HARTSGRPOTrainer(GRPOTrainer):
                 f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
                 f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
             )
+        if torch.is_grad_enabled() and (self.args.entropy_coef != 0 or self.args.use_adaptive_entropy):
+            raise ValueError(
+                f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs entropy gradients, which the engine "
+                f"does not give to a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens: "
+                "raise the budget or lower per_device_train_batch_size"
+            )
         if torch.is_grad_enabled() and self.accelerator.num_processes > 1:
             raise ValueError(
                 f"a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens is split by the "
@@ -174,15 +180,16 @@ class HARTSGRPOTrainer(GRPOTrainer):
             self._prepare_seconds = time.perf_counter() - start
 
     def _arrange(self, batch: dict) -> dict:
-        slices = self.args.steps_per_generation
+        slices, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         simple = all(not isinstance(v, list) for v in batch.values())  # multimodal lists stay local
-        if self.accelerator.num_processes > 1 and self.args.harts_distribute and simple:
+        one_step = accumulation % slices == 0  # the whole generation batch trains in one optimizer step
+        if self.accelerator.num_processes > 1 and self.args.harts_distribute and simple and one_step:
             batch, result, self._rows_per_microbatch = distribute(
                 batch, slices, self.accelerator, **self._plan_options()
             )
             self._metrics["train"]["harts/plan_imbalance"].append(result.rank_imbalance)
             return batch
-        return arrange_local(batch, slices)
+        return arrange_local(batch, slices, accumulation)
 
     # ------------------------------------------------------------------ loss and timing
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

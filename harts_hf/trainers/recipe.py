@@ -124,6 +124,11 @@ def build_trainer(args: AgenticArguments, training_args: HARTSGRPOConfig, callba
             f"({args.episodes_per_task} x {runner.samples_per_episode}), got {training_args.num_generations}"
         )
     model, tokenizer = load_model(args)
+    if args.model_name_or_path.startswith(BUILTIN_PREFIX) and training_args.beta != 0:
+        # TRL builds the KL reference by reloading the policy from its path: give the in-code model one.
+        reference = Path(training_args.output_dir) / "reference-model"
+        model.save_pretrained(reference)
+        model.config._name_or_path = str(reference)
     return HARTSGRPOTrainer(
         model=model,
         reward_funcs=sample_reward,
