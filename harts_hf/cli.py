@@ -31,6 +31,25 @@ def _table(rows: dict[str, object]) -> str:
     return "\n".join(f"{k.replace('_', ' '):<{width}}  {_format(v)}" for k, v in rows.items())
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count: a positive integer."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path (``--json``, ``--plot``) whose folder does not exist before the work
+    runs, not after (a bench's results would be lost)."""
+    for option in ("json", "plot"):
+        path = getattr(args, option, None)
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise SystemExit(
+                f"harts-hf {args.command}: cannot write --{option} {path}: not a file in an existing folder"
+            )
+
+
 def _write_json(path: Path | None, record: dict) -> None:
     """Save a command's record as indented JSON when ``--json`` asked for it."""
     if path is not None:
@@ -116,7 +135,9 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit the planner's cost model to a model's tree steps on this machine")
     p.add_argument("--model", metavar="FAMILY", default="qwen3_5", help="model family (default qwen3_5)")
     p.add_argument("--size", default="quick", help="model size from harts_hf.bench.SIZES (default quick)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per forest; the fastest counts (default 3)")
+    p.add_argument(
+        "--repeats", type=_positive_int, default=3, help="timed runs per forest; the fastest counts (default 3)"
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the coefficients here (for `plan --cost-model`)")
     p.set_defaults(run=cmd_calibrate)
 
@@ -190,12 +211,17 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-ops", help="time each tree kernel vs the same kernel run trajectory by trajectory")
     p.add_argument("--scale", type=float, default=CPU_SCALE, help=f"swe-like length multiplier (default {CPU_SCALE})")
     p.add_argument(
-        "--tasks", type=int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
+        "--tasks", type=_positive_int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
     )
     p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.ops.bench.KINDS)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)")
     p.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1: ratios free of thread-scheduling noise)"
+        "--repeats", type=_positive_int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)"
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch CPU threads (default 1: ratios free of thread-scheduling noise)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results to this JSON file")
     p.set_defaults(run=cmd_bench_ops)
@@ -233,4 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``harts-hf`` console script and ``python -m harts_hf``."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    _check_outputs(args)
+    try:
+        return args.run(args)
+    except OSError as err:  # a file to read or write: one line, as for other bad arguments
+        raise SystemExit(f"harts-hf {args.command}: {err}") from err

@@ -102,3 +102,24 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (root / "README.md").read_text()
     assert len(ci) == 1 and ci[0] in readme
     assert "&& harts-hf train\n" in readme  # command 1: the main job
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["workload", "grpo-group", "--json", "{missing}/x.json"], "cannot write --json"),
+        (["plan", "--workload", "grpo-group", "--world-size", "2", "--plot", "{missing}/x.png"], "cannot write --plot"),
+        (["plan", "--workload", "grpo-group", "--world-size", "2", "--cost-model", "{missing}/c.json"], "No such file"),
+        (["workload", "swe-like", "--scale", "nan"], "positive and finite"),
+    ],
+)
+def test_bad_paths_and_values_are_one_line_errors(argv, message, tmp_path):
+    """Output folders are checked before the work runs; files and values give one line, no traceback."""
+    with pytest.raises(SystemExit, match=message):
+        main([a.format(missing=tmp_path / "missing") for a in argv])
+
+
+def test_counts_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--repeats", "0"])
+    assert exit_info.value.code == 2 and "must be a positive integer" in capsys.readouterr().err

@@ -183,7 +183,9 @@ def test_refuses_foreign_plan_dropout_and_empty_head_chunks():
     TreeEngine(model, same_shape, plan(group(30), world_size=1, max_tokens_per_microbatch=4096))
     with pytest.raises(ValueError, match="world size"):
         TreeEngine(model, forest, plan(forest, world_size=1, max_tokens_per_microbatch=10_000), rank=1)
-    with pytest.raises(ValueError, match="must be positive"):  # 0 is not "no budget given"
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        TreeEngine(model, forest, plan(forest, world_size=2, max_tokens_per_microbatch=10_000), rank=1.0)
+    with pytest.raises(ValueError, match="must be a positive integer"):  # 0 is not "no budget given"
         TreeEngine(model, forest, max_tokens_per_microbatch=0)
     model.config.attention_dropout = 0.1
     model.train()
@@ -302,3 +304,20 @@ def test_attached_logprobs_backpropagate_through_the_replay():
     frozen = engine.attached_logprobs()
     assert not frozen[0].requires_grad
     torch.testing.assert_close(frozen[0], lps[0].detach(), rtol=0, atol=TOL)
+
+
+def test_a_loss_without_log_probs_and_a_second_backward():
+    """A loss that ignores the log-probs backpropagates nothing on every path (the multi-unit replay
+    used to fail on it); a second backward through attached_logprobs says the records are gone."""
+    model = patch_model(tiny_model("qwen3_5"))
+    forest = RolloutForest.from_sequences([[5, 6, 7, 8], [5, 6, 9]])
+    constant = lambda lps: torch.tensor(1.0)
+    for per_token in (False, True):
+        engine = TreeEngine(model, forest, max_tokens_per_microbatch=4)
+        assert len(engine.units) > 1
+        assert float(engine.backward(constant, per_token=per_token)) == 1.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    values = TreeEngine(model, forest, max_tokens_per_microbatch=4).attached_logprobs()[0]
+    values.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call attached_logprobs again"):
+        values.sum().backward()

@@ -197,7 +197,7 @@ def test_oversize_tree_is_cut_into_ordered_pieces():
     budget = forest.max_length + 300
     p = plan(forest, world_size=2, max_tokens_per_microbatch=budget, chunk_size=64)
     check_plan([forest], p, budget)
-    assert p.num_slots > 2 and p.entry_token.size > 0 and (p.entry_state >= 0).any()
+    assert p.num_slots >= 2 and p.entry_token.size > 0 and (p.entry_state >= 0).any()
     assert p.replicated_tokens == 0 and p.redundancy < 0.01
 
 
@@ -221,13 +221,42 @@ def test_budget_below_the_longest_trajectory_is_refused():
     [
         pytest.param({"world_size": 0, "max_tokens_per_microbatch": 10}, id="no-ranks"),
         pytest.param({"world_size": 1, "max_tokens_per_microbatch": 0}, id="no-budget"),
+        pytest.param({"world_size": 1, "max_tokens_per_microbatch": float("nan")}, id="nan-budget"),  # never fills
+        pytest.param({"world_size": 1, "max_tokens_per_microbatch": 100.5}, id="fractional-budget"),
+        pytest.param({"world_size": 1.5, "max_tokens_per_microbatch": 100}, id="fractional-ranks"),
+        pytest.param({"world_size": True, "max_tokens_per_microbatch": 100}, id="bool-ranks"),
+        pytest.param({"world_size": "2", "max_tokens_per_microbatch": 100}, id="text-ranks"),
+        pytest.param({"world_size": 1, "max_tokens_per_microbatch": 100, "chunk_size": 2.5}, id="fractional-chunk"),
     ],
 )
 def test_bad_arguments_are_refused(bad):
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="positive integer"):
         plan(grpo_group().forest(), **bad)
 
 
-def test_plan_refuses_what_is_not_a_forest():
+def test_plan_refuses_what_is_not_a_forest_or_a_cost_model():
     with pytest.raises(TypeError, match="RolloutForest"):
         plan([[1, 2, 3]], world_size=1, max_tokens_per_microbatch=10)
+    with pytest.raises(TypeError, match="RolloutForest"):
+        plan(None, world_size=1, max_tokens_per_microbatch=10)
+    with pytest.raises(TypeError, match="CostModel"):
+        plan(grpo_group().forest(), world_size=1, max_tokens_per_microbatch=100, cost_model={"token": 1.0})
+    with pytest.raises(ValueError, match="numbers"):
+        CostModel(token="1e-5", pair=0.0, round=0.0, microbatch=0.0)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "budget", "slots"),
+    [
+        pytest.param([list(range(100, 112)), [*range(100, 111), 7, 8, 9, 10]], 15, 2, id="sibling-past-the-budget"),
+        pytest.param([[1, 2, 3], [1, 2, 4], [5]], 3, 3, id="budget-of-the-longest"),
+    ],
+)
+def test_no_idle_slots_and_no_more_than_greedy_when_quantiles_never_fit(seqs, budget, slots):
+    """Where no quantile cut fits the budget the plan takes the greedy count of slots (capped cuts
+    used to add slots one at a time, 6 for 2 here), and no slot is empty on every rank."""
+    forest = RolloutForest.from_sequences(seqs)
+    p = plan(forest, world_size=1, max_tokens_per_microbatch=budget)
+    check_plan([forest], p, budget)
+    assert p.num_slots == slots
+    assert (p.tokens.sum(axis=0) > 0).all()

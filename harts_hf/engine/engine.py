@@ -197,8 +197,9 @@ class TreeEngine:
             values, ents = self._record(store, entropy)
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
-        loss.backward()
-        self._replay_units(store, [v.grad for v in values])
+        if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
+            loss.backward()
+            self._replay_units(store, [torch.zeros_like(v) if v.grad is None else v.grad for v in values])
         return loss.detach()
 
     def _replay_units(self, store: Store, grads: list[torch.Tensor]) -> None:
@@ -298,7 +299,13 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         engine = ctx.engine
+        if ctx.store is None:
+            raise RuntimeError(
+                "attached_logprobs replays its units once and then frees their records: call attached_logprobs "
+                "again for another backward pass"
+            )
         grads = [torch.zeros(n, device=engine.device) if g is None else g for g, n in zip(grads, engine.num_pairs)]
         with torch.enable_grad(), engine._hooks():
             engine._replay_units(ctx.store, grads)
+        ctx.store = None
         return (None, None, None, *[None] * len(grads))

@@ -36,6 +36,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         values = asdict(self)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float, np.number)) for v in values.values()):
+            raise ValueError(f"cost model coefficients must be numbers, got {values}")
         if any(not np.isfinite(v) or v < 0 for v in values.values()):
             raise ValueError(f"cost model coefficients must be finite and >= 0, got {values}")
         if self.token <= 0 and self.pair <= 0:

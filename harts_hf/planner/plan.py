@@ -20,7 +20,7 @@ Legend: R ranks, S slots, P pieces, D dependencies, E entries, F forests, C chun
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,10 +160,18 @@ class Plan:
 
 
 def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[RolloutForest]:
-    out = [forests] if isinstance(forests, RolloutForest) else list(forests)
+    out = [forests] if isinstance(forests, RolloutForest) else list(forests) if isinstance(forests, Iterable) else []
     if not out or not all(isinstance(f, RolloutForest) for f in out):
         raise TypeError("plan() takes a RolloutForest or a non-empty sequence of them")
     return out
+
+
+def positive_ints(**values: object) -> None:
+    """Refuse counts that are not positive integers (floats, NaN, bools, strings): a budget of NaN
+    would never fill a microbatch."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int):
@@ -229,8 +237,9 @@ def plan(
     """
     began = time.perf_counter()
     forests = as_forests(forests)
-    if world_size < 1 or max_tokens_per_microbatch < 1 or chunk_size < 1:
-        raise ValueError("world_size, max_tokens_per_microbatch and chunk_size must be positive")
+    positive_ints(world_size=world_size, max_tokens_per_microbatch=max_tokens_per_microbatch, chunk_size=chunk_size)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     cost = cost_model or DEFAULT_COST_MODEL
     geo = Geometry.of(forests, cost)
     deepest = int((geo.depth + geo.length).max())

@@ -5,6 +5,8 @@ Legend: R ranks, S slots.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .assign import RankIntervals
@@ -33,8 +35,10 @@ def slot_pieces(
 ) -> Pieces:
     """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
     the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
-    rounds and launch overhead; budget-capped cuts when quantile cuts never fit."""
-    fewest = budget_cuts(geo, iv, world_size, max_tokens).num_slots
+    rounds and launch overhead; when quantile cuts never fit, budget-capped cuts in the greedy
+    count of slots, or the greedy cuts themselves (they always fit)."""
+    greedy = budget_cuts(geo, iv, world_size, max_tokens)
+    fewest = greedy.num_slots
 
     def fits(pieces: Pieces) -> bool:
         return bool((footprint(geo, pieces, world_size) <= max_tokens).all())
@@ -47,11 +51,18 @@ def slot_pieces(
             busy = np.bincount(pieces.microbatch, minlength=num_mb) > 0
             overhead = (cost.round * seg.rounds + cost.microbatch * busy).reshape(world_size, slots)
             tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
-            return tuned if fits(tuned) else pieces
-    slots = fewest
-    while not fits(pieces := capped_cuts(geo, iv, world_size, slots, chunk, max_tokens)):
-        slots += 1
-    return pieces
+            return _without_idle_slots(tuned if fits(tuned) else pieces)
+    capped = capped_cuts(geo, iv, world_size, fewest, chunk, max_tokens)
+    return _without_idle_slots(capped if fits(capped) else greedy)
+
+
+def _without_idle_slots(pieces: Pieces) -> Pieces:
+    """``pieces`` without the slots no rank uses (quantile cuts that snap to the same boundary leave
+    one): an idle slot would be a step of nothing on every rank."""
+    used = np.unique(pieces.slot)
+    if used.size == pieces.num_slots:
+        return pieces
+    return dataclasses.replace(pieces, slot=np.searchsorted(used, pieces.slot), num_slots=int(used.size))
 
 
 def footprint(geo: Geometry, pieces: Pieces, world_size: int) -> np.ndarray:

@@ -235,8 +235,8 @@ def swe_like(
         vocab: token ids are drawn from [0, vocab).
     Returns a Workload whose groups are task ids and whose rewards are per episode (0/1).
     """
-    if scale <= 0:
-        raise ValueError(f"swe_like: scale must be positive, got {scale}")
+    if not 0 < scale < np.inf:  # NaN fails too
+        raise ValueError(f"swe_like: scale must be positive and finite, got {scale}")
     rng = np.random.default_rng(seed)
     task_len = TASK.draw(rng, num_tasks)
     ln = _lanes(
