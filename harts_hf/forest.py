@@ -35,9 +35,15 @@ def tree_levels(parent: np.ndarray) -> np.ndarray:
 
 def _as_ids(seq, i: int) -> np.ndarray:
     """One trajectory as a 1-D int64 array; refuses what is not a sequence of token ids."""
-    arr = np.asarray(seq)
+    try:
+        arr = np.asarray(seq)
+    except (ValueError, OverflowError) as err:  # ragged nesting
+        raise ValueError(f"trajectory {i}: expected a flat sequence of token ids ({err})") from err
     if arr.ndim != 1:
-        raise ValueError(f"trajectory {i}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+        hint = ": pass a list of trajectories, e.g. [seq], not one flat list of ids" if arr.ndim == 0 else ""
+        raise ValueError(f"trajectory {i}: expected a 1-D sequence of token ids, got shape {arr.shape}{hint}")
+    if arr.dtype == object and all(isinstance(t, int) for t in arr):
+        raise ValueError(f"trajectory {i}: token id {max(arr)} does not fit in int64")
     if arr.size == 0:
         raise ValueError(f"trajectory {i} is empty: every trajectory needs at least one token")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -121,8 +127,8 @@ class RolloutForest:
         token: the trie is keyed by token ids only. ``share_prefixes=False`` makes every
         trajectory its own root (trajectory-wise training on the same kernels: the baseline).
         """
-        if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
-            seqs = list(seqs)
+        if isinstance(seqs, np.ndarray) and seqs.ndim == 2 or not isinstance(seqs, Sequence | np.ndarray):
+            seqs = list(seqs)  # rows of a 2-D array; an iterator
         if len(seqs) == 0:
             raise ValueError("no sequences: a RolloutForest needs at least one trajectory")
         arrays = [_as_ids(s, i) for i, s in enumerate(seqs)]
@@ -288,6 +294,11 @@ class RolloutForest:
 
     def padded(self, values: np.ndarray, fill=0) -> np.ndarray:
         """[B, max_len] a per-trajectory-token array (length T) in padded trajectory layout."""
+        values = np.asarray(values)
+        if values.shape[:1] != (self.num_trajectory_tokens,):
+            raise ValueError(
+                f"padded takes one value per trajectory token ({self.num_trajectory_tokens}), got shape {values.shape}"
+            )
         out = np.full((self.num_trajectories, self.max_length), fill, dtype=values.dtype)
         out[self._traj_row, self._traj_col] = values
         return out

@@ -161,6 +161,9 @@ def test_unshared_forest_is_trajectory_wise(case):
         pytest.param([[1, 2], [True, False]], None, TypeError, "trajectory 1", id="bool-ids"),
         pytest.param([[1, 2], [3, 4, 5, -1]], None, ValueError, "trajectory 1, position 3: negative", id="negative-id"),
         pytest.param([[1], [[2, 3]]], None, ValueError, "trajectory 1: expected a 1-D", id="nested"),
+        pytest.param([[1], [1, [2, 3]]], None, ValueError, "trajectory 1: expected a flat sequence", id="ragged"),
+        pytest.param([[1], [2**70]], None, ValueError, "trajectory 1: token id .* does not fit in int64", id="huge-id"),
+        pytest.param([1, 2, 3], None, ValueError, "pass a list of trajectories", id="one-flat-trajectory"),
         pytest.param(
             [[1, 2], [3, 4, 5]],
             [[1, 0], [1]],
@@ -200,3 +203,12 @@ def test_two_million_tokens_build_and_restore():
     assert forest.num_leaves == 64
     restored = forest.trajectories()
     assert all(np.array_equal(r, s) for r, s in zip(restored, seqs))
+
+
+def test_iterables_and_lists_are_taken():
+    """A generator of trajectories, and ``padded`` of a plain list, work as their arrays would."""
+    forest = RolloutForest.from_sequences(s for s in [[1, 2], [1, 3]])
+    assert forest.num_compact_tokens == 3
+    np.testing.assert_array_equal(forest.padded([5, 6, 7, 8]), [[5, 6], [7, 8]])
+    with pytest.raises(ValueError, match="one value per trajectory token"):
+        forest.padded([5, 6])

@@ -65,6 +65,24 @@ def test_registry_errors_list_the_names():
         get_workload("grpo-group", scale=0.5)
 
 
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("swe-like", {"scale": 0.005, "num_tasks": 0}, "num_tasks must be a positive integer"),
+        ("swe-like", {"scale": 0.005, "fork_prob": 1.5}, "fork_prob must be a probability"),
+        ("grpo-group", {"completion_lens": []}, "len\\(completion_lens\\) must be a positive integer"),
+        ("grpo-group", {"completion_lens": [2.7, 3]}, "completion_lens\\[0\\] must be a positive integer"),
+        ("caterpillar", {"turns": 0}, "turns must be a positive integer"),
+        ("random-tree", {"prefix_prob": 2.0}, "prefix_prob must be a probability"),
+        ("deep-chain", {"node_len": (5, 2)}, "node_len must be a \\(low, high\\) pair"),
+        ("deep-chain", {"node_len": 3}, "node_len must be a \\(low, high\\) pair"),
+    ],
+)
+def test_bad_arguments_are_named(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        get_workload(name, **kwargs)
+
+
 def test_workload_rejects_misaligned_masks():
     with pytest.raises(ValueError, match="trajectory 1"):
         Workload(
@@ -84,9 +102,7 @@ def test_grpo_group_wide_fanout():
     assert all(not m[:5].any() and m[5:].all() for m in w.loss_masks)
 
 
-@pytest.mark.parametrize(
-    "trunk", [pytest.param([63, 64, 65, 1], id="chunk-edges"), pytest.param(7, id="uniform")]
-)
+@pytest.mark.parametrize("trunk", [pytest.param([63, 64, 65, 1], id="chunk-edges"), pytest.param(7, id="uniform")])
 def test_caterpillar_shape(trunk):
     w = caterpillar(turns=4, trunk_len=trunk, leaf_len=[1, 2, 3, 4])
     f = w.forest()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import require_positive_ints
 from ..forest import RolloutForest
 from .assign import Assignment, assign_ranks, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
@@ -166,14 +167,6 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
     return out
 
 
-def positive_ints(**values: object) -> None:
-    """Refuse counts that are not positive integers (floats, NaN, bools, strings): a budget of NaN
-    would never fill a microbatch."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int):
     """(src piece, dst microbatch, tokens) for the context of every microbatch: the union of its
     entries' root paths, intersected with the rank's pieces."""
@@ -237,7 +230,9 @@ def plan(
     """
     began = time.perf_counter()
     forests = as_forests(forests)
-    positive_ints(world_size=world_size, max_tokens_per_microbatch=max_tokens_per_microbatch, chunk_size=chunk_size)
+    require_positive_ints(
+        "plan", world_size=world_size, max_tokens_per_microbatch=max_tokens_per_microbatch, chunk_size=chunk_size
+    )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     cost = cost_model or DEFAULT_COST_MODEL

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..checks import require_positive_ints, require_probabilities
 from .pieces import assemble, node_pool, tree_paths
 from .workload import Workload
 
@@ -58,9 +59,12 @@ def grpo_group(
 ) -> Workload:
     """One prompt (not trained) and G completions (trained) of random lengths in
     [1, max_completion], or of ``completion_lens`` when given (then G = their number)."""
+    require_positive_ints("grpo_group", prompt_len=prompt_len, G=G, max_completion=max_completion, vocab=vocab)
     rng = np.random.default_rng(seed)
     if completion_lens is None:
         completion_lens = rng.integers(1, max_completion + 1, G)
+    require_positive_ints("grpo_group", **{"len(completion_lens)": len(completion_lens)})
+    require_positive_ints("grpo_group", **{f"completion_lens[{i}]": n for i, n in enumerate(completion_lens)})
     lens = np.asarray(completion_lens, dtype=np.int64)
     g = lens.size
     parent = np.r_[-1, np.zeros(g, dtype=np.int64)]
@@ -81,6 +85,7 @@ def caterpillar(
 
     Trajectory k = trunk segments 0..k + leaf k. Lengths are one int or one per turn.
     """
+    require_positive_ints("caterpillar", turns=turns, vocab=vocab)
     rng = np.random.default_rng(seed)
     trunk = _per_node(trunk_len, turns, "trunk_len")
     leaf = _per_node(leaf_len, turns, "leaf_len")
@@ -106,6 +111,8 @@ def random_tree(
     prefixes of others), and each is repeated with probability ``duplicate_prob``. Node
     lengths are uniform in [1, max_node_len]; loss masks are random per node.
     """
+    require_positive_ints("random_tree", num_nodes=num_nodes, roots=roots, max_node_len=max_node_len, vocab=vocab)
+    require_probabilities("random_tree", prefix_prob=prefix_prob, duplicate_prob=duplicate_prob)
     if not 1 <= roots <= num_nodes:
         raise ValueError(
             f"random_tree: need 1 <= roots <= num_nodes, got roots={roots}, num_nodes={num_nodes}"
@@ -133,8 +140,11 @@ def deep_chain(
     node and leaves; the last chain node has only leaves), so the forest is ``levels + 1`` node
     levels high. Leaves are trained. The last chain node also ends a trajectory (a strict prefix
     of its leaves). Node lengths are uniform in ``node_len`` (inclusive)."""
-    if levels < 1 or fanout < 2:
-        raise ValueError(f"deep_chain: need levels >= 1 and fanout >= 2, got {levels}, {fanout}")
+    require_positive_ints("deep_chain", levels=levels, fanout=fanout, vocab=vocab)
+    if fanout < 2:
+        raise ValueError(f"deep_chain: need fanout >= 2 (the next chain node and a leaf), got {fanout}")
+    if np.shape(node_len) != (2,) or not 1 <= node_len[0] <= node_len[1]:
+        raise ValueError(f"deep_chain: node_len must be a (low, high) pair with 1 <= low <= high, got {node_len!r}")
     rng = np.random.default_rng(seed)
     chain_parent = np.arange(-1, levels - 1)
     leaf_parent = np.r_[np.repeat(np.arange(levels), fanout - 1), levels - 1]

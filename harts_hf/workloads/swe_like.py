@@ -26,10 +26,11 @@ one tree shape and nearly the same compression.
 
 Defaults (5 tasks x 8 samples, ``sample_prob`` 0.38, ``max_context`` 32K) give about 1,000
 trajectories and ~22M trajectory tokens at scale 1 with a forest compression near the 5.6x of
-the HARTS paper's SWE-bench trees (5.5-6.0 over seeds 0-9). :data:`CPU_SCALE` shrinks that to
-~22K compact tokens (compression 5.2-5.7: one-token minimums weigh more at small scales).
+the HARTS paper's SWE-bench trees (5.49-6.02 over seeds 0-9). :data:`CPU_SCALE` shrinks that to
+~22K compact tokens (compression 5.18-5.67: one-token minimums weigh more at small scales).
 Everything but the token ids is drawn before them, so rewards, groups and the tree shape do
-not depend on ``scale`` (nor on ``vocab``).
+not depend on ``scale``; nor on ``vocab`` while it is large (with a small one, random first ids of
+sibling nodes can collide and merge them).
 
 Legend: E lanes (episodes, then forks), E0 episodes, F forks, T max turns, n samples,
 P (sample, turn) pairs.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import require_positive_ints, require_probabilities
 from .pieces import assemble
 from .workload import Workload
 
@@ -237,6 +239,17 @@ def swe_like(
     """
     if not 0 < scale < np.inf:  # NaN fails too
         raise ValueError(f"swe_like: scale must be positive and finite, got {scale}")
+    require_positive_ints(
+        "swe_like",
+        num_tasks=num_tasks,
+        group_size=group_size,
+        turns_mean=turns_mean,
+        turns_max=turns_max,
+        system_len=system_len,
+        max_context=max_context,
+        vocab=vocab,
+    )
+    require_probabilities("swe_like", sample_prob=sample_prob, fork_prob=fork_prob)
     rng = np.random.default_rng(seed)
     task_len = TASK.draw(rng, num_tasks)
     ln = _lanes(
