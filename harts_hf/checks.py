@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["require_positive_ints", "require_probabilities"]
+__all__ = ["is_integer", "require_positive_ints", "require_probabilities"]
+
+
+def is_integer(value: object) -> bool:
+    """A Python or numpy integer, not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def require_positive_ints(where: str, **values: object) -> None:
     """Refuse counts that are not positive integers (floats, NaN, bools, strings included)."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
 
 

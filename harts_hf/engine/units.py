@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import is_integer
 from ..forest import RolloutForest
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
@@ -74,7 +75,7 @@ def rank_units(forests: list[RolloutForest], plan: Plan, rank: int, device: torc
     """The units of ``rank``'s row of ``plan``, with their handoffs; refuses a plan whose context
     tokens were not computed in an earlier slot of the same rank (the engine never reads
     another rank's activations)."""
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < plan.world_size:
+    if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
     calls: list[tuple[int, int, np.ndarray, TreeBatch, np.ndarray]] = []

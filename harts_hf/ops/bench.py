@@ -25,7 +25,7 @@ that sharing divides by the slot ratio or more (a short chunk's scores cost less
 ``rest_speedup`` is the speedup of everything else (the chunk-to-chunk scan, the mid-chunk states
 child paths start from, gathers), mostly per-chunk state work that sharing divides by about the chunk
 ratio. The whole speedup lies between the two, weighted by their shares of the trajectory-wise time
-(swe-like at CPU_SCALE: intra 5.2-5.5x, rest 1.4-3.4x).
+(swe-like at CPU_SCALE, over several runs: intra 5.0-5.6x, rest 0.6-4.0x).
 
 ``harts-hf bench-ops`` times on one CPU thread with glibc keeping freed memory
 (:func:`keep_freed_memory`), so the numbers measure the kernels rather than thread scheduling on a
