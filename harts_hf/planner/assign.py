@@ -6,9 +6,13 @@ subtrees (*units*) and lets each rank recompute the shared chains above them (*t
 prompt, a task prompt); the copies are the plan's redundancy, and keeping a rank's units under few
 tops keeps them small.
 
-Units: a tree whose cost is at most ``total / (4 * world_size)`` (or that fits one microbatch) is
-one unit; a larger node whose split pays (``find_units``) is a top and its children are
-considered in turn. Units that share a parent top form a *group*.
+Units: a tree whose cost is at most ``total / (4 * world_size)`` is one unit; a larger node whose
+split pays (``find_units``, by a :class:`UnitRule`) is a top and its children are considered in
+turn. Units that share a parent top form a *group*. The planner tries every rule of
+:data:`UNIT_RULES` (keep trees that fit one microbatch whole, or divide them; split only where it
+shrinks the largest indivisible part by a quarter, or by anything) and keeps the plan with the
+lowest predicted step time: the cost model decides whether a shared prefix recomputed on another
+rank beats an idle rank.
 
 Assignment: binary search on the rank capacity; for a capacity, ranks are filled one after
 another, each walking the groups in DFS order and taking, largest first, the units that still fit
@@ -28,12 +32,40 @@ import numpy as np
 
 from .geometry import Geometry
 
-__all__ = ["Assignment", "RankIntervals", "assign_ranks", "find_units", "group_paths", "rank_intervals"]
+__all__ = [
+    "UNIT_RULES",
+    "Assignment",
+    "RankIntervals",
+    "UnitRule",
+    "assign_ranks",
+    "find_units",
+    "group_paths",
+    "rank_intervals",
+]
 
 UNITS_PER_RANK = 4  # a unit costs at most 1 / (UNITS_PER_RANK * R) of the forests
 MIN_GAIN = 0.25  # splitting a node must shrink its largest indivisible part by this fraction
 TRADE_LIMIT = 2_000_000  # trades x top chains the local search evaluates per kind and step
 LOOKAHEAD = 1  # groups with leftovers a rank walks past to fill its last gap
+
+
+@dataclass(frozen=True)
+class UnitRule:
+    """When a node is split into units of its children (see :func:`find_units`).
+
+    Args:
+        divide_fitting: a tree that fits one microbatch may be divided between ranks (its shared
+            chains then run on every rank that takes a part of it).
+        min_gain: splitting must shrink the node's largest indivisible part by this fraction of its
+            subtree (0: by anything).
+    """
+
+    divide_fitting: bool
+    min_gain: float
+
+
+UNIT_RULES = (UnitRule(False, MIN_GAIN), UnitRule(True, MIN_GAIN), UnitRule(True, 0.0))
+"""The rules ``plan`` tries, in order; the first is the only one for a single rank."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,13 +115,16 @@ def _levels_down(geo: Geometry) -> list[np.ndarray]:
     return [order[bounds[k] : bounds[k + 1]] for k in range(bounds.size - 1)]
 
 
-def find_units(geo: Geometry, world_size: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def find_units(
+    geo: Geometry, world_size: int, max_tokens: int, rule: UnitRule = UNIT_RULES[0]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unit root nodes [U], group of each unit [U], group top node [G], -1 for whole trees).
 
     A node is split (becomes a top) when its subtree costs more than a unit may, splitting pays
     (its chain plus the largest part its children can be cut into, ``h``, is at most
-    ``1 - MIN_GAIN`` of its subtree: a caterpillar's trunk never pays, every rank taking a leaf
-    would recompute the trunk), its tree does not fit one microbatch, and its parent is split.
+    ``1 - rule.min_gain`` of its subtree, or below it for a gain of 0: at a gain of a quarter a
+    caterpillar's trunk never pays, every rank taking a leaf would recompute the trunk), its tree
+    does not fit one microbatch unless ``rule.divide_fitting``, and its parent is split.
     ``h(v) = min(sub(v), own(v) + max over children h(c))``, bottom-up, one step per level.
     """
     m = geo.num_nodes
@@ -103,9 +138,10 @@ def find_units(geo: Geometry, world_size: int, max_tokens: int) -> tuple[np.ndar
         par = np.unique(geo.parent[ch])
         h[par] = np.minimum(sub[par], own[par] + child_h[par])
     has_child = np.bincount(geo.parent[geo.parent >= 0], minlength=m) > 0
-    pays = own + child_h <= (1 - MIN_GAIN) * sub
+    part = own + child_h
+    pays = part <= (1 - rule.min_gain) * sub if rule.min_gain > 0 else part < sub
     big = (sub > geo.total_cost / (UNITS_PER_RANK * world_size)) & has_child & pays & (world_size > 1)
-    top = big & (geo.end - geo.start > max_tokens)[geo.root]  # a tree that fits stays whole
+    top = big if rule.divide_fitting else big & (geo.end - geo.start > max_tokens)[geo.root]
     for ch in levels[1:]:
         top[ch] &= top[geo.parent[ch]]
     parent_top = np.where(geo.parent >= 0, top[np.maximum(geo.parent, 0)], True)
@@ -254,9 +290,10 @@ def _refine(rank: np.ndarray, cost: np.ndarray, group: np.ndarray, paths: list[n
     return rank
 
 
-def assign_ranks(geo: Geometry, world_size: int, max_tokens: int) -> Assignment:
-    """Units, groups and the rank of every unit: binary search on the rank capacity, then local search."""
-    unit_node, unit_group, group_node = find_units(geo, world_size, max_tokens)
+def assign_ranks(geo: Geometry, world_size: int, units: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Assignment:
+    """The rank of every unit of ``units`` (what :func:`find_units` returns): binary search on the
+    rank capacity, then local search."""
+    unit_node, unit_group, group_node = units
     unit_cost = geo.prefix(geo.end[unit_node]) - geo.cum[unit_node]
     paths = group_paths(geo, group_node)
     node_cost = geo.node_cost

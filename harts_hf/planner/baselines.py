@@ -8,7 +8,7 @@
 - ``dfs_kcut`` (AReaL-DTA): the DFS order cut into ``world_size`` contiguous ranges by binary
   search on the cost model (each rank recomputes its range's ancestors), each range then cut
   greedily into microbatches of the budget.
-- ``exact`` (Tree Training's partitioner): OR-Tools CP-SAT assigns :func:`plan`'s units to ranks
+- ``exact`` (Tree Training's partitioner): OR-Tools CP-SAT assigns the finest units :func:`plan`'s rules make to ranks
   minimising the largest rank cost (shared chains counted on every rank that needs them), then the
   same slot cut as :func:`plan`. Small instances only; skipped with a message without ortools.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..forest import RolloutForest
-from .assign import Assignment, RankIntervals, find_units, group_paths, rank_intervals
+from .assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_paths, rank_intervals
 from .balance import rank_imbalance, slot_imbalance
 from .cost import CostModel
 from .geometry import Geometry
@@ -212,7 +212,8 @@ def exact(forests: Sequence[RolloutForest], world_size: int, max_tokens: int, co
         return Baseline(None, None, None, {"skipped": "ortools is not installed (pip install ortools)"})
     began = time.perf_counter()
     geo = Geometry.of(forests, cost)
-    unit_node, unit_group, group_node = find_units(geo, world_size, max_tokens)
+    # the finest units any rule of the planner makes: the solver's optimum bounds every rule's plan
+    unit_node, unit_group, group_node = find_units(geo, world_size, max_tokens, UNIT_RULES[-1])
     if unit_node.size > EXACT_MAX_UNITS:
         too_big = f"{unit_node.size} units > {EXACT_MAX_UNITS}: not a small instance"
         return Baseline(None, None, None, {"skipped": too_big})

@@ -5,7 +5,10 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
 
 1. Ranks (``assign.py``): whole subtrees to ranks, balanced on the cost model; each rank also
    recomputes the shared chains above its subtrees (ranks exchange only gradients), which is the
-   plan's redundancy besides the bounded replay.
+   plan's redundancy besides the bounded replay. Whether a tree that fits one microbatch is
+   divided between ranks is the cost model's call: the plan is made under each rule of
+   ``assign.UNIT_RULES`` and the lowest predicted step time wins (an idle rank loses to a shared
+   prompt recomputed on it as soon as the prompt costs less than the work it takes over).
 2. Slots (``slots.py``): each rank's whole trees packed into S microbatches (``pack.py``), the
    rest of its DFS sequence cut at the cost quantiles that fill every slot (``split.py``), the
    same S on every rank (the smallest S whose microbatches all fit the budget), cuts on
@@ -19,6 +22,7 @@ Legend: R ranks, S slots, P pieces, D dependencies, E entries, F forests, C chun
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +31,7 @@ import numpy as np
 
 from ..checks import require_positive_ints
 from ..forest import RolloutForest
-from .assign import Assignment, assign_ranks, rank_intervals
+from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel
 from .geometry import Geometry
@@ -243,10 +247,18 @@ def plan(
             f"max_tokens_per_microbatch={max_tokens_per_microbatch} is below the longest trajectory "
             f"({deepest} tokens): a microbatch holds each of its tokens' whole root path"
         )
-    asg: Assignment = assign_ranks(geo, world_size, max_tokens_per_microbatch)
-    iv = rank_intervals(geo, asg, world_size, max_tokens_per_microbatch)
-    pieces = slot_pieces(geo, iv, world_size, max_tokens_per_microbatch, chunk_size, cost)
-    return build_plan(geo, forests, pieces, cost, max_tokens_per_microbatch, chunk_size, began, world_size)
+    best, tried = None, []
+    for rule in UNIT_RULES if world_size > 1 else UNIT_RULES[:1]:
+        units = find_units(geo, world_size, max_tokens_per_microbatch, rule)
+        if any(np.array_equal(units[0], seen) for seen in tried):
+            continue
+        tried.append(units[0])
+        iv = rank_intervals(geo, assign_ranks(geo, world_size, units), world_size, max_tokens_per_microbatch)
+        pieces = slot_pieces(geo, iv, world_size, max_tokens_per_microbatch, chunk_size, cost)
+        candidate = build_plan(geo, forests, pieces, cost, max_tokens_per_microbatch, chunk_size, began, world_size)
+        if best is None or candidate.step_seconds < best.step_seconds:
+            best = candidate
+    return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
 
 def build_plan(
