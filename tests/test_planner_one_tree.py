@@ -45,14 +45,18 @@ def one_tree(shape: str, world: int, seed: int) -> RolloutForest:
     rng = np.random.default_rng([seed, world])
     n = 4 * world + int(rng.integers(0, 3 * world))
     if shape == "agentic":
-        return RolloutForest.from_sequences(agentic_rows(-(-n // 12), system_len=int(rng.integers(20, 2000)), seed=seed))
+        return RolloutForest.from_sequences(
+            agentic_rows(-(-n // 12), system_len=int(rng.integers(20, 2000)), seed=seed)
+        )
     if shape == "grpo":
         return grpo_group(
             prompt_len=int(rng.integers(5, 3000)), G=n, max_completion=int(rng.integers(5, 500)), seed=seed
         ).forest()
     if shape == "random":
         longest, nodes = int(rng.integers(5, 400)), int(1.5 * n) + 2
-        while (forest := random_tree(num_nodes=nodes, roots=1, max_node_len=longest, seed=seed).forest()).num_trajectories < n:
+        while (
+            forest := random_tree(num_nodes=nodes, roots=1, max_node_len=longest, seed=seed).forest()
+        ).num_trajectories < n:
             nodes += world
         return forest
     if shape == "swe-task":
@@ -78,7 +82,11 @@ def test_one_tree_is_divided_between_ranks(shape, world):
 
 
 def _step_alone(rows: list[np.ndarray]) -> float:
-    return plan(RolloutForest.from_sequences(rows), world_size=1, max_tokens_per_microbatch=BUDGET).step_seconds if rows else 0.0
+    return (
+        plan(RolloutForest.from_sequences(rows), world_size=1, max_tokens_per_microbatch=BUDGET).step_seconds
+        if rows
+        else 0.0
+    )
 
 
 def test_a_caterpillar_on_two_ranks_gets_the_best_split_of_its_rows():
@@ -90,8 +98,10 @@ def test_a_caterpillar_on_two_ranks_gets_the_best_split_of_its_rows():
         rows = [forest.trajectory(i) for i in range(forest.num_trajectories)]
         n = len(rows)
         best = min(
-            max(_step_alone([r for i, r in enumerate(rows) if m >> i & 1]),
-                _step_alone([r for i, r in enumerate(rows) if not m >> i & 1]))
+            max(
+                _step_alone([r for i, r in enumerate(rows) if m >> i & 1]),
+                _step_alone([r for i, r in enumerate(rows) if not m >> i & 1]),
+            )
             for m in range(2 ** (n - 1))
         )
         p = plan(forest, world_size=2, max_tokens_per_microbatch=BUDGET)

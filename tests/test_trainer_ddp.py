@@ -1,11 +1,16 @@
 """Two-process DDP on CPU (gloo): HARTSGRPOTrainer == GRPOTrainer under the same launch, step by step.
 
-The test starts ``torchrun --nproc_per_node 2`` on this file. Each worker trains stock GRPO, then
-HARTS GRPO (all-gathered generation batch, one plan over both ranks, each rank training the rows the
-plan gives it, filler rows evening the counts), on the deterministic branching rollouts of the
-exactness test, and rank 0 saves the parameters after every step. Rollouts are rank-dependent
-(each rank rolls out its own prompts), so a 2-process HARTS run is compared with a 2-process stock
-run, never with one process.
+The test starts ``torchrun --nproc_per_node 2`` on this file once. Each worker trains, for every
+case, stock GRPO and then HARTS GRPO on deterministic branching rollouts and saves the parameters
+after every step (rank 0) and the rows each rank trained. Rollouts are rank-dependent (each rank
+rolls out its own prompts), so a 2-process HARTS run is compared with a 2-process stock run, never
+with one process. SGD (see test_trainer_exactness.py for why not Adam).
+
+Most cases put one system prompt in front of every prompt, so the whole generation batch is ONE
+tree: HARTS all-gathers it, plans it over both ranks (the plan divides the tree) and every rank
+trains exactly stock's row count of real rows. Every loss type of TRL 1.16 is a case; the options
+whose loss depends on which rows share a microbatch (bnpo, the entropy bonus, top_entropy_quantile,
+the router aux loss) keep TRL's own grouping and must match as well.
 """
 
 from __future__ import annotations
@@ -16,11 +21,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-LOSSES = ("dapo", "grpo")
 TOL = 1e-5
+SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]  # one prompt prefix shared by every row
+
+CASES: dict[str, dict] = {
+    "dapo-one-tree": dict(loss_type="dapo"),
+    "grpo-one-tree": dict(loss_type="grpo"),
+    "bnpo-one-tree": dict(loss_type="bnpo"),
+    "dr_grpo-one-tree": dict(loss_type="dr_grpo"),
+    "cispo-one-tree": dict(loss_type="cispo", num_iterations=2),
+    "sapo-one-tree": dict(loss_type="sapo"),
+    "luspo-one-tree": dict(loss_type="luspo", importance_sampling_level="sequence", num_iterations=2),
+    "vespo-one-tree": dict(loss_type="vespo", num_iterations=2),
+    "gspo-one-tree": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2, beta=0.1),
+    "entropy-bonus-one-tree": dict(loss_type="dapo", entropy_coef=0.1),
+    "top-entropy-one-tree": dict(loss_type="grpo", top_entropy_quantile=0.5),
+    "grpo-two-microbatches-one-tree": dict(
+        loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4
+    ),
+    "dapo-generation-over-two-steps-one-tree": dict(
+        loss_type="dapo", steps_per_generation=2, per_device_train_batch_size=4
+    ),
+    "dapo-groups": dict(loss_type="dapo", system=False),
+    "grpo-groups": dict(loss_type="grpo", system=False),
+    "router-aux-moe": dict(loss_type="grpo", model="qwen3_5_moe"),
+}
+GROUPING_KEPT = ("bnpo-one-tree", "entropy-bonus-one-tree", "top-entropy-one-tree", "router-aux-moe")
 
 
 def _free_port() -> int:
@@ -29,39 +59,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_match_stock(tmp_path):
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
     from tiny_models import tiny_model
 
     from harts_hf.envs.tokenizer import build_tokenizer
 
-    tiny_model("qwen3_5").save_pretrained(tmp_path / "model")
-    build_tokenizer().save_pretrained(tmp_path / "model")
+    out = tmp_path_factory.mktemp("ddp")
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        tiny_model(family).save_pretrained(out / family)
+        build_tokenizer().save_pretrained(out / family)
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        __file__,
-        str(tmp_path),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     run = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent, check=False
+        [*cmd, __file__, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parent,
+        check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    for loss in LOSSES:
-        stock = torch.load(tmp_path / f"stock-{loss}.pt")
-        harts = torch.load(tmp_path / f"harts-{loss}.pt")
-        assert len(stock) == len(harts) == 3  # the start, then after each of the 2 steps
-        assert (stock[-1] - stock[0]).abs().max() > 1e-3  # the steps moved the weights
-        for step, (a, b) in enumerate(zip(stock, harts)):
-            assert (a - b).abs().max().item() < TOL, f"{loss}: step {step} differs by {(a - b).abs().max().item()}"
-        meta = torch.load(tmp_path / f"harts-{loss}-meta.pt")
-        assert meta["ranks_agree"] and meta["plan_imbalance"]  # DDP kept ranks in sync; the plan ran
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_match_stock(case, ddp_run):
+    stock = torch.load(ddp_run / f"stock-{case}.pt")
+    harts = torch.load(ddp_run / f"harts-{case}.pt")
+    assert len(stock["params"]) == len(harts["params"]) == 3  # the start, then after each of the 2 steps
+    assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
+    for step, (a, b) in enumerate(zip(stock["params"], harts["params"])):
+        assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
+    np.testing.assert_allclose(harts["losses"], stock["losses"], rtol=TOL, atol=TOL)
+    assert harts["ranks_agree"]
+    # Every rank trains stock's row count of real rows in every microbatch: no filler, no idle rank.
+    assert harts["rows"] == stock["rows"], (harts["rows"], stock["rows"])
+    assert harts["real_rows"] == harts["rows"]
+    compression = harts["metrics"]["harts/compression"]
+    assert compression and min(compression) > 1.2
+    if case in GROUPING_KEPT:  # TRL's grouping: every rank trains the rows it rolled out
+        assert not harts["metrics"]["harts/moved_rows"]
+    else:  # the batch was planned over both ranks; the predicted rank imbalance of what ran stays small
+        assert harts["metrics"]["harts/moved_rows"] and max(harts["metrics"]["harts/plan_imbalance"]) < 1.3
 
 
 def _worker(out: Path) -> None:
@@ -75,6 +117,11 @@ def _worker(out: Path) -> None:
 
     torch.set_num_threads(1)
 
+    def with_system(prompts, trainer) -> dict:
+        rows = branching_rollout(prompts, trainer)
+        rows["prompt_ids"] = [SYSTEM + ids for ids in rows["prompt_ids"]]
+        return rows
+
     class Snapshots(TrainerCallback):
         def __init__(self):
             self.params = []
@@ -82,38 +129,49 @@ def _worker(out: Path) -> None:
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
 
-    for loss in LOSSES:
+    for case, overrides in CASES.items():
+        overrides = dict(overrides)
+        family, system = overrides.pop("model", "qwen3_5"), overrides.pop("system", True)
         for name, trainer_cls, config_cls in (
             ("stock", GRPOTrainer, GRPOConfig),
             ("harts", HARTSGRPOTrainer, HARTSGRPOConfig),
         ):
-            args = config_cls(**config_kwargs(str(out / name), loss_type=loss))
             snaps = Snapshots()
             trainer = trainer_cls(
-                model=str(out / "model"),
+                model=str(out / family),
                 reward_funcs=id_reward,
-                args=args,
+                args=config_cls(**config_kwargs(str(out / name), **overrides)),
                 processing_class=build_tokenizer(),
                 train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
-                rollout_func=branching_rollout,
+                rollout_func=with_system if system else branching_rollout,
                 callbacks=[snaps],
             )
+            rows, real, compute = [], [], trainer._compute_loss
+
+            def counting(model, inputs, compute=compute, rows=rows, real=real):
+                rows.append(int(inputs["completion_mask"].size(0)))
+                real.append(int((inputs["completion_mask"].sum(1) > 0).sum()))
+                return compute(model, inputs)
+
+            trainer._compute_loss = counting
             snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
             trainer.train()
-            final = snaps.params[-1]
-            gathered = trainer.accelerator.gather(final[None])
+            gathered = trainer.accelerator.gather(snaps.params[-1][None])
+            counts = trainer.accelerator.gather(torch.tensor([rows, real]))  # [2 ranks * 2, microbatches]
             if trainer.accelerator.is_main_process:
-                torch.save(snaps.params, out / f"{name}-{loss}.pt")
-                if name == "harts":
-                    imbalance = [
-                        h["harts/plan_imbalance"] for h in trainer.state.log_history if "harts/plan_imbalance" in h
-                    ]
-                    meta = {
-                        "ranks_agree": bool((gathered[0] == gathered[1]).all()),
-                        "plan_imbalance": imbalance,
-                        "rows_per_microbatch": trainer._rows_per_microbatch,
-                    }
-                    torch.save(meta, out / f"{name}-{loss}-meta.pt")
+                history = trainer.state.log_history
+                record = {
+                    "params": snaps.params,
+                    "losses": [h["loss"] for h in history if "loss" in h],
+                    "ranks_agree": bool((gathered[0] == gathered[1]).all()),
+                    "rows": counts[0::2].tolist(),
+                    "real_rows": counts[1::2].tolist(),
+                    "metrics": {
+                        k: [h[k] for h in history if k in h]
+                        for k in ("harts/compression", "harts/plan_imbalance", "harts/moved_rows")
+                    },
+                }
+                torch.save(record, out / f"{name}-{case}.pt")
 
 
 if __name__ == "__main__":

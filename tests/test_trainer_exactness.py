@@ -128,6 +128,14 @@ CASES = [
         dict(loss_type="dapo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
         id="dapo-two-microbatches",
     ),
+    pytest.param(  # bnpo divides by a microbatch's own token count: TRL's grouping is kept
+        dict(loss_type="bnpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
+        id="bnpo-two-microbatches",
+    ),
+    pytest.param(
+        dict(loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, entropy_coef=0.1),
+        id="entropy-bonus-two-microbatches",
+    ),
     pytest.param(  # one generation batch, two optimizer steps: each step trains the rows TRL's shuffle gives it
         dict(loss_type="grpo", steps_per_generation=2, per_device_train_batch_size=4),
         id="grpo-generation-over-two-steps",

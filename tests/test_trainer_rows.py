@@ -1,10 +1,13 @@
-"""TRL's padded rows <-> forests (``harts_hf.trainers.rows``): columns by hand, shapes checked."""
+"""TRL's padded rows <-> forests (``harts_hf.trainers.rows``): columns by hand, shapes checked; equal row
+shares of a plan (``arrange.equal_shares``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from harts_hf.trainers.arrange import equal_shares
 from harts_hf.trainers.rows import rows_forest, to_completion_layout
 
 # Two rows: left-padded prompts (widths 2 and 1 of 2), right-padded completions (3 and 2 of 3).
@@ -35,3 +38,30 @@ def test_mismatched_rows_are_refused(ids, mask):
 def test_completion_layout_refuses_what_does_not_fit(rows, keep):
     with pytest.raises(ValueError, match="do not fit"):
         to_completion_layout(torch.zeros(rows, 4), MASK, keep)
+
+
+@pytest.mark.parametrize(
+    "owner, world",
+    [
+        pytest.param([0, 0, 1, 1, 1, 1, 0, 0], 2, id="equal-kept"),
+        pytest.param([1, 1, 1, 1, 1, 0, 0, 0], 2, id="one-moves"),
+        pytest.param([0] * 12, 3, id="all-on-one"),
+        pytest.param([2, 2, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], 3, id="three-ranks"),
+    ],
+)
+def test_equal_shares_keep_the_plan_grouping_with_equal_row_counts(owner, world):
+    owner = np.asarray(owner)
+    got = equal_shares(owner, world)
+    n = owner.size // world
+    assert (np.bincount(got, minlength=world) == n).all()
+    counts = np.bincount(owner, minlength=world)
+    if (counts == n).all():
+        assert (got == owner).all()
+    # every rank's rows are one run of the plan's order (ranks by first row, rows in trie order), and
+    # rows move only where the run boundaries shift from the plan's
+    first = [np.flatnonzero(owner == r).min() if (owner == r).any() else owner.size for r in range(world)]
+    ranks = np.argsort(first, kind="stable")
+    order = np.lexsort((np.arange(owner.size), np.argsort(ranks)[owner]))
+    assert all(np.unique(got[order[k * n : (k + 1) * n]]).size == 1 for k in range(world))
+    shift = np.abs(np.cumsum(counts[ranks])[:-1] - n * np.arange(1, world)).sum()
+    assert (got != owner).sum() <= shift

@@ -168,8 +168,14 @@ def group_paths(geo: Geometry, group_node: np.ndarray) -> list[np.ndarray]:
     return paths
 
 
-def _fill(capacity: float, order: list[np.ndarray], cost: np.ndarray, paths: list[np.ndarray],
-          node_cost: np.ndarray, world_size: int) -> np.ndarray | None:
+def _fill(
+    capacity: float,
+    order: list[np.ndarray],
+    cost: np.ndarray,
+    paths: list[np.ndarray],
+    node_cost: np.ndarray,
+    world_size: int,
+) -> np.ndarray | None:
     """Ranks of the units at this capacity (see module docstring), or None if they do not fit.
 
     ``order[g]``: units of group g, largest first.
@@ -222,8 +228,15 @@ def _bundles(units: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndarray
 
 
 def _trade(
-    load: np.ndarray, count: np.ndarray, cost: np.ndarray, need: np.ndarray, top_cost: np.ndarray, a: int,
-    give: tuple[np.ndarray, np.ndarray], take: tuple[np.ndarray, np.ndarray], to: np.ndarray,
+    load: np.ndarray,
+    count: np.ndarray,
+    cost: np.ndarray,
+    need: np.ndarray,
+    top_cost: np.ndarray,
+    a: int,
+    give: tuple[np.ndarray, np.ndarray],
+    take: tuple[np.ndarray, np.ndarray],
+    to: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """New loads of rank ``a`` and of the other rank when ``a`` gives bundle ``give`` [X] and takes
     bundle ``take`` [Y] from rank ``to`` [Y] (``take`` may be empty: -1, -1): ([X, Y], [X, Y]).
@@ -244,8 +257,14 @@ def _trade(
     return new_a, new_b
 
 
-def _refine(rank: np.ndarray, cost: np.ndarray, group: np.ndarray, paths: list[np.ndarray],
-            node_cost: np.ndarray, world_size: int) -> np.ndarray:
+def _refine(
+    rank: np.ndarray,
+    cost: np.ndarray,
+    group: np.ndarray,
+    paths: list[np.ndarray],
+    node_cost: np.ndarray,
+    world_size: int,
+) -> np.ndarray:
     """Local search on the largest rank load: apply the trade that lowers it most (rank a gives one
     of its units, or two, to another rank and takes nothing, one or two of that rank's units back;
     never two for two), while one does. Trades of one unit each way come first; pairs only when
@@ -268,7 +287,7 @@ def _refine(rank: np.ndarray, cost: np.ndarray, group: np.ndarray, paths: list[n
         best = None
         for sizes in (((1, 0), (1, 1)), ((2, 0), (2, 1), (1, 2))):
             for give_size, take_size in sizes:
-                n_give = mine.size ** give_size
+                n_give = mine.size**give_size
                 n_take = others.size if take_size == 0 else other.size**take_size
                 if n_give * n_take * max(tops.size, 1) > 2 * TRADE_LIMIT:  # pairs counted twice here
                     continue

@@ -9,6 +9,8 @@
    ``trl.trainer.grpo_trainer.shuffle_sequence_dict`` before ``split_tensor_dict`` cuts it into
    ``steps_per_generation`` microbatches. :func:`replace_row_shuffle` swaps that global for the
    duration of one call, so the rows can be arranged by prefix instead (``arrange.py``).
+3. ``GRPOTrainer._compute_loss`` normalises some terms by a microbatch's own token count or
+   statistics, so they change when rows are regrouped (:func:`grouping_dependent_options`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from trl.trainer import grpo_trainer
 
 from ..modeling import tree_forward
 
-__all__ = ["CHECKED_TRL", "FOREST_KWARG", "add_tree_forward", "replace_row_shuffle"]
+__all__ = ["CHECKED_TRL", "FOREST_KWARG", "add_tree_forward", "grouping_dependent_options", "replace_row_shuffle"]
 
 CHECKED_TRL = "1.16.0"
 FOREST_KWARG = "harts_forest"
@@ -56,3 +58,21 @@ def replace_row_shuffle(arrange: Callable[[dict], dict]) -> Iterator[None]:
         yield
     finally:
         grpo_trainer.shuffle_sequence_dict = original
+
+
+def grouping_dependent_options(trainer) -> list[str]:
+    """The settings of a GRPOTrainer whose loss depends on which rows share a microbatch (trl 1.16
+    ``_compute_loss``): bnpo divides by the microbatch's token count, the entropy bonus is a
+    microbatch mean, ``top_entropy_quantile`` takes its threshold over the microbatch, the MoE aux
+    loss is the microbatch's. Every other loss type normalises by a global count or by the row
+    count of equally sized microbatches."""
+    found = []
+    if trainer.loss_type == "bnpo":
+        found.append("loss_type='bnpo'")
+    if trainer._entropy_bonus_enabled:
+        found.append("the entropy bonus (entropy_coef / use_adaptive_entropy)")
+    if trainer.top_entropy_quantile < 1.0:
+        found.append(f"top_entropy_quantile={trainer.top_entropy_quantile}")
+    if trainer.aux_loss_enabled:
+        found.append("the router aux loss (router_aux_loss_coef)")
+    return found

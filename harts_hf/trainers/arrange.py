@@ -1,32 +1,31 @@
 """Which rows a rank trains, and in which microbatch: TRL's row shuffle, made prefix-aware.
 
 TRL shuffles the generation batch row by row before cutting it into ``steps_per_generation``
-microbatches, which scatters the members of a group (and the turns of an episode) over
-microbatches and breaks their prefix sharing. Here the rows are sorted in trie order (rows that
-share a prefix become neighbours), cut into the same number of equally sized microbatches, and the
-microbatches are visited in a random order. The random draw is the one TRL makes
-(``torch.randperm`` of the batch), so the RNG stream, hence later sampling, stays in lockstep with
-stock training.
+microbatches of equal row counts, which scatters the members of a group (and the turns of an
+episode) over microbatches and breaks their prefix sharing. Here the rows are sorted in trie order
+(rows that share a prefix become neighbours), cut into the same number of equally sized
+microbatches, and the microbatches are visited in a random order. The random draw is the one TRL
+makes (``torch.randperm`` of the batch), so the RNG stream, hence later sampling, stays in lockstep
+with stock training.
 
-Rows only move between microbatches of the same optimizer step: when a generation batch spans
-several optimizer steps (``steps_per_generation`` not dividing ``gradient_accumulation_steps``),
-its microbatches are taken in blocks of ``gcd(steps_per_generation, gradient_accumulation_steps)``
+Rows only move between microbatches of the same optimizer step: the generation batch's
+microbatches are taken in blocks of ``gcd(steps_per_generation, gradient_accumulation_steps)``
 (blocks that never straddle an optimizer step), each block holding exactly the rows TRL's shuffle
-gives it, and the rows are arranged within each block. So every optimizer step trains the rows stock
-TRL trains, and its gradient is unchanged: every loss TRL normalises by a global token count (dapo,
-cispo, vespo) or by the row count of equally sized microbatches (grpo, sapo, dr_grpo, luspo) sums to
-the same value however the step's rows are grouped into microbatches. bnpo, the entropy bonus,
-``top_entropy_quantile`` (its threshold), the MoE aux loss and the per-microbatch logged metrics (kl,
-entropy, clip ratios) are computed per microbatch in TRL itself, so they depend on the grouping
-(TRL's own shuffle already draws a random one); with one microbatch per block they are exact too.
+gives it, and the rows are arranged within each block.
 
-With several processes (:func:`distribute`) the ranks all-gather the generation batch, compute the
-same plan over it, and each keeps the rows whose trajectories the plan assigns to it (a row's loss
-lives on one rank; ranks exchange only gradients). Ranks must run the same number of equally
-sized microbatches, so short ranks get filler rows: copies of one of their prompts with an empty
-completion (zero loss, and no new compact tokens: the prompt is already in the forest).
+With several processes the ranks all-gather the generation batch and TRL's draws, and per block
+plan the rows of every rank's block (:func:`harts_hf.plan`: a tree is divided between ranks where
+that lowers the step time); every rank keeps the plan's grouping but exactly the row count stock
+TRL gives it (:func:`equal_shares`), so no rank idles and no filler row is needed.
 
-Legend: B rows, R ranks, S microbatches per generation batch.
+Why the gradient is stock's: the step trains the rows stock TRL trains, in microbatches of stock's
+row count, so every loss TRL normalises by a global token count (dapo, cispo, vespo) or by the row
+count of a microbatch (grpo, sapo, dr_grpo, luspo) sums to the same value however the rows are
+grouped. Options that normalise by a microbatch's own token count or statistics (bnpo, the
+entropy bonus, ``top_entropy_quantile``, the MoE aux loss) depend on the grouping: for those the
+trainer keeps TRL's own shuffle (``_compat.grouping_dependent_options``).
+
+Legend: B rows of this rank's generation batch, R ranks, S microbatches per generation batch.
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ import numpy as np
 import torch
 
 from ..forest import RolloutForest
-from ..planner import Plan, plan
+from ..planner import plan
 from .rows import row_sequences
 
-__all__ = ["arrange_local", "batch_sequences", "distribute", "trie_order"]
+__all__ = ["arrange", "batch_sequences", "equal_shares", "trie_order"]
 
 
 def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
@@ -83,20 +82,6 @@ def _slices_in_random_order(order: np.ndarray, perm: torch.Tensor, slices: int) 
     return np.concatenate([order[s * size : (s + 1) * size] for s in visit])
 
 
-def arrange_local(batch: dict, slices: int, accumulation: int) -> dict:
-    """This rank's rows cut into ``slices`` microbatches: per block of gcd(slices, ``accumulation``)
-    microbatches (module docstring), the rows TRL's shuffle gives the block, in trie order, cut into
-    the block's microbatches, visited in a random order."""
-    perm = torch.randperm(_num_rows(batch))  # the draw TRL's shuffle makes
-    block = math.gcd(slices, accumulation)
-    seqs = batch_sequences(batch)
-    arranged = []
-    for rows, draw in zip(perm.numpy().reshape(slices // block, -1), perm.split(block)):
-        order = rows[trie_order([seqs[r] for r in rows])]
-        arranged.append(_slices_in_random_order(order, draw, block))
-    return _take(batch, np.concatenate(arranged))
-
-
 def _gather(batch: dict, accelerator) -> dict:
     """All ranks' rows, rank-major; 2-D entries padded to a common width (prompts on the left)."""
     out = {}
@@ -110,29 +95,52 @@ def _gather(batch: dict, accelerator) -> dict:
     return out
 
 
-def distribute(batch: dict, slices: int, accelerator, **plan_options) -> tuple[dict, Plan, int]:
-    """(this rank's rows arranged as by :func:`arrange_local`, the plan, rows per microbatch).
+def equal_shares(owner: np.ndarray, world_size: int) -> np.ndarray:
+    """Ranks for rows given in trie order, ``owner`` [n] the plan's rank of each, such that every rank
+    holds n / R rows and each rank's rows stay one run of the plan's order: the rows sorted by (plan
+    rank, ranks ordered by their first row; trie position), cut into R equal runs, run j going to
+    the j-th rank of that order. Rows move only where the runs' boundaries shift from the plan's; a
+    plan whose counts are equal already is kept as it is."""
+    n = owner.size
+    first = np.full(world_size, n, dtype=np.int64)
+    np.minimum.at(first, owner, np.arange(n))
+    rank_order = np.argsort(first, kind="stable")
+    place = np.empty(world_size, dtype=np.int64)
+    place[rank_order] = np.arange(world_size)
+    sequence = np.lexsort((np.arange(n), place[owner]))
+    out = np.empty(n, dtype=np.int64)
+    out[sequence] = rank_order[np.arange(n) // (n // world_size)]
+    return out
 
-    ``batch`` is this rank's generation batch; the result holds the rows the plan gives this rank
-    plus filler rows, the same count on every rank. ``plan_options`` go to :func:`harts_hf.plan`.
-    """
-    perm = torch.randperm(_num_rows(batch))  # the draw TRL's shuffle makes
-    full = _gather(batch, accelerator)
+
+def arrange(batch: dict, slices: int, accumulation: int, accelerator=None, **plan_options) -> tuple[dict, float | None]:
+    """(this rank's rows cut into ``slices`` microbatches, the fraction of all ranks' rows the plans
+    moved to another rank than the one that rolled them out, None on one process): per block of
+    gcd(slices, ``accumulation``) microbatches (module docstring), the block's rows in trie order, cut
+    into the block's microbatches, visited in a random order. With an ``accelerator`` of several
+    processes the block's rows are those of every rank, divided by a plan (``plan_options`` go to
+    :func:`harts_hf.plan`) into equal shares."""
+    n = _num_rows(batch)
+    if n % slices:
+        raise ValueError(f"the generation batch has {n} rows, not a multiple of steps_per_generation={slices}")
+    perm = torch.randperm(n)  # the draw TRL's shuffle makes
+    block = math.gcd(slices, accumulation)
+    world = accelerator.num_processes if accelerator is not None else 1
+    if world > 1:
+        full = _gather(batch, accelerator)
+        perms = accelerator.gather(perm[None].to(accelerator.device)).cpu().numpy()  # [R, B]
+        rows = (perms + n * np.arange(world)[:, None]).reshape(world, slices // block, -1)  # [R, blocks, m]
+        rows = rows.transpose(1, 0, 2).reshape(slices // block, -1)  # [blocks, R * m]: every rank's block rows
+    else:
+        full, rows = batch, perm.numpy().reshape(slices // block, -1)
     seqs = batch_sequences(full)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    result = plan(RolloutForest.from_sequences(seqs), world_size=world, **plan_options)
-    owner = result.traj_rank[0]  # [R * B]
-    per_rank = -(-int(np.bincount(owner, minlength=world).max()) // slices) * slices
-    mine = np.flatnonzero(owner == rank)
-    filler = per_rank - mine.size
-    source = mine[0] if mine.size else rank * _num_rows(batch)
-    rows = np.concatenate([mine, np.full(filler, source, dtype=np.int64)])
-    out = _take(full, rows)
-    is_filler = torch.zeros(rows.size, dtype=torch.bool)
-    is_filler[mine.size :] = True
-    out["completion_mask"] = out["completion_mask"].masked_fill(is_filler[:, None].to(out["completion_mask"].device), 0)
-    out["advantages"] = out["advantages"].masked_fill(
-        is_filler.to(out["advantages"].device).view(-1, *[1] * (out["advantages"].ndim - 1)), 0.0
-    )
-    order = trie_order(batch_sequences(out))  # fillers are prompt-only rows now
-    return _take(out, _slices_in_random_order(order, perm, slices)), result, per_rank // slices
+    arranged, moved = [], 0
+    for block_rows, draw in zip(rows, perm.split(block)):
+        order = block_rows[trie_order([seqs[r] for r in block_rows])]
+        if world > 1:
+            result = plan(RolloutForest.from_sequences([seqs[r] for r in order]), world_size=world, **plan_options)
+            owner = equal_shares(result.traj_rank[0], world)
+            moved += int((owner != order // n).sum())
+            order = order[owner == accelerator.process_index]
+        arranged.append(_slices_in_random_order(order, draw, block))
+    return _take(full, np.concatenate(arranged)), moved / (n * world) if world > 1 else None

@@ -27,8 +27,10 @@ class HARTSGRPOConfig(GRPOConfig):
             Replace TRL's row shuffle by trie-ordered microbatches (rows sharing prefixes land in the same
             microbatch; the microbatches are still visited in a random order).
         harts_distribute (`bool`, *optional*, defaults to `True`):
-            With several processes, all-gather the generation batch, plan it over the ranks and let every rank train
-            the rows whose trajectories the plan gives it (shared prefixes stay on one rank where possible).
+            With several processes, all-gather the generation batch, plan it over the ranks (a tree is divided
+            between ranks where that lowers the step time) and let every rank train stock's row count of the rows the
+            plan groups on it (shared prefixes stay on one rank where possible). Losses that depend on the grouping
+            (bnpo, the entropy bonus, `top_entropy_quantile`, the router aux loss) keep TRL's own grouping.
         harts_chunk_size (`int`, *optional*, defaults to `64`):
             Chunk grid of the model's linear-attention kernels, where the planner prefers its cuts.
         harts_cost_model (`dict[str, float]`, *optional*):
@@ -50,7 +52,9 @@ class HARTSGRPOConfig(GRPOConfig):
     )
     harts_distribute: bool = field(
         default=True,
-        metadata={"help": "With several processes, plan the gathered generation batch over the ranks."},
+        metadata={
+            "help": "With several processes, plan the gathered generation batch over the ranks (equal row counts)."
+        },
     )
     harts_chunk_size: int = field(
         default=CHUNK_SIZE,

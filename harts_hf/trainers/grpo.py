@@ -8,9 +8,9 @@ Only seams are overridden; TRL's generation, rewards, advantages and every loss 
   :class:`~harts_hf.engine.TreeEngine`); the result is mapped back to TRL's ``[B, C]``
   completion layout (``rows.py``).
 - ``_prepare_inputs``: the generation batch is arranged by prefix instead of shuffled row by row
-  (``arrange.py``), and with several processes planned over the ranks.
-- ``compute_loss`` / ``training_step``: timing metrics, and the row-count correction the
-  distributed arrangement needs for per-row-mean losses.
+  (``arrange.py``), and with several processes planned over the ranks (every rank keeps stock's row
+  count); options whose loss depends on the grouping keep TRL's shuffle.
+- ``compute_loss`` / ``training_step``: timing, and the step's metrics over all ranks.
 
 Multimodal rows (pixel values and friends) take TRL's own path.
 """
@@ -21,21 +21,24 @@ import time
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import Plan, plan
-from ._compat import FOREST_KWARG, add_tree_forward, replace_row_shuffle
-from .arrange import arrange_local, distribute
+from ._compat import FOREST_KWARG, add_tree_forward, grouping_dependent_options, replace_row_shuffle
+from .arrange import arrange
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
 
 __all__ = ["HARTSGRPOTrainer"]
 
-ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
-"""Loss types TRL divides by the microbatch's row count (see ``compute_loss``)."""
+logger = logging.get_logger(__name__)
+
+PASS_STATS = ("trajectory_tokens", "compact_tokens", "seconds", "predicted_seconds")
+"""What every rank reports of each training microbatch (``training_step`` gathers them)."""
 
 
 class HARTSGRPOTrainer(GRPOTrainer):
@@ -57,9 +60,16 @@ class HARTSGRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = HARTSGRPOConfig(f"{name.split('/')[-1]}-HARTS-GRPO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self._rows_per_microbatch = args.per_device_train_batch_size
+        self._step_stats = torch.zeros(self.accelerator.num_processes, len(PASS_STATS), dtype=torch.float64)
         if not self._harts_enabled:
             return
+        self._trl_grouping = grouping_dependent_options(self)
+        if self._trl_grouping and args.harts_group_rows:
+            logger.warning(
+                f"{' and '.join(self._trl_grouping)} depend(s) on which rows share a microbatch: HARTS keeps TRL's "
+                "row shuffle (and every rank its own rows), so prefixes are shared within each microbatch only. "
+                "A loss type normalised by a global count (dapo, TRL's default) lets HARTS group rows by prefix."
+            )
         for m in (self.model, self.ref_model):
             if m is None:
                 continue
@@ -156,23 +166,19 @@ class HARTSGRPOTrainer(GRPOTrainer):
         return lps[0], ents[0] if compute_entropy else None
 
     def _record_train_pass(self, forest: RolloutForest, seconds: float) -> None:
-        mode = "train" if self.model.training else "eval"
+        """This microbatch's forest, for the step's metrics (``training_step``)."""
         p = self._plan(forest)
-        metrics = self._metrics[mode]
-        metrics["harts/compression"].append(forest.compression)
-        metrics["harts/compact_tokens"].append(float(forest.num_compact_tokens))
-        metrics["harts/trajectory_tokens"].append(float(forest.num_trajectory_tokens))
+        metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["harts/rounds"].append(float(p.rounds.sum()))
         metrics["harts/microbatches"].append(float(p.num_slots))
         metrics["harts/forward_seconds"].append(seconds)
-        self._pass_tokens = forest.num_trajectory_tokens
-        self._pass_seconds = seconds
+        self._pass = (forest.num_trajectory_tokens, forest.num_compact_tokens, seconds, p.step_seconds)
 
     # ------------------------------------------------------------------ row arrangement
     def _prepare_inputs(self, generation_batch):
         start = time.perf_counter()
         try:
-            if not (self._harts_enabled and self.args.harts_group_rows and self.model.training):
+            if not (self._harts_enabled and self.args.harts_group_rows and self.model.training) or self._trl_grouping:
                 return super()._prepare_inputs(generation_batch)
             with replace_row_shuffle(self._arrange):
                 return super()._prepare_inputs(generation_batch)
@@ -180,38 +186,52 @@ class HARTSGRPOTrainer(GRPOTrainer):
             self._prepare_seconds = time.perf_counter() - start
 
     def _arrange(self, batch: dict) -> dict:
-        slices, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         simple = all(not isinstance(v, list) for v in batch.values())  # multimodal lists stay local
-        one_step = accumulation % slices == 0  # the whole generation batch trains in one optimizer step
-        if self.accelerator.num_processes > 1 and self.args.harts_distribute and simple and one_step:
-            batch, result, self._rows_per_microbatch = distribute(
-                batch, slices, self.accelerator, **self._plan_options()
-            )
-            self._metrics["train"]["harts/plan_imbalance"].append(result.rank_imbalance)
-            return batch
-        return arrange_local(batch, slices, accumulation)
+        across = self.accelerator if self.args.harts_distribute and simple else None
+        batch, moved = arrange(
+            batch, self.args.steps_per_generation, self.args.gradient_accumulation_steps, across, **self._plan_options()
+        )
+        if moved is not None:
+            self._metrics["train"]["harts/moved_rows"].append(moved)
+        return batch
 
     # ------------------------------------------------------------------ loss and timing
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         start = time.perf_counter()
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        rows = self._rows_per_microbatch
-        rescale = self._harts_enabled and self.model.training and self.loss_type in ROW_MEAN_LOSSES
-        if rescale and rows != self.args.per_device_train_batch_size:  # TRL divided by this rank's rows, not its share
-            loss = loss * (rows / self.args.per_device_train_batch_size)
         self._loss_seconds = time.perf_counter() - start
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch):
-        """TRL's step; logs the backward time (step minus input preparation and loss) and the speed."""
+        """TRL's step; gathers every rank's microbatch figures and, at the end of each optimizer step,
+        logs the step's (``_log_step``)."""
         if not self._harts_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
-        self._pass_seconds, self._pass_tokens, self._loss_seconds, self._prepare_seconds = 0.0, 0, 0.0, 0.0
+        self._pass, self._loss_seconds, self._prepare_seconds = (0, 0, 0.0, 0.0), 0.0, 0.0
         start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
         backward = max(time.perf_counter() - start - self._prepare_seconds - self._loss_seconds, 0.0)
-        metrics = self._metrics["train"]
-        metrics["harts/backward_seconds"].append(backward)
-        if self._pass_tokens:
-            metrics["harts/tokens_per_second"].append(self._pass_tokens / (self._pass_seconds + backward))
+        self._metrics["train"]["harts/backward_seconds"].append(backward)
+        tokens, compact, forward, predicted = self._pass
+        mine = torch.tensor([[tokens, compact, forward + backward, predicted]], dtype=torch.float64)
+        self._step_stats += self.accelerator.gather(mine.to(self.accelerator.device)).cpu()
+        if self.accelerator.sync_gradients:
+            self._log_step(self._step_stats)
+            self._step_stats.zero_()
         return output
+
+    def _log_step(self, stats: torch.Tensor) -> None:
+        """The optimizer step's figures over every rank, from ``stats`` [R, len(PASS_STATS)] summed over
+        its microbatches: compression and tokens of what the ranks computed, trajectory tokens per
+        second of the slowest rank's forward + backward, and the rank imbalance measured and predicted
+        (max / mean of the ranks' seconds)."""
+        tokens, compact, seconds, predicted = stats.unbind(1)
+        if compact.sum() == 0:
+            return
+        metrics = self._metrics["train"]
+        metrics["harts/compression"].append(float(tokens.sum() / compact.sum()))
+        metrics["harts/compact_tokens"].append(float(compact.sum()))
+        metrics["harts/trajectory_tokens"].append(float(tokens.sum()))
+        metrics["harts/tokens_per_second"].append(float(tokens.sum() / seconds.max()))
+        metrics["harts/rank_imbalance"].append(float(seconds.max() / seconds.mean()))
+        metrics["harts/plan_imbalance"].append(float(predicted.max() / predicted.mean()))

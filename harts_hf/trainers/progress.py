@@ -1,4 +1,4 @@
-"""One line per logged step: reward, loss, compression, speed (a ``TrainerCallback``)."""
+"""One line per logged step: reward, loss, compression, speed (a ``TrainerCallback``), on the main process."""
 
 from __future__ import annotations
 
@@ -9,16 +9,21 @@ __all__ = ["StepLine"]
 
 
 class StepLine(TrainerCallback):
-    """A progress bar over the run's steps and a compact line for every logged step."""
+    """A progress bar over the run's steps and a compact line for every logged step, printed by the
+    main process only (every rank runs the callbacks)."""
+
+    bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, desc="harts grpo", unit="step", dynamic_ncols=True)
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, desc="harts grpo", unit="step", dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.bar.update(state.global_step - self.bar.n)
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:
+        if self.bar is None or not logs or "loss" not in logs:
             return
         parts = [
             f"step {state.global_step:>3}/{state.max_steps}",
@@ -32,4 +37,5 @@ class StepLine(TrainerCallback):
         tqdm.write("  ".join(parts))
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
