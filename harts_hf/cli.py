@@ -145,7 +145,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the model's forward + backward on calibration forests and fit the cost model."""
     from .bench.models import build_model
-    from .planner.calibrate import calibrate
+    from .bench.calibrate import calibrate
 
     began = time.perf_counter()
     try:
@@ -213,7 +213,7 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tasks", type=_positive_int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
     )
-    p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.ops.bench.KINDS)")
+    p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.bench.ops.KINDS)")
     p.add_argument(
         "--repeats", type=_positive_int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)"
     )
@@ -229,7 +229,7 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench_ops(args: argparse.Namespace) -> int:
     """Benchmark the tree kernels on a SWE-like forest (imported here: it loads torch), print and save."""
-    from .ops.bench import bench_ops, format_table
+    from .bench.ops import bench_ops, format_table
 
     kinds = {} if args.kinds is None else {"kinds": args.kinds}
     try:

@@ -29,10 +29,11 @@ from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 from triton.runtime import autotuner
 
+from harts_hf.bench.fla_report import fallback_note, sequential_calls
 from harts_hf.forest import RolloutForest
 from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
 from harts_hf.ops.conv import tree_causal_conv1d_torch
-from harts_hf.ops.fla import backend, delta, diagonal, fallback_note, sequential_calls
+from harts_hf.ops.fla import backend, delta, diagonal
 from harts_hf.ops.fla import conv as fla_conv
 from harts_hf.ops.fla.delta_state_grad import delta_state_grad
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS

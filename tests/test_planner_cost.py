@@ -8,11 +8,11 @@ import pytest
 from tiny_models import tiny_model
 from trees import nasty_tree_params
 
+from harts_hf.bench.calibrate import calibrate, calibration_forests, forest_features
 from harts_hf.forest import RolloutForest
 from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, fit_cost_model
-from harts_hf.planner.calibrate import calibrate, calibration_forests, forest_features
 
 
 @pytest.mark.parametrize(

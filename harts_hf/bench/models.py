@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import transformers as tf
 
+from ..chunking import CHUNK_SIZE
+
 __all__ = ["BENCH_FAMILIES", "SIZES", "Arch", "BenchModel", "ModelSize", "build_model"]
 
 
@@ -93,7 +95,7 @@ class Arch:
     linear_heads: int = 0
     key_dim: int = 0
     value_dim: int = 0
-    chunk: int = 64
+    chunk: int = CHUNK_SIZE
     experts: int = 0
     top_k: int = 0
 

@@ -41,7 +41,7 @@ from ..modeling.logprobs import (
     validate_forest,
     validate_temperature,
 )
-from ..modeling.patch import patched_adapter
+from ..modeling.registry import patched_adapter
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
 from .handoff import Handoff, Store

@@ -3,7 +3,8 @@
 from .adapters import ADAPTERS, FamilyAdapter, supported_families
 from .errors import UnsupportedModelError
 from .logprobs import TreeOutput, tree_forward, tree_logprobs
-from .patch import from_pretrained, is_patched, patch_model, unpatch_model
+from .patch import from_pretrained, patch_model, unpatch_model
+from .registry import is_patched
 from .verify import VerifyReport, verify
 
 __all__ = [

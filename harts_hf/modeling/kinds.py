@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..chunking import CHUNK_SIZE
 from ..ops.conv import tree_causal_conv1d
 from ..ops.gated_delta import tree_gated_delta_rule
 from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
@@ -35,8 +36,6 @@ __all__ = ["KINDS", "TREE_KWARG", "KernelKind", "context_of"]
 Arguments = Mapping[str, Any]
 
 TREE_KWARG = "harts_tree"  # the forward kwarg that carries the TreeBatch down to every layer
-# The stock Mamba v1 scan is sequential, so there is no chunk grid to reproduce: fla's chunk size.
-MAMBA_V1_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -234,12 +233,12 @@ def _selective_scan(
         own["g"],
         batch,
         scale=1.0,
-        chunk_size=MAMBA_V1_CHUNK,
+        chunk_size=CHUNK_SIZE,  # the stock Mamba v1 scan is sequential: no grid to reproduce, any chunk is exact
         context=None if context is None else discretize(context),
         initial_states=states,
         state_out_tokens=out,
     )
-    y = _linear(batch, "selective_scan", values, MAMBA_V1_CHUNK, run)[..., 0]  # [N, I] in x's dtype
+    y = _linear(batch, "selective_scan", values, CHUNK_SIZE, run)[..., 0]  # [N, I] in x's dtype
     if D is not None:
         y = y + x * D
     if z is not None:

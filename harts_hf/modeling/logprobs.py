@@ -31,7 +31,7 @@ from .adapters import FamilyAdapter
 from .errors import UnsupportedModelError
 from .kinds import TREE_KWARG
 from .moe import expert_load, router_aux_loss
-from .patch import patched_adapter
+from .registry import patched_adapter
 
 __all__ = [
     "HEAD_CHUNK_ELEMENTS",

@@ -16,31 +16,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from types import ModuleType
 
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
 from . import _compat
 from .adapters import FamilyAdapter, adapter_for, supported_families
-from .attention import PREFIX, original_attention_name, tree_attention_name
+from .attention import original_attention_name, tree_attention_name
 from .errors import UnsupportedModelError
 from .kinds import KINDS, TREE_KWARG, KernelKind
+from .registry import KERNELS, MODELS, ORIGINAL_ATTENTION, is_patched, kernel_key
+from .verify import verify as run_verify
 
-__all__ = ["from_pretrained", "is_patched", "patch_model", "patched_adapter", "unpatch_model"]
-
-# The model remembers its original attention implementation in this attribute (deep copies,
-# e.g. TRL's reference model, stay patched); the registry only decides when a module's kernels
-# may be restored.
-ORIGINAL_ATTENTION = "_harts_original_attention"
-
-# (owner's qualified name, attribute) -> (original function, its wrapper); owners are modeling
-# modules (kernel functions) or mixer classes (forward methods)
-_KERNELS: dict[tuple[str, str], tuple[Callable, Callable]] = {}
-_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
+__all__ = ["from_pretrained", "patch_model", "unpatch_model"]
 
 def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
     signature = inspect.signature(original)
@@ -57,30 +47,18 @@ def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
     return kernel
 
 
-def _key(owner: ModuleType | type, name: str) -> tuple[str, str]:
-    qualified = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
-    return qualified, name
-
-
-def _kernels_wrapped(module: ModuleType, adapter: FamilyAdapter) -> bool:
-    return all(
-        _key(owner, name) in _KERNELS and vars(owner)[name] is _KERNELS[_key(owner, name)][1]
-        for owner, name, _ in adapter.targets(module)
-    )
-
-
 def _patch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
     for owner, name, kind in adapter.targets(module):
-        current, key = vars(owner)[name], _key(owner, name)
-        if key in _KERNELS and current is _KERNELS[key][1]:
+        current, key = vars(owner)[name], kernel_key(owner, name)
+        if key in KERNELS and current is KERNELS[key][1]:
             continue
-        _KERNELS[key] = (current, _wrap_kernel(current, KINDS[kind]))
-        setattr(owner, name, _KERNELS[key][1])
+        KERNELS[key] = (current, _wrap_kernel(current, KINDS[kind]))
+        setattr(owner, name, KERNELS[key][1])
 
 
 def _unpatch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
     for owner, name, _ in adapter.targets(module):
-        original, wrapper = _KERNELS.pop(_key(owner, name), (None, None))
+        original, wrapper = KERNELS.pop(kernel_key(owner, name), (None, None))
         if original is not None and vars(owner)[name] is wrapper:
             setattr(owner, name, original)
 
@@ -111,10 +89,8 @@ def patch_model(model: nn.Module, *, verify: bool = False, **verify_kwargs) -> n
         setattr(hf, ORIGINAL_ATTENTION, original_attention_name(current))
     if current != name:
         _compat.set_attention(hf, name)
-    _MODELS.add(hf)
+    MODELS.add(hf)
     if verify:
-        from .verify import verify as run_verify
-
         report = run_verify(model, **verify_kwargs)
         if not report.ok:
             unpatch_model(model)
@@ -130,36 +106,11 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         return model
     _compat.set_attention(hf, getattr(hf, ORIGINAL_ATTENTION))
     delattr(hf, ORIGINAL_ATTENTION)
-    _MODELS.discard(hf)
+    MODELS.discard(hf)
     module = _compat.modeling_module(hf)
-    if not any(_compat.modeling_module(other) is module for other in _MODELS):
+    if not any(_compat.modeling_module(other) is module for other in MODELS):
         _unpatch_module(module, adapter_for(hf))
     return model
-
-
-def is_patched(model: nn.Module) -> bool:
-    return ORIGINAL_ATTENTION in vars(_compat.hf_model(model))
-
-
-def patched_adapter(model: nn.Module) -> tuple[PreTrainedModel, FamilyAdapter]:
-    """The transformers model inside ``model`` and its adapter; refuses a model whose patch is
-    not (or no longer) in place, because a tree would then reach unpatched kernels silently."""
-    hf = _compat.hf_model(model)
-    if not is_patched(hf):
-        raise UnsupportedModelError(f"{type(hf).__name__} is not patched: call harts_hf.patch_model(model) first")
-    adapter = adapter_for(hf)
-    module = _compat.modeling_module(hf)
-    if not _kernels_wrapped(module, adapter):
-        raise UnsupportedModelError(
-            f"the kernel functions of {module.__name__} are no longer harts-hf's (unpatched or replaced); "
-            "call harts_hf.patch_model(model) again"
-        )
-    if not _compat.attention_name(hf).startswith(PREFIX):
-        raise UnsupportedModelError(
-            f"{type(hf).__name__} switched its attention to {_compat.attention_name(hf)!r} after patching; "
-            "call harts_hf.patch_model(model) again"
-        )
-    return hf, adapter
 
 
 def from_pretrained(name: str, *, verify: bool = False, **kwargs) -> nn.Module:

@@ -16,7 +16,7 @@ import torch
 
 from ..forest import RolloutForest
 from .logprobs import tree_logprobs
-from .patch import patched_adapter
+from .registry import patched_adapter
 
 __all__ = ["VerifyReport", "probe_forest", "verify"]
 

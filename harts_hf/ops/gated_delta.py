@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
 from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
@@ -120,7 +121,7 @@ def tree_gated_delta_rule_torch(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -154,7 +155,7 @@ def tree_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
 from .linear_attention import (
     ChunkKernel,
@@ -207,7 +208,7 @@ def tree_gla_torch(
     batch: TreeBatch,
     *,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -237,7 +238,7 @@ def tree_gla(
     batch: TreeBatch,
     *,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -266,7 +267,7 @@ def tree_simple_gla_torch(
     *,
     g_gamma: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -307,7 +308,7 @@ def tree_simple_gla(
     *,
     g_gamma: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -401,7 +402,7 @@ def tree_lightning(
     slope: torch.Tensor,
     batch: TreeBatch,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,

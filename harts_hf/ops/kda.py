@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
 from .gated_delta import delta_output, delta_state_at, delta_step
 from .gla import channel_decay_scores
@@ -88,7 +89,7 @@ def tree_kda_torch(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,
@@ -122,7 +123,7 @@ def tree_kda(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
     state_out_tokens: torch.Tensor | None = None,

@@ -2,13 +2,14 @@
 
 ``plan(forests, world_size=..., max_tokens_per_microbatch=...)`` returns a :class:`Plan`;
 ``plan_record`` adds the baselines (``baselines.py``) for ``harts-hf plan``; ``calibrate``
-(``harts_hf.planner.calibrate``, imports the modeling stack) fits the :class:`CostModel`.
+(``harts_hf.bench.calibrate``: it runs models, so it lives with the benchmarks) fits the :class:`CostModel`.
 """
 
+from ..chunking import CHUNK_SIZE
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .baselines import BASELINES, run_baselines
 from .cost import DEFAULT_COST_MODEL, CostModel, fit_cost_model
-from .plan import CHUNK_SIZE, DEFAULT_MAX_TOKENS, Plan, plan
+from .plan import DEFAULT_MAX_TOKENS, Plan, plan
 from .plot import plot_plan
 from .report import plan_record, record_table
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import require_positive_ints
+from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
 from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
@@ -39,10 +40,7 @@ from .pieces import Pieces
 from .segments import Segments, find_in, segments_of
 from .slots import slot_pieces
 
-__all__ = ["CHUNK_SIZE", "DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
-
-CHUNK_SIZE = 64
-"""Chunk grid of the linear-attention kernels (transformers' torch fallbacks and fla use 64)."""
+__all__ = ["DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
 
 DEFAULT_MAX_TOKENS = 65_536
 """Default microbatch budget (compact tokens + ancestor context): one 64K-token sequence, what a

@@ -5,6 +5,5 @@ only when a kernel first runs."""
 
 from . import backend, conv
 from .backend import WAVES_LAYOUT, fla_available
-from .report import fallback_note, fla_serves, sequential_calls
 
-__all__ = ["WAVES_LAYOUT", "backend", "conv", "fallback_note", "fla_available", "fla_serves", "sequential_calls"]
+__all__ = ["WAVES_LAYOUT", "backend", "conv", "fla_available"]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...chunking import CHUNK_SIZE
 from ..backends import register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
@@ -82,7 +83,7 @@ def runs_on(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or interpreting()
 
 
-def _accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, chunk_size: int = 64, **kwargs) -> bool:
+def _accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, chunk_size: int = CHUNK_SIZE, **kwargs) -> bool:
     """fla's chunk grid, and on a GPU head dims its kernels' ``tl.dot`` tiles take (Jamba's Mamba v1
     runs as GLA with V = 1: the torch backend serves it)."""
     dims_fit = not q.is_cuda or min(q.shape[-1], v.shape[-1]) >= MIN_GPU_HEAD_DIM

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...chunking import CHUNK_SIZE
+
 __all__ = ["delta_state_grad"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -142,7 +144,7 @@ def delta_state_grad(
     cu_seqlens: torch.Tensor,
     *,
     scale: float,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recurrence of the module docstring for every sequence of a varlen batch.
 

@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import torch
 
+from ...chunking import CHUNK_SIZE
+
 __all__ = ["BT", "fla_chunks", "fla_piece"]
 
-BT = 64  # fla's chunk size: its kernels' per-chunk states sit on this grid
+BT = CHUNK_SIZE  # fla's chunk size (its kernels are written for 64-token chunks): per-chunk states sit on this grid
 
 
 def fla_piece(module: str, name: str) -> Callable:

@@ -49,18 +49,19 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
-from .attention import tree_attention
-from .conv import tree_causal_conv1d
-from .fla import fallback_note, sequential_calls
-from .gated_delta import GDN_KERNEL, tree_gated_delta_rule
-from .gla import GLA_KERNEL, SIMPLE_GLA_KERNEL, tree_gla, tree_simple_gla
-from .kda import KDA_KERNEL, tree_kda
-from .linear_attention import ChunkKernel
-from .rounds import rounds_of
-from .scan_plan import scan_plan_of
-from .tail_chunks import ragged_rounds_of
-from .tree_batch import TreeBatch
+from ..ops.attention import tree_attention
+from ..ops.conv import tree_causal_conv1d
+from ..ops.gated_delta import GDN_KERNEL, tree_gated_delta_rule
+from ..ops.gla import GLA_KERNEL, SIMPLE_GLA_KERNEL, tree_gla, tree_simple_gla
+from ..ops.kda import KDA_KERNEL, tree_kda
+from ..ops.linear_attention import ChunkKernel
+from ..ops.rounds import rounds_of
+from ..ops.scan_plan import scan_plan_of
+from ..ops.tail_chunks import ragged_rounds_of
+from ..ops.tree_batch import TreeBatch
+from .fla_report import fallback_note, sequential_calls
 
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
 
@@ -72,7 +73,6 @@ KERNELS: dict[str, ChunkKernel] = {
     "gla": GLA_KERNEL,
     "simple_gla": SIMPLE_GLA_KERNEL,
 }  # the torch backend's kernel of each linear kind (its chunk-local half is timed alone)
-CHUNK = 64  # the chunk grid of transformers' and fla's linear-attention kernels
 HEADS, HEAD_DIM = 4, 64  # linear kinds: H = 4, K = V = 64
 ATTN_HEADS = 8  # attention: 8 heads x 64
 CONV_DIM, CONV_WIDTH = 256, 4
@@ -136,17 +136,17 @@ def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
         out_shape = (n, HEADS, HEAD_DIM)
         if kind in ("gated_delta", "kda"):
             fn = tree_gated_delta_rule if kind == "gated_delta" else tree_kda
-            op = lambda q, k, v, g, beta: fn(q, k, v, g, beta, batch, use_qk_l2norm=True, chunk_size=CHUNK)[0]
+            op = lambda q, k, v, g, beta: fn(q, k, v, g, beta, batch, use_qk_l2norm=True, chunk_size=CHUNK_SIZE)[0]
         else:
             fn = tree_gla if kind == "gla" else tree_simple_gla
-            op = lambda q, k, v, g: fn(q, k, v, g, batch, chunk_size=CHUNK)[0]
+            op = lambda q, k, v, g: fn(q, k, v, g, batch, chunk_size=CHUNK_SIZE)[0]
     return _Case(inputs, torch.randn(*out_shape, generator=gen), op)
 
 
 def _intra_case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
     """The chunk-local half of linear ``kind`` alone (``ChunkKernel.intra``), as the torch driver runs
     it on ``batch``: once per chunk length of the ragged layout, on that length's chunks of every round."""
-    kernel, plan = KERNELS[kind], scan_plan_of(batch, CHUNK)
+    kernel, plan = KERNELS[kind], scan_plan_of(batch, CHUNK_SIZE)
     blocks = [  # per chunk length: q, k, v, g[, beta] [T, L, H, ...]
         _linear_inputs(kind, gen, sum(counts), length)
         for length, counts in zip(plan.lengths, plan.counts)
@@ -183,12 +183,12 @@ def _attended_pairs(forest: RolloutForest) -> int:
 
 def _chunk_slots(batch: TreeBatch) -> int:
     """Packed token slots of the C-slot layout: every round's chunks times the chunk size."""
-    return sum(r.gather.numel() for r in rounds_of(batch, CHUNK).rounds)
+    return sum(r.gather.numel() for r in rounds_of(batch, CHUNK_SIZE).rounds)
 
 
 def _ragged_slots(batch: TreeBatch) -> tuple[int, int]:
     """(slots, slots holding a token) the torch backend's linear kinds compute (``ragged_rounds_of``)."""
-    layout = ragged_rounds_of(batch, CHUNK)
+    layout = ragged_rounds_of(batch, CHUNK_SIZE)
     return sum(r.gather.numel() for r in layout), sum(int((r.gather >= 0).sum()) for r in layout)
 
 
@@ -275,9 +275,9 @@ def _bench(
             "speedup": traj_s / tree_s,
             "ideal": ideal,
             "of_ideal": traj_s / tree_s / ideal,
-            "rounds": sequential_calls(kind, batches["tree"], CHUNK) if linear else 1,
-            "traj_rounds": sequential_calls(kind, batches["traj"], CHUNK) if linear else 1,
-            "note": fallback_note(kind, batches["tree"], CHUNK),
+            "rounds": sequential_calls(kind, batches["tree"], CHUNK_SIZE) if linear else 1,
+            "traj_rounds": sequential_calls(kind, batches["traj"], CHUNK_SIZE) if linear else 1,
+            "note": fallback_note(kind, batches["tree"], CHUNK_SIZE),
         }
         if linear:
             slots, filled = _ragged_slots(batches["tree"])
@@ -297,7 +297,7 @@ def _bench(
         "compact_tokens": tree.num_compact_tokens,
         "compression": tree.compression,
         "attended_pair_ratio": pair_ratio,
-        "chunk_size": CHUNK,
+        "chunk_size": CHUNK_SIZE,
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "kinds": results,

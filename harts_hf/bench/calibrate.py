@@ -16,9 +16,9 @@ import torch
 
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
+from ..planner.cost import CostModel, fit_cost_model
+from ..planner.segments import segment_rounds
 from ..workloads import caterpillar, deep_chain, grpo_group, random_tree
-from .cost import CostModel, fit_cost_model
-from .segments import segment_rounds
 
 __all__ = ["calibrate", "calibration_forests", "forest_features"]
 

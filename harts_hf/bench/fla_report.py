@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import implementation
-from ..rounds import rounds_of
-from ..tree_batch import TreeBatch
-from . import backend, conv
-from .waves import waves_of
+from ..chunking import CHUNK_SIZE
+from ..ops.backends import implementation
+from ..ops.fla import backend, conv
+from ..ops.fla.waves import waves_of
+from ..ops.rounds import rounds_of
+from ..ops.tree_batch import TreeBatch
 
 __all__ = ["fallback_note", "fla_serves", "sequential_calls"]
 
@@ -24,7 +25,7 @@ _FLA_OPS = {
 }
 
 
-def fla_serves(kind: str, batch: TreeBatch, chunk_size: int = 64) -> bool:
+def fla_serves(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> bool:
     """Whether the registry runs a ``kind`` call on ``batch`` (tensors on its device) on fla."""
     if kind not in _FLA_OPS:
         return False
@@ -32,7 +33,7 @@ def fla_serves(kind: str, batch: TreeBatch, chunk_size: int = 64) -> bool:
     return implementation(kind, probe, probe, probe, batch, chunk_size=chunk_size) is _FLA_OPS[kind]
 
 
-def sequential_calls(kind: str, batch: TreeBatch, chunk_size: int = 64) -> int:
+def sequential_calls(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> int:
     """Sequential kernel calls one linear-attention layer makes on ``batch``: the fla waves when
     fla serves ``kind``, else the tree's rounds (the torch backend's)."""
     if kind not in backend.WAVES_LAYOUT:
@@ -42,7 +43,7 @@ def sequential_calls(kind: str, batch: TreeBatch, chunk_size: int = 64) -> int:
     return rounds_of(batch, chunk_size).num_rounds
 
 
-def fallback_note(kind: str, batch: TreeBatch, chunk_size: int = 64) -> str | None:
+def fallback_note(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> str | None:
     """One line for bench output when fla serves ``kind`` on ``batch`` through a fallback; None
     when it does not (torch backend, or fla's direct path)."""
     if not fla_serves(kind, batch, chunk_size):
