@@ -2,15 +2,22 @@
 
 A command is a ``_<name>_parser(subparsers)`` that declares its arguments and sets ``run`` to
 a ``cmd_<name>(args) -> int``; add it to ``_COMMANDS``. Knobs belong in configs, not here.
+
+Inputs are checked before any work: counts and scales by their argparse ``type=`` (``_positive_int``
+and its siblings), output folders and ``--config`` by :func:`main`, the rest by the command, which
+refuses a value with ``SystemExit("harts-hf NAME: why")``. Every refusal is one line,
+``harts-hf NAME: error: why``, with argparse's exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from .planner import DEFAULT_MAX_TOKENS, CostModel, plan, plan_record, plot_plan, record_table
 from .trainers.cli import add_parser as add_train_parsers
@@ -31,12 +38,36 @@ def _table(rows: dict[str, object]) -> str:
     return "\n".join(f"{k.replace('_', ' '):<{width}}  {_format(v)}" for k, v in rows.items())
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: a positive integer."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+_T = TypeVar("_T", int, float)
+
+
+def _bounded(parse: Callable[[str], _T], accept: Callable[[_T], bool], what: str) -> Callable[[str], _T]:
+    """An argparse ``type=`` that refuses text ``parse`` rejects or a value outside ``accept`` in one
+    line, saying ``what`` the value must be."""
+
+    def convert(text: str) -> _T:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    return convert
+
+
+_positive_int = _bounded(int, lambda n: n >= 1, "a positive integer")
+_non_negative_int = _bounded(int, lambda n: n >= 0, "a non-negative integer")
+_positive_float = _bounded(float, lambda x: 0 < x < math.inf, "positive and finite")  # NaN fails too
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``harts-hf NAME: error: why`` (exit code 2); the usage it
+    would print first is one ``--help`` away. Subcommands inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -50,17 +81,30 @@ def _check_outputs(args: argparse.Namespace) -> None:
             )
 
 
+def _check_config(args: argparse.Namespace) -> None:
+    """Refuse a recipe (``--config``) that is missing, not YAML or sets an unknown key before the model
+    is built (imported here: it loads transformers)."""
+    if getattr(args, "config", None) is not None:
+        from .trainers.recipe import check_config
+
+        try:
+            check_config(args.config)
+        except ValueError as err:
+            raise SystemExit(f"harts-hf {args.command}: {err}") from err
+
+
 def _write_json(path: Path | None, record: dict) -> None:
-    """Save a command's record as indented JSON when ``--json`` asked for it."""
+    """Save a command's record as indented JSON when ``--json`` asked for it, and say where."""
     if path is not None:
         path.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def _workload_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("workload", help="generate a synthetic workload and print its forest statistics")
     p.add_argument("name", metavar="NAME", choices=sorted(WORKLOADS), help=", ".join(sorted(WORKLOADS)))
-    p.add_argument("--scale", type=float, help="length multiplier (swe-like; see workloads.CPU_SCALE)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--scale", type=_positive_float, help="length multiplier (swe-like; see workloads.CPU_SCALE)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the statistics to this JSON file")
     p.set_defaults(run=cmd_workload)
 
@@ -94,11 +138,11 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan a workload's microbatch slots on R ranks and compare the baselines")
     names = sorted(WORKLOADS)
     p.add_argument("--workload", required=True, metavar="NAME", choices=names, help=", ".join(names))
-    p.add_argument("--scale", type=float, help="length multiplier (swe-like; default 1: planning is cheap)")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="data-parallel ranks")
+    p.add_argument("--scale", type=_positive_float, help="length multiplier (swe-like; default 1: planning is cheap)")
+    p.add_argument("--world-size", type=_positive_int, required=True, metavar="R", help="data-parallel ranks")
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_TOKENS,
         metavar="T",
         help=f"microbatch budget: compact tokens + ancestor context (default {DEFAULT_MAX_TOKENS:,})",
@@ -118,8 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan ``args.workload``, measure the baselines beside it, print (and optionally save) them."""
     kwargs = {} if args.scale is None else {"scale": args.scale}
     try:
-        forest = get_workload(args.workload, **kwargs).forest()
         cost = None if args.cost_model is None else CostModel(**json.loads(args.cost_model.read_text()))
+        forest = get_workload(args.workload, **kwargs).forest()
         result = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens, cost_model=cost)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err
@@ -127,7 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(record_table(record))
     _write_json(args.json, record)
     if args.plot is not None:
-        plot_plan(result, args.plot)
+        plot_plan(result, forest, args.plot, record=record)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -144,8 +189,8 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the model's forward + backward on calibration forests and fit the cost model."""
+    from .bench.calibrate import calibrate, format_cost_model
     from .bench.models import build_model
-    from .bench.calibrate import calibrate
 
     began = time.perf_counter()
     try:
@@ -153,9 +198,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as err:
         raise SystemExit(f"harts-hf calibrate: {err}") from err
     fitted = calibrate(model, repeats=args.repeats)
-    print(f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
-    for name, value in fitted.as_dict().items():
-        print(f"  {name:<11} {value:.3e} s")
+    print(
+        format_cost_model(fitted, f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
+    )
     _write_json(args.json, fitted.as_dict())
     return 0
 
@@ -173,7 +218,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         help="default swe-like; " + ", ".join(sorted(WORKLOADS)),
     )
     p.add_argument(
-        "--scale", type=float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
+        "--scale", type=_positive_float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
     )
     p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default: default; gpu for a CUDA run)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
@@ -204,12 +249,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _write_json(args.json, record)
     if args.plot is not None:
         plot_bench(record, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
 def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-ops", help="time each tree kernel vs the same kernel run trajectory by trajectory")
-    p.add_argument("--scale", type=float, default=CPU_SCALE, help=f"swe-like length multiplier (default {CPU_SCALE})")
+    p.add_argument(
+        "--scale", type=_positive_float, default=CPU_SCALE, help=f"swe-like length multiplier (default {CPU_SCALE})"
+    )
     p.add_argument(
         "--tasks", type=_positive_int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
     )
@@ -247,9 +295,7 @@ _COMMANDS = (_workload_parser, _plan_parser, _calibrate_parser, _bench_parser, _
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="harts-hf", description="Train hybrid-attention LMs on rollout trees (harts-hf)."
-    )
+    parser = _Parser(prog="harts-hf", description="Train hybrid-attention LMs on rollout trees (harts-hf).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _COMMANDS:
         add(sub)
@@ -257,10 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``harts-hf`` console script and ``python -m harts_hf``."""
-    args = build_parser().parse_args(argv)
-    _check_outputs(args)
+    """Entry point of the ``harts-hf`` console script and ``python -m harts_hf``: a command's refusal
+    (``SystemExit("harts-hf NAME: why")``) or a file it cannot read or write ends in argparse's
+    one-line form and exit code 2, as a bad argument does."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prefix = f"harts-hf {args.command}: "
     try:
+        _check_outputs(args)
+        _check_config(args)
         return args.run(args)
-    except OSError as err:  # a file to read or write: one line, as for other bad arguments
-        raise SystemExit(f"harts-hf {args.command}: {err}") from err
+    except OSError as err:
+        why = str(err)
+    except SystemExit as err:
+        if not isinstance(err.code, str):
+            raise
+        why = err.code.removeprefix(prefix)
+    parser.exit(2, f"{prefix}error: {why}\n")

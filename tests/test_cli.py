@@ -1,4 +1,5 @@
-"""The harts-hf command line: the workload command, its JSON output, errors, ``python -m``."""
+"""The harts-hf command line: the workload command, its JSON output, ``python -m`` (bad inputs:
+test_cli_inputs.py)."""
 
 from __future__ import annotations
 
@@ -52,23 +53,6 @@ def test_workload_json_fields(tmp_path, capsys):
     assert f"{stats['trajectories']:,}" in capsys.readouterr().out
 
 
-def test_unknown_workload_lists_the_choices(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["workload", "swe"])
-    assert exit_info.value.code == 2
-    assert "caterpillar" in capsys.readouterr().err
-
-
-def test_scale_refused_by_a_shape_without_it():
-    with pytest.raises(SystemExit, match="'grpo-group' takes no scale"):
-        main(["workload", "grpo-group", "--scale", "0.5"])
-
-
-def test_bench_size_reaches_the_config():
-    with pytest.raises(SystemExit, match="unknown size 'huge'; choose one of default, gpu, quick, tiny"):
-        main(["bench", "--size", "huge"])
-
-
 def test_python_dash_m():
     done = subprocess.run(
         [sys.executable, "-m", "harts_hf", "workload", "deep-chain", "--seed", "2"],
@@ -102,24 +86,3 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (root / "README.md").read_text()
     assert len(ci) == 1 and ci[0] in readme
     assert "&& harts-hf train\n" in readme  # command 1: the main job
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["workload", "grpo-group", "--json", "{missing}/x.json"], "cannot write --json"),
-        (["plan", "--workload", "grpo-group", "--world-size", "2", "--plot", "{missing}/x.png"], "cannot write --plot"),
-        (["plan", "--workload", "grpo-group", "--world-size", "2", "--cost-model", "{missing}/c.json"], "No such file"),
-        (["workload", "swe-like", "--scale", "nan"], "positive and finite"),
-    ],
-)
-def test_bad_paths_and_values_are_one_line_errors(argv, message, tmp_path):
-    """Output folders are checked before the work runs; files and values give one line, no traceback."""
-    with pytest.raises(SystemExit, match=message):
-        main([a.format(missing=tmp_path / "missing") for a in argv])
-
-
-def test_counts_must_be_positive(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["calibrate", "--repeats", "0"])
-    assert exit_info.value.code == 2 and "must be a positive integer" in capsys.readouterr().err

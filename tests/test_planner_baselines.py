@@ -16,8 +16,8 @@ from harts_hf.planner import DEFAULT_COST_MODEL, plan, plan_record
 from harts_hf.planner.baselines import dfs_kcut, exact, per_trajectory, trie_packing
 from harts_hf.workloads import caterpillar, grpo_group, random_tree
 
-FIELDS = {"world_size", "slots", "pieces", "imbalance", "redundancy", "plan_seconds", "baselines"}
-ENTRY = {"imbalance", "redundancy", "plan_seconds"}
+FIELDS = {"world_size", "slots", "pieces", "imbalance", "redundancy", "step_seconds", "plan_seconds", "baselines"}
+ENTRY = {"imbalance", "redundancy", "step_seconds", "plan_seconds"}
 
 
 @pytest.fixture
@@ -100,6 +100,7 @@ def test_plan_command_writes_json_and_plot(tmp_path, capsys):
     assert "per_trajectory" in out and "dfs_kcut" in out and "harts" in out
 
 
-def test_plan_command_refuses_a_budget_below_the_longest_trajectory():
-    with pytest.raises(SystemExit, match="below the longest trajectory"):
+def test_plan_command_refuses_a_budget_below_the_longest_trajectory(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--workload", "caterpillar", "--world-size", "2", "--max-tokens", "10"])
+    assert exit_info.value.code == 2 and "below the longest trajectory" in capsys.readouterr().err

@@ -17,10 +17,19 @@ import torch
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
 from ..planner.cost import CostModel, fit_cost_model
+from ..planner.report import legend
 from ..planner.segments import segment_rounds
 from ..workloads import caterpillar, deep_chain, grpo_group, random_tree
 
-__all__ = ["calibrate", "calibration_forests", "forest_features"]
+__all__ = ["calibrate", "calibration_forests", "forest_features", "format_cost_model"]
+
+FEATURE_MEANINGS = {
+    "token": "per compact token: projections, MLP/MoE, norms, LM head",
+    "pair": "per attended pair (query, key it reads): full attention's quadratic part",
+    "round": "per round: a sequential packed linear-attention call",
+    "microbatch": "per microbatch: fixed overhead (launches, gathers)",
+}
+"""What each coefficient of :class:`CostModel` prices (``planner/cost.py`` says more)."""
 
 
 def forest_features(forest: RolloutForest) -> np.ndarray:
@@ -79,3 +88,18 @@ def calibrate(
         run(forest)
         seconds.append(min(run(forest) for _ in range(repeats)))
     return fit_cost_model(np.stack([forest_features(f) for f in forests]), np.array(seconds))
+
+
+def format_cost_model(cost: CostModel, title: str) -> str:
+    """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
+    is non-negative least squares, which drops a feature that does not explain the measured times."""
+    values = cost.as_dict()
+    lines = [title, legend({name: f"{value:.3e} s  {FEATURE_MEANINGS[name]}" for name, value in values.items()})]
+    lines.append("predicted seconds of a microbatch = sum of coefficient x feature; the planner balances on it")
+    dropped = [name for name, value in values.items() if value == 0]
+    if dropped:
+        lines.append(
+            f"0 ({', '.join(dropped)}): dropped by the non-negative least-squares fit, as not explaining the "
+            "measured times on this machine"
+        )
+    return "\n".join(lines)

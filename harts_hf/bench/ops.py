@@ -61,6 +61,7 @@ from ..ops.rounds import rounds_of
 from ..ops.scan_plan import scan_plan_of
 from ..ops.tail_chunks import ragged_rounds_of
 from ..ops.tree_batch import TreeBatch
+from ..planner.report import legend
 from .fla_report import fallback_note, sequential_calls
 
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
@@ -304,8 +305,24 @@ def _bench(
     }
 
 
+COLUMNS = {
+    "tree ms": "median ms of one layer's forward + backward on the prefix forest (lower is better)",
+    "traj ms": "the same kernel with one root per trajectory: no sharing (lower is better)",
+    "speedup": "traj ms / tree ms (higher is better)",
+    "ideal": "speedup if time followed the work: token compression (attention: attended-pair ratio)",
+    "of ideal": "speedup / ideal (1 = all the sharing became time; higher is better)",
+    "grid ideal": "linear kinds: ratio of chunk slots in the fla backend's chunk-padded layout",
+    "slot ideal": "linear kinds: ratio of slots in the torch backend's ragged layout",
+    "intra": "speedup of the chunk-local half alone (intra-chunk scores, decays; higher is better)",
+    "rest": "speedup of the rest: chunk-to-chunk scan, mid-chunk states, gathers (-: intra took longer than all)",
+    "rounds": "sequential kernel calls per layer on the forest (vs trajectory-wise; fewer is better)",
+}
+"""The table's legend (the module docstring has the full definitions)."""
+
+
 def format_table(report: dict[str, object]) -> str:
-    """The forest line and per-kind results of :func:`bench_ops` as an aligned text table."""
+    """The forest line and per-kind results of :func:`bench_ops` as an aligned text table, its
+    legend, then the fallback notes."""
     forest = (
         f"{report['trajectories']:,} trajectories, {report['trajectory_tokens']:,} trajectory tokens -> "
         f"{report['compact_tokens']:,} compact ({report['compression']:.2f}x), attended pairs "
@@ -345,4 +362,4 @@ def format_table(report: dict[str, object]) -> str:
         for row in rows
     )
     notes = "".join(f"\nnote: {r['note']}" for r in report["kinds"].values() if r.get("note"))
-    return forest + "\n" + table + notes
+    return forest + "\n" + table + "\n\n" + legend(COLUMNS) + notes

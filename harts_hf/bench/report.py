@@ -7,12 +7,34 @@ import os
 
 import torch
 
+from ..planner.report import legend
 from .flops import compact_work, ideal_speedup, trajectory_work
 from .run import MODES, PHASES, BenchRun
 
-__all__ = ["bench_record", "table"]
+__all__ = ["MODE_MEANINGS", "bench_record", "table"]
 
 _MB = 1 << 20
+
+MODE_MEANINGS = {
+    "stock": "the unpatched transformers model on TRL-style padded rows: what a user runs instead",
+    "unshared": "our kernels, one root per trajectory: no prefix sharing",
+    "harts": "our kernels on the prefix forest: every shared prefix computed once",
+}
+"""What each mode is, for the table's legend and the plot's caption."""
+
+COLUMNS = {
+    "forward s": "median seconds of the batch's forward pass (lower is better)",
+    "backward s": "median seconds of its backward pass (lower is better)",
+    "step s": "forward + backward (lower is better)",
+    "peak MB": "peak memory of a step above what was held before it (lower is better)",
+}
+NUMBERS = {
+    "speedup": "unshared (or stock) seconds / harts seconds (higher is better)",
+    "ideal": "the speedup the FLOP count allows: unshared FLOPs / forest FLOPs",
+    "efficiency": "measured step speedup / ideal (1 = every FLOP saved is time saved)",
+    "numerics": "harts' log-probs vs stock's: within stock's self-diff (its rows vs one at a time) is exact",
+    "grad cosine": "cosine of harts' and stock's gradients (1 = the same)",
+}
 
 
 def _machine() -> dict[str, object]:
@@ -114,5 +136,7 @@ def table(record: dict) -> str:
         f"ideal (FLOPs) {record['ideal_speedup']:.2f}x  efficiency {record['efficiency']:.2f}",
         cpu,
         numerics,
+        "",
+        legend(COLUMNS | MODE_MEANINGS | NUMBERS),
     ]
     return "\n".join(lines)

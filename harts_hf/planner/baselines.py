@@ -27,7 +27,7 @@ import numpy as np
 
 from ..forest import RolloutForest
 from .assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_paths, rank_intervals
-from .balance import rank_imbalance, slot_imbalance
+from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import CostModel
 from .geometry import Geometry
 from .plan import Plan, build_plan
@@ -55,10 +55,11 @@ class Baseline:
 
     def record(self) -> dict:
         if self.cost is None:
-            return {"imbalance": None, "redundancy": None, "plan_seconds": None, **self.extra}
+            return {"imbalance": None, "redundancy": None, "step_seconds": None, "plan_seconds": None, **self.extra}
         return {
             "imbalance": {"slot": slot_imbalance(self.cost), "rank": rank_imbalance(self.cost)},
             "redundancy": self.redundancy,
+            "step_seconds": step_seconds(self.cost),
             "plan_seconds": self.plan_seconds,
             **self.extra,
         }
@@ -197,15 +198,27 @@ def dfs_kcut(
     hi = np.concatenate((a_hi, bounds[1:]))
     replica = np.concatenate((np.ones(which.size, dtype=bool), np.zeros(own.size, dtype=bool)))
     order = np.lexsort((lo, rank))
-    iv = RankIntervals(rank[order], lo[order], hi[order], np.where(replica, -1, rank)[order], replica[order],
-                       np.zeros(rank.size, dtype=bool))
+    iv = RankIntervals(
+        rank[order],
+        lo[order],
+        hi[order],
+        np.where(replica, -1, rank)[order],
+        replica[order],
+        np.zeros(rank.size, dtype=bool),
+    )
     pieces = budget_cuts(geo, iv, world_size, max_tokens)
     p = build_plan(geo, list(forests), pieces, cost, max_tokens, chunk, began, world_size)
     return Baseline(p.cost, p.redundancy, p.plan_seconds, plan=p)
 
 
-def exact(forests: Sequence[RolloutForest], world_size: int, max_tokens: int, cost: CostModel, chunk: int,
-          seconds: float = EXACT_SECONDS) -> Baseline:
+def exact(
+    forests: Sequence[RolloutForest],
+    world_size: int,
+    max_tokens: int,
+    cost: CostModel,
+    chunk: int,
+    seconds: float = EXACT_SECONDS,
+) -> Baseline:
     try:
         from ortools.sat.python import cp_model
     except ImportError:

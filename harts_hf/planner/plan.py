@@ -158,6 +158,7 @@ class Plan:
             "pieces": self.num_pieces,
             "imbalance": {"slot": self.slot_imbalance, "rank": self.rank_imbalance},
             "redundancy": self.redundancy,
+            "step_seconds": self.step_seconds,
             "plan_seconds": self.plan_seconds,
         }
 

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..forest import RolloutForest
 from .baselines import EXACT_SECONDS, run_baselines
 from .plan import Plan
 
-__all__ = ["plan_record", "record_table"]
+__all__ = ["PLANNERS", "legend", "plan_record", "planner_entries", "record_table"]
+
+PLANNERS = {
+    "harts": "ours: subtrees to ranks on the cost model, shared chains recomputed, lockstep slots",
+    "per_trajectory": "no sharing (trajectory-wise training): trajectories spread over ranks",
+    "trie_packing": "AReaL: tries of trajectories up to the budget; a prefix shared by two tries runs twice",
+    "dfs_kcut": "AReaL-DTA: the DFS order cut into one contiguous range per rank",
+    "exact": "Tree Training: CP-SAT's optimal rank assignment of our finest units (small instances)",
+}
+"""One line per planner of the table and the plot (``baselines.py`` says more)."""
+
+COLUMNS = {
+    "step s": "predicted step seconds, ranks in lockstep: the sum over slots of the slowest rank (lower is better)",
+    "slot imb": "worst slot's slowest rank / its mean rank: lockstep waiting (1 = none; lower is better)",
+    "rank imb": "slowest rank's total / mean rank total (1 = even; lower is better)",
+    "redundancy": "extra tokens computed per compact token: recomputed chains, replays (lower is better)",
+    "plan s": "time taken to plan (lower is better)",
+}
+GAP = {"gap": "harts' largest rank cost above the exact solver's proven lower bound (0% = optimal)"}
+
+
+def legend(meanings: Mapping[str, str]) -> str:
+    """Aligned ``name  meaning`` lines printed under a table, so its columns explain themselves."""
+    width = max(map(len, meanings))
+    return "\n".join(f"  {name:<{width}}  {meaning}" for name, meaning in meanings.items())
 
 
 def plan_record(forests: Sequence[RolloutForest], plan: Plan, *, exact_seconds: float = EXACT_SECONDS) -> dict:
@@ -17,20 +41,31 @@ def plan_record(forests: Sequence[RolloutForest], plan: Plan, *, exact_seconds: 
     return {**plan.summary(), "baselines": run_baselines(forests, plan, exact_seconds)}
 
 
+def planner_entries(record: dict) -> dict[str, dict]:
+    """harts' entry first, then every baseline's: the rows of the table and the bars of the plot."""
+    return {"harts": record, **record["baselines"]}
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def record_table(record: dict) -> str:
-    """One aligned row per planner: slot and rank imbalance, redundancy, planning seconds."""
-    rows = [("planner", "slot imb", "rank imb", "redundancy", "seconds")]
-    entries = {"harts": record, **record["baselines"]}
-    for name, e in entries.items():
+    """One aligned row per planner (step time, slot and rank imbalance, redundancy, planning seconds), why a
+    baseline was skipped and the exact solver's gap, then the legend of columns and planners."""
+    rows = [("planner", "step s", "slot imb", "rank imb", "redundancy", "plan s")]
+    for name, e in planner_entries(record).items():
         imb = e["imbalance"] or {}
-        rows.append((
-            name, _fmt(imb.get("slot"), ".4f"), _fmt(imb.get("rank"), ".4f"),
-            _fmt(e["redundancy"], ".4f"), _fmt(e["plan_seconds"], ".3f"),
-        ))
+        rows.append(
+            (
+                name,
+                _fmt(e["step_seconds"], ".4f"),
+                _fmt(imb.get("slot"), ".4f"),
+                _fmt(imb.get("rank"), ".4f"),
+                _fmt(e["redundancy"], ".4f"),
+                _fmt(e["plan_seconds"], ".3f"),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     head = f"world size {record['world_size']}: {record['slots']} slots, {record['pieces']} pieces"
@@ -38,4 +73,5 @@ def record_table(record: dict) -> str:
     gap = record["baselines"]["exact"].get("gap")
     if gap is not None:
         notes.append(f"gap to the exact solver's bound on the largest rank cost: {gap:.4%}")
-    return "\n".join([head, *lines, *notes])
+    meanings = COLUMNS | PLANNERS | (GAP if gap is not None else {})
+    return "\n".join([head, *lines, *notes, "", legend(meanings)])

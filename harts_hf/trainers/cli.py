@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 __all__ = ["add_parser", "cmd_train", "cmd_train_compare"]
@@ -30,6 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML|DIR|REPO", help="recipe (default: the embedded tiny run)")
     p.add_argument("--max-steps", type=int, metavar="N", help="override the recipe's max_steps")
     p.add_argument("--output-dir", metavar="DIR", help="override the recipe's output_dir")
+    p.add_argument("--verbose", action="store_true", help="also print TRL's full metrics dict every logged step")
 
 
 def _recipe(args: argparse.Namespace, **forced) -> tuple:
@@ -44,6 +44,7 @@ def _recipe(args: argparse.Namespace, **forced) -> tuple:
         values["max_steps"] = args.max_steps
     if args.output_dir is not None:
         values["output_dir"] = args.output_dir
+    values["verbose"] = values.get("verbose", False) or args.verbose
     values.update(forced)
     try:
         return parse_recipe(values)
@@ -53,25 +54,31 @@ def _recipe(args: argparse.Namespace, **forced) -> tuple:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train, printing one line per step; save the model to the recipe's output_dir."""
-    from .progress import StepLine
+    from transformers.utils.logging import disable_progress_bar
+
+    from .console import quiet_third_party
     from .recipe import build_trainer
 
+    quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True, **({"harts_enable": False} if args.stock else {}))
-    trainer = build_trainer(script_args, training_args, callbacks=[StepLine()])
-    start = time.perf_counter()
+    trainer = build_trainer(script_args, training_args)
     trainer.train()
+    disable_progress_bar()  # saving one small checkpoint needs no bar
     trainer.save_model(training_args.output_dir)
-    print(f"done in {time.perf_counter() - start:.1f} s; model saved to {training_args.output_dir}")
+    print(f"model saved to {training_args.output_dir}")
     return 0
 
 
 def cmd_train_compare(args: argparse.Namespace) -> int:
     """Record the environment's rollouts once, replay them to both trainers, print the step times."""
     from .compare import compare, format_comparison
+    from .console import quiet_third_party
 
+    quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True)
     record = compare(script_args, training_args)
     print(format_comparison(record))
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0

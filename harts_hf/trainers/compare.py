@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 
 from ..envs import episode_rollout, ledger_dataset, sample_reward
 from .config import HARTSGRPOConfig
+from .console import quiet_console
 from .grpo import HARTSGRPOTrainer
 from .recipe import AgenticArguments, load_model
 
@@ -39,15 +40,16 @@ class _Replay:
         return [self.cache[t] for t in tasks]
 
 
-def _run(cls, args: HARTSGRPOConfig, model, tokenizer, rollout, num_tasks: int) -> dict:
+def _run(cls, args: HARTSGRPOConfig, model, tokenizer, rollout, script_args: AgenticArguments) -> dict:
     trainer = cls(
         model=copy.deepcopy(model),
         reward_funcs=sample_reward,
         args=args,
-        train_dataset=ledger_dataset(num_tasks),
+        train_dataset=ledger_dataset(script_args.num_tasks),
         processing_class=tokenizer,
         rollout_func=rollout,
     )
+    quiet_console(trainer, script_args.verbose)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"step_seconds": [h["step_time"] for h in logs], "losses": [h["loss"] for h in logs], "logs": logs}
@@ -59,11 +61,11 @@ def compare(script_args: AgenticArguments, training_args: HARTSGRPOConfig) -> di
     model, tokenizer = load_model(script_args)
     replay = _Replay(runner)
     rollout = episode_rollout(replay, runner.samples_per_episode)
-    _run(HARTSGRPOTrainer, training_args, model, tokenizer, rollout, script_args.num_tasks)  # records the rollouts
-    harts = _run(HARTSGRPOTrainer, training_args, model, tokenizer, rollout, script_args.num_tasks)
+    _run(HARTSGRPOTrainer, training_args, model, tokenizer, rollout, script_args)  # records the rollouts
+    harts = _run(HARTSGRPOTrainer, training_args, model, tokenizer, rollout, script_args)
     stock_args = copy.deepcopy(training_args)
     stock_args.harts_enable = False
-    stock = _run(GRPOTrainer, stock_args, model, tokenizer, rollout, script_args.num_tasks)
+    stock = _run(GRPOTrainer, stock_args, model, tokenizer, rollout, script_args)
     t_stock, t_harts = min(stock["step_seconds"]), min(harts["step_seconds"])
     logs = harts["logs"]
     return {

@@ -1,6 +1,10 @@
-"""One line per logged step: reward, loss, compression, speed (a ``TrainerCallback``), on the main process."""
+"""What a run prints (a ``TrainerCallback``, main process only): one opening line (model, data,
+trainer, devices, budget), a progress bar and one line per logged step (reward, loss, compression,
+speed), and a closing summary. TRL's full metrics still go to the configured loggers (``report_to``)."""
 
 from __future__ import annotations
+
+import statistics
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
@@ -8,15 +12,34 @@ from transformers import TrainerCallback
 __all__ = ["StepLine"]
 
 
+def _mean(logs: list[dict], key: str) -> float | None:
+    values = [h[key] for h in logs if key in h]
+    return statistics.mean(values) if values else None
+
+
 class StepLine(TrainerCallback):
-    """A progress bar over the run's steps and a compact line for every logged step, printed by the
-    main process only (every rank runs the callbacks)."""
+    """The console of a training run (module docstring). ``title`` names the model and the data
+    (e.g. ``"builtin:qwen3_5-quick on the ledger tool environment"``); the trainer, devices and budget
+    are read from the run's arguments."""
 
     bar = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.bar = tqdm(total=state.max_steps, desc="harts grpo", unit="step", dynamic_ncols=True)
+    def __init__(self, title: str = "") -> None:
+        self.title = title
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        harts = getattr(args, "harts_enable", False)
+        what = f"{'HARTS' if harts else 'stock'} GRPO (loss {getattr(args, 'loss_type', '?')})"
+        params = f", {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params" if model is not None else ""
+        devices = f"{args.world_size} process{'es' if args.world_size > 1 else ''} on {args.device.type}"
+        budget = f"; budget {args.harts_max_tokens_per_microbatch:,} tokens per microbatch" if harts else ""
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        tqdm.write(
+            f"{what}: {self.title}{params}; {state.max_steps} steps of {rows} rows per device, {devices}{budget}"
+        )
+        self.bar = tqdm(total=state.max_steps, desc="training", unit="step", dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -37,5 +60,19 @@ class StepLine(TrainerCallback):
         tqdm.write("  ".join(parts))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
+        if self.bar is None:
+            return
+        self.bar.close()
+        logs = [h for h in state.log_history if "loss" in h]
+        rewards = [h["reward"] for h in logs if "reward" in h]
+        parts = [f"done: {state.global_step} steps"]
+        runtime = next((h["train_runtime"] for h in reversed(state.log_history) if "train_runtime" in h), None)
+        if runtime is not None:
+            parts[0] += f" in {runtime:.1f} s"
+        if rewards:
+            parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
+        compression, speed = _mean(logs, "harts/compression"), _mean(logs, "harts/tokens_per_second")
+        if compression is not None:
+            parts.append(f"compression {compression:.2f}x (each shared token computed once)")
+            parts.append(f"{speed:,.0f} traj tok/s in fwd+bwd; `harts-hf train-compare` measures stock beside it")
+        tqdm.write("; ".join(parts))
