@@ -1,7 +1,7 @@
 """HARTS GRPO on the built-in multi-turn tool environment, launched by accelerate.
 
     accelerate launch --config_file recipes/accelerate/multi_gpu.yaml recipes/grpo_agentic.py \
-        --config recipes/configs/qwen3_5_tiny_agentic/config.yaml
+        --config recipes/configs/qwen3_5_quick_agentic/config.yaml
 
 ``--config`` is a TRL YAML (HARTSGRPOConfig + AgenticArguments fields); any field can also be given
 as a flag (``--max_steps 5``). A config directory or a Hub repo id holding ``config.yaml`` works too.

@@ -16,7 +16,7 @@ from harts_hf.cli import main
 from harts_hf.trainers.recipe import check_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes/configs/qwen3_5_tiny_agentic"
+RECIPE = ROOT / "recipes/configs/qwen3_5_quick_agentic"
 CONFIGS = {  # name -> YAML text, written to the test's folder
     "typo.yaml": "learning_rat: 0.1\n",
     "far.yaml": "zzzqqq: 1\n",

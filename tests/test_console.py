@@ -17,7 +17,7 @@ from harts_hf.trainers.console import quiet_third_party
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-RECIPE = ROOT / "recipes" / "configs" / "qwen3_5_tiny_agentic"
+RECIPE = ROOT / "recipes" / "configs" / "qwen3_5_quick_agentic"
 
 
 def test_only_the_named_messages_are_filtered(caplog):

@@ -16,7 +16,7 @@ from harts_hf.forest import RolloutForest
 from harts_hf.trainers.recipe import DEFAULT_RECIPE, parse_recipe, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "configs" / "qwen3_5_tiny_agentic"
+RECIPE = ROOT / "recipes" / "configs" / "qwen3_5_quick_agentic"
 
 
 def test_ledger_env_is_deterministic_and_scores_answers():

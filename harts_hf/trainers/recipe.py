@@ -63,9 +63,9 @@ DEFAULT_RECIPE: dict = {
     "report_to": "none",
     "save_strategy": "no",
     "seed": 0,
-    "output_dir": "outputs/qwen3_5-tiny-agentic",
+    "output_dir": "outputs/qwen3_5-quick-agentic",
 }
-"""The embedded default run (``harts-hf train`` without ``--config``); recipes/configs/qwen3_5_tiny_agentic
+"""The embedded default run (``harts-hf train`` without ``--config``); recipes/configs/qwen3_5_quick_agentic
 holds the same values as a Hub-publishable config."""
 
 
