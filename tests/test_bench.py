@@ -58,7 +58,7 @@ def test_quick_bench_writes_the_issue_fields_and_exact_numerics(tmp_path, capsys
     w = record["workload"]
     assert w["compression"] == pytest.approx(w["trajectory_tokens"] / w["compact_tokens"])
     assert w["rounds"] >= 2 and w["height"] >= 2  # a real tree: branches hand states across rounds
-    assert record["efficiency"] == pytest.approx(record["speedup"]["step"] / record["ideal_speedup"])
+    assert record["efficiency"] == pytest.approx(record["speedup_vs_stock"]["step"] / record["ideal_speedup"])
     assert 1 < record["ideal_speedup"] <= w["compression"] * 1.001
     num = record["numerics"]
     assert num["max_abs_logprob_diff"] <= max(num["stock_self_diff"], 1e-5)
