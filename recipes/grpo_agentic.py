@@ -46,6 +46,8 @@ def main(argv: list[str]) -> None:
     trainer = build_trainer(script_args, training_args)
     trainer.train()
     trainer.save_model(training_args.output_dir)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group: gloo's threads abort the exit otherwise
 
 
 if __name__ == "__main__":
