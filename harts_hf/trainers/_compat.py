@@ -26,7 +26,14 @@ from trl.trainer import grpo_trainer
 
 from ..modeling import tree_forward
 
-__all__ = ["CHECKED_TRL", "FOREST_KWARG", "add_tree_forward", "grouping_dependent_options", "replace_row_shuffle"]
+__all__ = [
+    "CHECKED_TRL",
+    "FOREST_KWARG",
+    "add_tree_forward",
+    "entropy_bonus_enabled",
+    "grouping_dependent_options",
+    "replace_row_shuffle",
+]
 
 CHECKED_TRL = "1.16.0"
 FOREST_KWARG = "harts_forest"
@@ -60,6 +67,12 @@ def replace_row_shuffle(arrange: Callable[[dict], dict]) -> Iterator[None]:
         grpo_trainer.shuffle_sequence_dict = original
 
 
+def entropy_bonus_enabled(trainer) -> bool:
+    """Whether the loss has TRL's entropy bonus (a static ``entropy_coef`` or adaptive control; TRL
+    fixes it at init, while ``entropy_coef`` itself moves under adaptive control)."""
+    return trainer._entropy_bonus_enabled
+
+
 def grouping_dependent_options(trainer) -> list[str]:
     """The settings of a GRPOTrainer whose loss depends on which rows share a microbatch (trl 1.16
     ``_compute_loss``): bnpo divides by the microbatch's token count, the entropy bonus is a
@@ -69,7 +82,7 @@ def grouping_dependent_options(trainer) -> list[str]:
     found = []
     if trainer.loss_type == "bnpo":
         found.append("loss_type='bnpo'")
-    if trainer._entropy_bonus_enabled:
+    if entropy_bonus_enabled(trainer):
         found.append("the entropy bonus (entropy_coef / use_adaptive_entropy)")
     if trainer.top_entropy_quantile < 1.0:
         found.append(f"top_entropy_quantile={trainer.top_entropy_quantile}")

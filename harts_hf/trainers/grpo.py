@@ -28,7 +28,13 @@ from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import Plan, plan
-from ._compat import FOREST_KWARG, add_tree_forward, grouping_dependent_options, replace_row_shuffle
+from ._compat import (
+    FOREST_KWARG,
+    add_tree_forward,
+    entropy_bonus_enabled,
+    grouping_dependent_options,
+    replace_row_shuffle,
+)
 from .arrange import arrange
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
@@ -144,7 +150,7 @@ class HARTSGRPOTrainer(GRPOTrainer):
                 f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
                 f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
             )
-        if torch.is_grad_enabled() and (self.args.entropy_coef != 0 or self.args.use_adaptive_entropy):
+        if torch.is_grad_enabled() and entropy_bonus_enabled(self):
             raise ValueError(
                 f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs entropy gradients, which the engine "
                 f"does not give to a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens: "
