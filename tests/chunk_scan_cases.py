@@ -158,7 +158,7 @@ def check_tree(
         assert_close(f"grad {name}", r, g, ratio)
 
 
-Run = Callable[[TreeBatch, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], tuple]
+Run = Callable[[TreeBatch, torch.Tensor, torch.Tensor | None, torch.Tensor | None], tuple]
 
 
 def check_piece(
@@ -166,9 +166,9 @@ def check_piece(
 ) -> None:
     """A piece run after the whole forest handed it its boundary states == the whole-forest run.
 
-    ``run(batch, own_rows, context_rows, initial_states, state_out_tokens)`` calls the tree op with
-    the leaves' rows ``own_rows`` as inputs and ``context_rows`` as context (None: no context) and
-    returns (o, states). The piece's gradients flow back through the handed-over states, so the
+    ``run(batch, own_rows, context_rows, initial_states)`` calls the tree op with the leaves' rows
+    ``own_rows`` as inputs and ``context_rows`` as context (None: no context) and returns (o, the
+    states after ``batch.state_out``). The piece's gradients flow back through the handed-over states, so the
     piece-plus-rest loss must give the whole-forest gradients.
     """
     whole = TreeBatch.from_forest(forest)
@@ -177,9 +177,9 @@ def check_piece(
     rounds = rounds_of(piece, chunk)
     external = piece.global_index[rounds.external_tokens]
     assert rounds.context_replay.numel() and external.numel(), "the piece must need context replay and boundary states"
-    o_whole, states = run(whole, whole.global_index, None, None, external)
+    o_whole, states = run(whole.with_state_out({chunk: external.numpy()}), whole.global_index, None, None)
     own = piece.global_index[nc:]
-    o_piece, _ = run(piece, own, piece.global_index[:nc], states, None)
+    o_piece, _ = run(piece, own, piece.global_index[:nc], states)
     assert_close("piece o", o_whole[own], o_piece)
 
     weight = torch.randn(o_whole.shape, generator=torch.Generator().manual_seed(5))

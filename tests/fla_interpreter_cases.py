@@ -340,9 +340,9 @@ def call(kind: str, backend_index: int, x, batch: TreeBatch, **kw):
 def compare_rounds(kind: str, batch: TreeBatch, chunk: int, x, leaves, **kw) -> None:
     """o, the states after every chunk-closing token, and the gradients of ``leaves`` through both:
     the fla backend in the zero-extra-round layout vs the torch backend."""
-    out = chunk_closing(batch, chunk)
-    ref_o, ref_s = call(kind, 0, x, batch, chunk_size=chunk, state_out_tokens=out, **kw)
-    got_o, got_s = call(kind, 1, x, batch, chunk_size=chunk, state_out_tokens=out, **kw)
+    batch = batch.with_state_out({chunk: chunk_closing(batch, chunk)})
+    ref_o, ref_s = call(kind, 0, x, batch, chunk_size=chunk, **kw)
+    got_o, got_s = call(kind, 1, x, batch, chunk_size=chunk, **kw)
     assert_close("o", ref_o, got_o)
     assert_close("states", ref_s, got_s)
     gen = torch.Generator().manual_seed(9)
@@ -412,11 +412,11 @@ def test_rounds_states_only_gradients(kind: str, state_refs) -> None:
     """A loss on the state outputs alone (no gradient reaches o: fla's pieces get a zero do)."""
     forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
+    batch = batch.with_state_out({64: chunk_closing(batch, 64)})
     x = rounds_inputs(kind, forest.num_compact_tokens, 4)
-    out = chunk_closing(batch, 64)
     names = [name for name in x if name != "q"]
     leaves = [x[name] for name in names]
-    ref, got = (call(kind, i, x, batch, state_out_tokens=out)[1] for i in (0, 1))
+    ref, got = (call(kind, i, x, batch)[1] for i in (0, 1))
     for name, r, g in zip(
         names, torch.autograd.grad(ref.square().sum(), leaves), torch.autograd.grad(got.square().sum(), leaves)
     ):

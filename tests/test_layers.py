@@ -1,7 +1,7 @@
 """The house's floors, read from the source (every import, module-level or inside a function).
 
-Arrows point one way (STYLE.md): forest <- ops <- modeling <- planner / engine <- bench <- trainers
-<- cli, the planner is a pure function of forests (no torch, no model code), the kernel layer holds
+Arrows point one way (STYLE.md): forest <- ops / planner <- schedule <- modeling <- engine <- bench
+<- trainers <- cli, the planner is a pure function of forests (no torch, no model code), the kernel layer holds
 kernels only (benchmarks and reports live in ``bench/``), and no module imports itself back through
 a cycle.
 """
@@ -23,10 +23,11 @@ MAY_IMPORT = {  # top-level part of harts_hf -> the parts it may import (besides
     "workloads": BASE,
     "planner": BASE,
     "envs": BASE,
-    "modeling": BASE | {"ops"},
-    "engine": BASE | {"ops", "modeling", "planner"},
-    "bench": BASE | {"ops", "modeling", "planner", "engine", "workloads"},
-    "trainers": BASE | {"ops", "modeling", "planner", "engine", "workloads", "bench", "envs"},
+    "schedule": BASE | {"ops", "planner"},
+    "modeling": BASE | {"ops", "schedule"},
+    "engine": BASE | {"ops", "modeling", "planner", "schedule"},
+    "bench": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads"},
+    "trainers": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads", "bench", "envs"},
 }
 
 

@@ -143,9 +143,9 @@ def test_piece_with_mid_chunk_children_equals_whole_forest(kind: str) -> None:
     leaves = leaves_of(kind, forest.num_compact_tokens, 2)
     piece = np.flatnonzero(forest.position >= chunk + 3)
 
-    def run(batch, own, ctx, initial_states, state_out_tokens):
+    def run(batch, own, ctx, initial_states):
         context = None if ctx is None else {n: leaves[n][ctx] for n in NAMES[1:] if n in leaves}
-        kwargs = {"context": context, "initial_states": initial_states, "state_out_tokens": state_out_tokens}
+        kwargs = {"context": context, "initial_states": initial_states}
         return tree_op(kind, leaves, lambda x: x[own], batch, chunk, **kwargs)
 
     assert any(

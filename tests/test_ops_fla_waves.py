@@ -112,10 +112,10 @@ def test_piece_with_context_and_states(kind: str, layout: str) -> None:
     x = inputs(kind, forest.num_compact_tokens, 3)
     fla_fn = KINDS[kind][1]
 
-    def run(batch, own_rows, ctx_rows, states, out_tokens):
+    def run(batch, own_rows, ctx_rows, states):
         own = {n: t[own_rows] for n, t in x.items()}
         context = None if ctx_rows is None else {n: t[ctx_rows] for n, t in x.items() if n != "q"}
-        return call(fla_fn, own, batch, chunk, context=context, initial_states=states, state_out_tokens=out_tokens)
+        return call(fla_fn, own, batch, chunk, context=context, initial_states=states)
 
     depth = 3 * chunk + 5
     check_piece(forest, np.flatnonzero(forest.position >= depth), chunk, x, run)
@@ -147,11 +147,10 @@ def test_state_outputs_match_torch_backend(layout: str) -> None:
     """States after chunk-closing tokens equal the torch backend's (cut layout cuts there too)."""
     chunk = CHUNK
     forest = RolloutForest.from_sequences(NASTY_TREES["deep_chain"](np.random.default_rng(0)))
-    batch = TreeBatch.from_forest(forest)
     x = inputs("gated_delta", forest.num_compact_tokens, 4)
-    out = torch.as_tensor(np.flatnonzero((forest.position + 1) % chunk == 0))
-    ref = call(tree_gated_delta_rule_torch, x, TreeBatch.from_forest(forest), chunk, state_out_tokens=out)[1]
-    got = call(backend.tree_gated_delta_rule_fla, x, batch, chunk, state_out_tokens=out)[1]
+    out = {chunk: np.flatnonzero((forest.position + 1) % chunk == 0)}
+    ref = call(tree_gated_delta_rule_torch, x, TreeBatch.from_forest(forest).with_state_out(out), chunk)[1]
+    got = call(backend.tree_gated_delta_rule_fla, x, TreeBatch.from_forest(forest).with_state_out(out), chunk)[1]
     assert_close("states", ref, got)
     assert_close("grad v", *(torch.autograd.grad(s.square().sum(), x["v"])[0] for s in (ref, got)))
 

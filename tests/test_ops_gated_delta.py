@@ -110,9 +110,8 @@ def test_boundary_states_match_trajectory_prefixes(name: str) -> None:
     forest = RolloutForest.from_sequences(NASTY_TREES[name](np.random.default_rng(0)))
     inputs = gdn_inputs(forest.num_compact_tokens, torch.Generator().manual_seed(3))
     tokens = np.flatnonzero((forest.position + 1) % chunk == 0)
-    _, states = tree_gated_delta_rule(
-        *inputs.values(), TreeBatch.from_forest(forest), chunk_size=chunk, state_out_tokens=torch.as_tensor(tokens)
-    )
+    batch = TreeBatch.from_forest(forest).with_state_out({chunk: tokens})
+    _, states = tree_gated_delta_rule(*inputs.values(), batch, chunk_size=chunk)
     owner = np.empty(forest.num_compact_tokens, dtype=np.int64)  # a trajectory through each token
     owner[forest.restore] = np.repeat(np.arange(forest.num_trajectories), forest.lengths)
     for t, got in zip(tokens, states):

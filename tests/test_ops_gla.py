@@ -234,14 +234,14 @@ def test_tree_piece_with_context_equals_whole_forest(kind: str, name: str, depth
     leaves = piece_leaves(kind, forest.num_compact_tokens)
     slope = torch.tensor([0.3, 0.05])
 
-    def run(batch, own, ctx, initial_states, state_out_tokens):
+    def run(batch, own, ctx, initial_states):
         def take(names: tuple[str, ...], rows: torch.Tensor) -> list[torch.Tensor]:
             return [leaves[n][rows] for n in names]
 
         def context(names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
             return None if ctx is None else dict(zip(names, take(names, ctx)))
 
-        opts = {"chunk_size": 16, "initial_states": initial_states, "state_out_tokens": state_out_tokens}
+        opts = {"chunk_size": 16, "initial_states": initial_states}
         if kind == "mamba2":
             x, dt, B, C = take(("x", "dt", "B", "C"), own)
             ssd_opts = {"dt_bias": leaves["dt_bias"], **MAMBA2_OPTIONS, **opts}

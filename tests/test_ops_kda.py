@@ -119,7 +119,7 @@ def test_tree_kda_piece_with_context_equals_whole_forest(name: str, depth: int) 
     forest = RolloutForest.from_sequences(NASTY_TREES[name](np.random.default_rng(0)))
     leaves = leaves_of(kda_inputs(forest.num_compact_tokens, torch.Generator().manual_seed(3)))
 
-    def run(batch, own, ctx, initial_states, state_out_tokens):
+    def run(batch, own, ctx, initial_states):
         return tree_kda(
             *(leaves[n][own] for n in NAMES),
             batch,
@@ -127,7 +127,6 @@ def test_tree_kda_piece_with_context_equals_whole_forest(name: str, depth: int) 
             chunk_size=16,
             context=None if ctx is None else {n: leaves[n][ctx] for n in ("k", "v", "g", "beta")},
             initial_states=initial_states,
-            state_out_tokens=state_out_tokens,
         )
 
     check_piece(forest, np.flatnonzero(forest.position >= depth), 16, leaves, run)

@@ -1,7 +1,7 @@
 """A tree cut into pieces, run piece by piece with boundary handoffs, equals the unsplit run.
 
 Pieces run in dependency order the way the engine runs microbatches: each piece asks for the
-states after its chunk-boundary tokens (``state_out_tokens``), later pieces get them as
+states after its chunk-boundary tokens (``batch.state_out``), later pieces get them as
 ``initial_states`` (detached copies, as across microbatches) plus the inputs of their replayed
 context tokens. Backward runs in reverse order, each piece once, feeding the gradients of the
 handed-over states back into the piece that produced them.
@@ -68,12 +68,11 @@ def run_pieces(forest, inputs, pieces, chunk):
         boundary = nc + np.flatnonzero((forest.position[gi[nc:]] + 1) % chunk == 0)
         o, st = tree_gated_delta_rule(
             *(inputs[n][gi[nc:]] for n in ("q", "k", "v", "g", "beta")),
-            batch,
+            batch.with_state_out({chunk: boundary}),
             chunk_size=chunk,
             use_qk_l2norm=True,
             context=context,
             initial_states=init,
-            state_out_tokens=torch.as_tensor(boundary),
         )
         handoffs += ext.size
         states.update({t: s.detach() for t, s in zip(gi[boundary], st)})

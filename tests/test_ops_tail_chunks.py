@@ -90,7 +90,7 @@ def test_layout_computes_every_token_once_in_grid_chunks(name: str, chunk: int) 
 def test_scan_plan_gathers_every_token_once_and_keeps_only_read_states(name: str) -> None:
     """One gather for the run puts every own token in one slot, chunks grouped by length; the scan keeps
     the chunk-start states a request or a later round reads, and none in the last round unless a
-    ``state_out_tokens`` state is asked for."""
+    ``batch.state_out`` state is asked for."""
     forest = forest_of(name)
     batch = TreeBatch.from_forest(forest)
     plan = scan_plan_of(batch, CHUNK)
@@ -113,7 +113,7 @@ def test_scan_plan_gathers_every_token_once_and_keeps_only_read_states(name: str
         assert kept == len(starts | {row for row in following if row < tc}), f"round {r} keeps unread states"
     assert all(k is None for k in plan.rounds[-1].keep) and not plan.rounds[-1].finals
     ends = np.flatnonzero((forest.position + 1) % CHUNK == 0)
-    asked = scan_plan_of(batch, CHUNK, torch.as_tensor(ends))
+    asked = scan_plan_of(batch.with_state_out({CHUNK: ends}), CHUNK)
     assert sum(0 if rp.picks is None else rp.picks.numel() for rp in asked.rounds) == ends.size
 
 
@@ -177,7 +177,7 @@ def test_short_paths_piece_with_context_equals_whole_forest(kind: str) -> None:
     leaves = leaves_of(kind, forest.num_compact_tokens, 2)
     piece = np.flatnonzero(forest.position >= CHUNK + 7)
 
-    def run(batch, own, ctx, initial_states, state_out_tokens):
+    def run(batch, own, ctx, initial_states):
         context = None if ctx is None else {n: leaves[n][ctx] for n in NAMES[1:] if n in leaves}
         return tree_op(
             kind,
@@ -186,7 +186,6 @@ def test_short_paths_piece_with_context_equals_whole_forest(kind: str) -> None:
             batch,
             context=context,
             initial_states=initial_states,
-            state_out_tokens=state_out_tokens,
         )
 
     check_piece(forest, piece, CHUNK, leaves, run)

@@ -1,8 +1,11 @@
 """TreeEngine: one rank's row of a :class:`~harts_hf.planner.Plan`, run on a patched model, exactly.
 
-Each unit (one forest's share of a microbatch slot, ``units.py``) is one packed call of the base
-model over its own compact tokens; the tokens it needs from earlier slots (ancestor K/V, conv
-halos, recurrent states and replay inputs) come through its :class:`~.handoff.Handoff`.
+Each unit (one forest's share of a microbatch slot, compiled once at construction by
+:func:`harts_hf.schedule.rank_units`: token ids, tree tables, pairs and handoff addresses, all on
+the device) is one packed call of the base model over its own compact tokens; the tokens it needs
+from earlier slots (ancestor K/V, conv halos, recurrent states and replay inputs) come through its
+:class:`~.handoff.Handoff`, passed down on a per-run view of the unit's tree kwarg. The model run
+makes no host transfer (``tests/test_host_transfers.py``).
 
 Backward policy (bounded, exact for every objective):
 - a plan of ONE unit (the forest fits one microbatch) runs forward with grad, applies the loss to
@@ -34,18 +37,17 @@ from torch import nn
 
 from ..forest import RolloutForest
 from ..modeling.logprobs import (
-    Layout,
     model_head,
-    run_base,
     stochastic_parts,
     validate_forest,
     validate_temperature,
 )
 from ..modeling.registry import patched_adapter
+from ..modeling.tables import model_tables, run_base
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
+from ..schedule import TrajectoryRows, Unit, rank_units
 from .handoff import Handoff, Store
-from .units import Unit, rank_units
 
 __all__ = ["TreeEngine"]
 
@@ -105,13 +107,13 @@ class TreeEngine:
         self.temperature = temperature
         self.head = model_head(self.hf, self.adapter, head_chunk_tokens)
         self.device = self.hf.get_output_embeddings().weight.device
-        self.units: list[Unit] = rank_units(self.forests, plan, rank, self.device)
+        self.units: list[Unit] = rank_units(self.forests, plan, rank, model_tables(self.hf, self.adapter), self.device)
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
         # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
         # the numbers of the pairs it produces.
         pair_of = [np.cumsum(f.prev >= 0) - 1 for f in self.forests]
         self.num_pairs = [int((f.prev >= 0).sum()) for f in self.forests]
-        self._layouts = [Layout.of(f, self.device) for f in self.forests]
+        self._layouts = [TrajectoryRows.of(f, self.device) for f in self.forests]
         self._pair_index = [torch.as_tensor(pair_of[u.forest][u.pairs], device=self.device) for u in self.units]
         self._handoff: Handoff | None = None
 
@@ -121,7 +123,7 @@ class TreeEngine:
         """No-grad per-trajectory log-probs: per forest [B_f, L_f - 1] in TRL's layout (rows this
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
         with torch.no_grad(), self._hooks():
-            lp, ent = self._record(Store(self.forests, self.units), return_entropy)
+            lp, ent = self._record(Store(), return_entropy)
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
@@ -134,7 +136,7 @@ class TreeEngine:
         loss and its ``backward()`` (TRL's trainer). Single process only: the replay's nested
         backward passes accumulate gradients outside any DDP reducer. Entropies carry no gradient."""
         _check_no_dropout(self.hf)
-        store = Store(self.forests, self.units)
+        store = Store()
         with torch.no_grad(), self._hooks():
             values, ents = self._record(store, return_entropy)
         anchor = next((p for p in self.hf.parameters() if p.requires_grad), None)
@@ -158,7 +160,7 @@ class TreeEngine:
         _check_no_dropout(self.hf)
         if per_token and return_entropy:
             raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
-        store = Store(self.forests, self.units)
+        store = Store()
         with self._hooks():
             if per_token or len(self.units) == 1:
                 return self._stream(store, loss_fn, return_entropy)
@@ -256,16 +258,10 @@ class TreeEngine:
 
     def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[p] log-probs (and entropies) of the unit's pairs."""
-        self._handoff = unit.batch.handoff = handoff
-        out = run_base(
-            self.hf,
-            self.adapter,
-            self.forests[unit.forest].tokens[unit.tokens],
-            unit.batch,
-        )
+        self._handoff = handoff
+        out = run_base(self.hf, self.adapter, unit.input_ids, unit.batch.with_handoff(handoff))
         hidden = out.last_hidden_state[0]  # [N, H]
-        targets = torch.as_tensor(self.forests[unit.forest].tokens[unit.pairs], device=self.device)
-        return self.head.pair_values(hidden, unit.pair_rows, targets, self.temperature, entropy)
+        return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
 
     @contextlib.contextmanager
     def _hooks(self) -> Iterator[None]:
@@ -281,8 +277,6 @@ class TreeEngine:
         finally:
             for h in handles:
                 h.remove()
-            for unit in self.units:
-                unit.batch.handoff = None
             self._handoff = None
 
 

@@ -3,7 +3,8 @@
 Every tree-aware layer call of a unit (``modeling/kinds.py``, ``modeling/attention.py``) asks its
 :class:`Handoff` for the context rows of its inputs (K/V, conv inputs, linear-attention inputs for
 the replay) and for the recurrent states its external paths start from, and hands over the same
-inputs at the unit's export rows and the states after its state-export tokens. A call is named
+inputs at the unit's export rows and the states after its state-export tokens (``batch.state_out``);
+every row and state address is compiled with the unit (``harts_hf.schedule.units``). A call is named
 ``(module, kind, n)``: the n-th call of that kind since the base-model module ``module`` was
 entered (the engine's pre-hooks say which), so gradient checkpointing's recomputation, which
 reruns the same modules, finds the same names.
@@ -21,12 +22,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Mapping
 
-import numpy as np
 import torch
 
-from ..forest import RolloutForest
-from ..ops.rounds import rounds_of
-from .units import Unit, handoff_rows
+from ..schedule import Gather, Unit
 
 __all__ = ["Handoff", "Store"]
 
@@ -36,22 +34,9 @@ Key = tuple[int, Hashable, str]  # (unit, call name, field)
 class Store:
     """The rank's recorded boundary values (detached) and the gradients sent back to them."""
 
-    def __init__(self, forests: list[RolloutForest], units: list[Unit]):
-        self.forests = forests
-        self.units = units
+    def __init__(self) -> None:
         self.values: dict[Key, torch.Tensor] = {}
         self.grads: dict[Key, torch.Tensor] = {}
-        self._states: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-
-    def state_exports(self, chunk_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per unit: (own compact indices after which a later unit's external path starts, sorted;
-        for each external state it reads: the producing unit and the row in its state exports)."""
-        if chunk_size not in self._states:
-            ext = [
-                u.batch.global_index[rounds_of(u.batch, chunk_size).external_tokens].cpu().numpy() for u in self.units
-            ]
-            self._states[chunk_size] = handoff_rows(self.forests, [(u.forest, u.tokens) for u in self.units], ext)
-        return self._states[chunk_size]
 
     def add_grads(self, leaves: Mapping[Key, torch.Tensor]) -> None:
         for key, leaf in leaves.items():
@@ -66,7 +51,8 @@ class Store:
 
 
 class Handoff:
-    """One run of one unit: its layer calls' context in, boundary values out (module docstring)."""
+    """One run of one unit: its layer calls' context in, boundary values out (module docstring).
+    Every address comes compiled with the unit (``harts_hf.schedule.units``)."""
 
     def __init__(self, store: Store, unit: Unit, *, grad: bool):
         self.store = store
@@ -76,8 +62,6 @@ class Handoff:
         self.leaves: dict[Key, torch.Tensor] = {}
         self.live: dict[Key, torch.Tensor] = {}
         self._calls: Counter = Counter()
-        device = unit.batch.device
-        self._export_rows = torch.as_tensor(np.searchsorted(unit.tokens, unit.exports), device=device)
 
     def enter(self, module: str) -> None:
         self.module = module
@@ -93,26 +77,15 @@ class Handoff:
         """Keep ``values`` ([N, ...] each) at the export rows; return their context rows [Nc, ...]."""
         if self.unit.exports.size:
             for field, value in values.items():
-                self._keep(
-                    (self.unit.index, call, field),
-                    value.index_select(0, self._export_rows),
-                )
-        if self.unit.batch.num_context == 0:
+                self._keep((self.unit.index, call, field), value.index_select(0, self.unit.export_rows))
+        if self.unit.context is None:
             return None
-        return {field: self._gather(call, field, self.unit.context_source) for field in values}
+        return {field: self._gather(call, field, self.unit.context) for field in values}
 
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] states after ``rounds_of(batch, chunk_size).external_tokens``, None if E = 0."""
-        source = self.store.state_exports(chunk_size)[1][self.unit.index]
-        return self._gather(call, "state", source) if source.shape[1] else None
-
-    def state_out_tokens(self, chunk_size: int) -> torch.Tensor | None:
-        """[S] combined indices of the own tokens whose states later units start from."""
-        mine = self.store.state_exports(chunk_size)[0][self.unit.index]
-        if not mine.size:
-            return None
-        local = self.unit.batch.num_context + np.searchsorted(self.unit.tokens, mine)
-        return torch.as_tensor(local, device=self.unit.batch.device)
+        source = self.unit.states.get(chunk_size)
+        return None if source is None else self._gather(call, "state", source)
 
     def keep_states(self, call: Hashable, states: torch.Tensor | None) -> None:
         if states is not None:
@@ -136,12 +109,7 @@ class Handoff:
             self.leaves[key] = self.store.values[key].detach().requires_grad_(True)
         return self.leaves[key]
 
-    def _gather(self, call: Hashable, field: str, source: np.ndarray) -> torch.Tensor:
-        """Rows ``source[1]`` of the values producers ``source[0]`` kept for ``(call, field)``."""
-        producers, where = np.unique(source[0], return_inverse=True)
-        parts = [self._leaf((int(p), call, field)) for p in producers]
-        if len(parts) == 1:
-            return parts[0].index_select(0, torch.as_tensor(source[1], device=parts[0].device))
-        offsets = np.concatenate(([0], np.cumsum([p.shape[0] for p in parts])))[:-1]
-        index = torch.as_tensor(offsets[where] + source[1], device=parts[0].device)
-        return torch.cat(parts).index_select(0, index)
+    def _gather(self, call: Hashable, field: str, source: Gather) -> torch.Tensor:
+        """The rows ``source`` addresses among the values its producers kept for ``(call, field)``."""
+        parts = [self._leaf((p, call, field)) for p in source.producers]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).index_select(0, source.index)

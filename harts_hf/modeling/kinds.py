@@ -78,17 +78,13 @@ def _linear(
     chunk_size: int,
     run: Callable,
 ) -> torch.Tensor:
-    """``run(context, initial_states, state_out_tokens) -> (o, states)`` with the piece's handoff:
-    context inputs and boundary states in, the states later pieces start from kept."""
+    """``run(context, initial_states) -> (o, states)`` with the piece's handoff: context inputs and
+    boundary states in, the states later pieces start from (``batch.state_out``) kept."""
     handoff = batch.handoff
     if handoff is None:
-        return run(None, None, None)[0]
+        return run(None, None)[0]
     key = handoff.call(name)
-    o, states = run(
-        handoff.context(key, values),
-        handoff.initial_states(key, chunk_size),
-        handoff.state_out_tokens(chunk_size),
-    )
+    o, states = run(handoff.context(key, values), handoff.initial_states(key, chunk_size))
     handoff.keep_states(key, states)
     return o
 
@@ -126,7 +122,7 @@ def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tup
             "g": _single_row(a["g"], "g"),  # [N, H] (GDN) or [N, H, K] (KDA)
             "beta": _single_row(a["beta"], "beta"),  # [N, H]
         }
-        run = lambda context, states, out: op(
+        run = lambda context, states: op(
             q,
             *values.values(),
             batch,
@@ -135,7 +131,6 @@ def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tup
             chunk_size=a["chunk_size"],
             context=context,
             initial_states=states,
-            state_out_tokens=out,
         )
         o = _linear(batch, name, values, a["chunk_size"], run)
         return o.unsqueeze(0).to(a["query"].dtype), None  # [1, N, H, V]
@@ -151,7 +146,7 @@ def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
         "dt": _single_row(a["dt"], "dt"),  # [N, H] raw time steps
         "B": _single_row(a["B"], "B"),  # [N, G, S]
     }
-    run = lambda context, states, out: tree_mamba2_ssd(
+    run = lambda context, states: tree_mamba2_ssd(
         values["x"],
         values["dt"],
         a["A"],  # [H]
@@ -165,7 +160,6 @@ def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
         dt_limit=a["dt_limit"],
         context=context,
         initial_states=states,
-        state_out_tokens=out,
     )
     return _linear(batch, "mamba2_scan", values, a["chunk_size"], run).unsqueeze(0)  # [1, N, H, P] fp32
 
@@ -178,7 +172,7 @@ def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None
     x = _single_row(a["hidden_states"], "hidden_states")  # [N, E]
     qkv = layer.act_fn(layer.qkv_proj(x)).reshape(x.shape[0], layer.num_attention_heads, 3 * layer.head_dim)
     q, k, v = torch.split(qkv, layer.head_dim, dim=-1)  # [N, H, D] each
-    run = lambda context, states, out: tree_lightning(
+    run = lambda context, states: tree_lightning(
         q,
         k,
         v,
@@ -187,7 +181,6 @@ def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None
         chunk_size=layer.block_size,
         context=context,
         initial_states=states,
-        state_out_tokens=out,
     )
     o = _linear(batch, "lightning_mixer", {"k": k, "v": v}, layer.block_size, run)  # [N, H, D]
     o = layer.norm(o.reshape(x.shape[0], -1))
@@ -226,7 +219,7 @@ def _selective_scan(
 
     values = {"x": x, "dt": dt, "B": B}  # what context tokens hand over: raw, I + I + S per token
     own = discretize(values)
-    run = lambda context, states, out: tree_gla(
+    run = lambda context, states: tree_gla(
         C[:, None],  # [N, 1, S]: one key head shared by every channel
         own["k"],
         own["v"],
@@ -236,7 +229,6 @@ def _selective_scan(
         chunk_size=CHUNK_SIZE,  # the stock Mamba v1 scan is sequential: no grid to reproduce, any chunk is exact
         context=None if context is None else discretize(context),
         initial_states=states,
-        state_out_tokens=out,
     )
     y = _linear(batch, "selective_scan", values, CHUNK_SIZE, run)[..., 0]  # [N, I] in x's dtype
     if D is not None:

@@ -20,26 +20,23 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..forest import RolloutForest
-from ..ops.tree_batch import TreeBatch
-from . import _compat
+from ..schedule import TrajectoryRows, Unit, forest_unit
 from .adapters import FamilyAdapter
 from .errors import UnsupportedModelError
-from .kinds import TREE_KWARG
 from .moe import expert_load, router_aux_loss
 from .registry import patched_adapter
+from .tables import model_tables, run_base
 
 __all__ = [
     "HEAD_CHUNK_ELEMENTS",
     "Head",
-    "Layout",
     "TreeOutput",
+    "compile_forest",
     "model_head",
-    "run_base",
     "stochastic_parts",
     "tree_forward",
     "tree_logprobs",
@@ -159,28 +156,6 @@ class Head:
         return torch.cat(lps), torch.cat(ents) if entropy else None
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each column of TRL's ``[B, max_len - 1]`` layout comes from: ``pair`` [B, L - 1] the pair
-    (non-root compact token, forest order) whose target is token t + 1, where ``valid``."""
-
-    pair: torch.Tensor
-    valid: torch.Tensor
-
-    @classmethod
-    def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> Layout:
-        pair_of = np.maximum(np.cumsum(forest.prev >= 0) - 1, 0)  # [N] pair number of each target token
-        target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
-        valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
-        return cls(torch.as_tensor(pair_of[target], device=device), torch.as_tensor(valid, device=device))
-
-    def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        """[P] pair values -> [B, max_len - 1], exactly 0 past each row's end."""
-        if values.numel() == 0:  # nothing to predict: zeros still on the graph (zero gradients, as stock)
-            return values.new_zeros(self.pair.shape) + values.sum()
-        return torch.where(self.valid, values[self.pair], 0.0)
-
-
 def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
     if head_chunk_tokens is not None and head_chunk_tokens < 1:
         raise ValueError(f"head_chunk_tokens must be a positive number of pairs (or None), got {head_chunk_tokens}")
@@ -192,21 +167,10 @@ def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None)
     )
 
 
-def run_base(hf, adapter: FamilyAdapter, tokens: np.ndarray, batch: TreeBatch, **extra):
-    """The base model over one microbatch's own compact ``tokens`` (ids, DFS order) described by
-    ``batch``: one packed row, the tree as the ``harts_tree`` kwarg, no mask, no cache."""
-    device = batch.device
-    masks = (
-        {key: None for key in adapter.mask_keys} if adapter.mask_keys is not None else _compat.placeholder_mask(device)
-    )
-    return hf.base_model(
-        input_ids=torch.as_tensor(tokens, device=device)[None],  # [1, N]
-        position_ids=batch.position[batch.num_context :][None],  # [1, N]
-        attention_mask=masks,
-        use_cache=False,
-        **{TREE_KWARG: batch},
-        **extra,
-    )
+def compile_forest(hf, adapter: FamilyAdapter, forest: RolloutForest) -> tuple[Unit, TrajectoryRows]:
+    """The forest's one unit and its trajectory rows, compiled on the host before the model runs."""
+    device = hf.get_output_embeddings().weight.device
+    return forest_unit(forest, model_tables(hf, adapter), device), TrajectoryRows.of(forest, device)
 
 
 def tree_forward(
@@ -239,24 +203,18 @@ def tree_forward(
             "disable_dropout=True for draws like trajectory-wise training",
             stacklevel=2,
         )
-    head = hf.get_output_embeddings()
     validate_forest(hf, forest)
     if output_router_logits and not adapter.aux_loss:
         raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
     pair_head = model_head(hf, adapter, head_chunk_tokens)
-    device = head.weight.device
-    batch = TreeBatch.from_forest(forest, device=device)
+    unit, layout = compile_forest(hf, adapter, forest)
     extra = {"output_router_logits": True} if output_router_logits else {}
-    out = run_base(hf, adapter, forest.tokens, batch, **extra)
+    out = run_base(hf, adapter, unit.input_ids, unit.batch, **extra)
     hidden = out.last_hidden_state[0]  # [N, H]
-    pairs = np.flatnonzero(forest.prev >= 0)
-    rows = torch.as_tensor(forest.prev[pairs], device=device)
-    targets = torch.as_tensor(forest.tokens[pairs], device=device)
-    lp, ent = pair_head.pair_values(hidden, rows, targets, temperature, return_entropy)
-    layout = Layout.of(forest, device)
+    lp, ent = pair_head.pair_values(hidden, unit.pair_rows, unit.targets, temperature, return_entropy)
     result = TreeOutput(layout(lp), layout(ent) if return_entropy else None)
     if output_router_logits:
-        weights = torch.as_tensor(forest.multiplicity, device=device, dtype=torch.float32)  # [N]
+        weights = torch.as_tensor(forest.multiplicity, device=hidden.device, dtype=torch.float32)  # [N]
         result.aux_loss = router_aux_loss(hf, out.router_logits, weights)
         result.expert_load = expert_load(out.router_logits, weights, hf.num_experts_per_tok)
     return result

@@ -32,6 +32,7 @@ from .verify import verify as run_verify
 
 __all__ = ["from_pretrained", "patch_model", "unpatch_model"]
 
+
 def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
     signature = inspect.signature(original)
 

@@ -95,7 +95,8 @@ def tree_causal_conv1d_torch(
     check_conv_args(x, weight, bias, batch, context_x, activation)
     parts = (x,) if context_x is None else (context_x, x)
     xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [Nk + 1, D]
-    table = batch.cached(("conv", weight.shape[1]), lambda b: _gather_table(b, weight.shape[1]))
+    width = weight.shape[1]
+    table = batch.cached(("conv", width), lambda b: _gather_table(b, width))
     out = _Conv.apply(xa, weight, table)
     if bias is not None:
         out = out + bias

@@ -124,7 +124,6 @@ def tree_gated_delta_rule_torch(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gated_delta_rule`."""
     return run_tree_kind(
@@ -140,7 +139,6 @@ def tree_gated_delta_rule_torch(
         qk_norm=l2norm if use_qk_l2norm else None,
         context=context,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
 
 
@@ -158,7 +156,6 @@ def tree_gated_delta_rule(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over the compact tokens of a tree batch; equals running every
     root-to-leaf trajectory through ``torch_chunk_gated_delta_rule`` with the same chunk size.
@@ -172,9 +169,8 @@ def tree_gated_delta_rule(
         context: {"k", "v", "g", "beta"} [Nc, ...] inputs of the context tokens (raw, like q/k/v);
             needed when ``rounds_of(batch, chunk_size).context_replay`` is non-empty.
         initial_states: [E, H, K, V] state after each of ``rounds_of(batch, C).external_tokens``.
-        state_out_tokens: [S] combined indices of piece tokens t with (position[t] + 1) % C == 0.
 
     Returns:
-        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
+        o [N, H, V] in v's dtype, and the states after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32
         (None when not asked).
     """

@@ -211,7 +211,6 @@ def tree_gla_torch(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_gla`."""
     return run_tree_kind(
@@ -225,7 +224,6 @@ def tree_gla_torch(
         scale=scale,
         context=context,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
 
 
@@ -241,19 +239,18 @@ def tree_gla(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GLA over the compact tokens of a tree batch; equals fla's GLA run per root-to-leaf trajectory.
 
     Args:
         q, k: [N, Hk, K] piece tokens; v: [N, H, V] (H a multiple of Hk); g: [N, H, K] per-channel
             log-decay.
-        batch, chunk_size, context ({"k", "v", "g"}), initial_states, state_out_tokens: as in
+        batch, chunk_size, context ({"k", "v", "g"}), initial_states: as in
             :func:`harts_hf.ops.kda.tree_kda`.
         scale: applied to q (default K ** -0.5).
 
     Returns:
-        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
+        o [N, H, V] in v's dtype, and the states after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32 (or None).
     """
 
 
@@ -270,7 +267,6 @@ def tree_simple_gla_torch(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_simple_gla` (a constant ``g_gamma`` becomes a per-token g)."""
     if (g is None) == (g_gamma is None):
@@ -294,7 +290,6 @@ def tree_simple_gla_torch(
         scale=scale,
         context=context,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
 
 
@@ -311,7 +306,6 @@ def tree_simple_gla(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Simple GLA over the compact tokens of a tree batch; equals fla's simple GLA per trajectory.
 
@@ -320,11 +314,10 @@ def tree_simple_gla(
             log-decay, or None with ``g_gamma`` [H], a constant per-head log-decay (fla's
             data-independent decay, as in lightning attention).
         batch, chunk_size, context ({"k", "v", "g"}; "g" unused with g_gamma), initial_states,
-            state_out_tokens: as in :func:`harts_hf.ops.kda.tree_kda`.
         scale: applied to q (default K ** -0.5).
 
     Returns:
-        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32 (or None).
+        o [N, H, V] in v's dtype, and the states after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32 (or None).
     """
 
 
@@ -343,7 +336,6 @@ def tree_mamba2_ssd(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba2's SSD scan (transformers' ``mamba2_chunk_scan``) over a tree batch, as simple GLA:
     q = C, k = B, v = x * dt, g = A * dt, scale 1, plus the skip ``D * x``.
@@ -388,7 +380,6 @@ def tree_mamba2_ssd(
         chunk_size=chunk_size,
         context=ctx,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
     if D is not None:
         y = y + D[..., None] * x.float()
@@ -405,7 +396,6 @@ def tree_lightning(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MiniMax lightning attention over a tree batch: simple GLA with the constant decay -slope
     per head and scale 1 (``MiniMaxLightningAttention``'s block recurrence, unnormalised).
@@ -414,7 +404,7 @@ def tree_lightning(
         q, k, v: [N, H, D] piece tokens (after the layer's activation); slope: the layer's
             ``slope_rate`` buffer ([H, 1, 1] or [H]).
         chunk_size: the layer's ``block_size`` reproduces its blocking (and rounding) exactly.
-        context ({"k", "v"}), initial_states, state_out_tokens: as in :func:`tree_simple_gla`.
+        context ({"k", "v"}), initial_states: as in :func:`tree_simple_gla`.
 
     Returns:
         o [N, H, D] in v's dtype, and the requested states [S, H, D, D] (or None).
@@ -430,5 +420,4 @@ def tree_lightning(
         chunk_size=chunk_size,
         context=context,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )

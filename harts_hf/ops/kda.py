@@ -92,7 +92,6 @@ def tree_kda_torch(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch backend of :func:`tree_kda`."""
     return run_tree_kind(
@@ -108,7 +107,6 @@ def tree_kda_torch(
         qk_norm=l2norm if use_qk_l2norm else None,
         context=context,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
 
 
@@ -126,7 +124,6 @@ def tree_kda(
     chunk_size: int = CHUNK_SIZE,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over the compact tokens of a tree batch; equals running every root-to-leaf trajectory
     through transformers' ``chunk_kimi_delta_attention`` with the same chunk size.
@@ -140,9 +137,8 @@ def tree_kda(
         context: {"k", "v", "g", "beta"} [Nc, ...] raw inputs of the context tokens; needed when
             ``rounds_of(batch, chunk_size).context_replay`` is non-empty.
         initial_states: [E, H, K, V] state after each of ``rounds_of(batch, C).external_tokens``.
-        state_out_tokens: [S] combined indices of piece tokens t with (position[t] + 1) % C == 0.
 
     Returns:
-        o [N, H, V] in v's dtype, and the states after ``state_out_tokens`` [S, H, K, V] fp32
+        o [N, H, V] in v's dtype, and the states after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32
         (None when not asked).
     """

@@ -19,7 +19,7 @@ Short chunks make the per-chunk overhead, not the token work, the cost of a tree
 :class:`~harts_hf.ops.tail_chunks.ScanPlan`: one gather of every input for the whole run, ``intra`` once
 per chunk length for all rounds together, states kept in visiting order (a visit's states are a view),
 and only the states a later use reads are materialised: the chunk-start states a request or the next
-round reads, the end states only where the next round or ``state_out_tokens`` reads one (the other
+round reads, the end states only where the next round or ``batch.state_out`` reads one (the other
 last chunks run ``output``). A request reuses its chunk's ``step`` values instead of recomputing them.
 
 Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gla.py`` call it)::
@@ -38,8 +38,8 @@ Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gl
                                  # needed iff rounds_of(batch, chunk_size).context_replay is non-empty
         initial_states=None,     # [E, H, K, V] fp32, the state after each of
                                  # rounds_of(batch, chunk_size).external_tokens (E of them, in that order)
-        state_out_tokens=None,   # [S] combined indices of piece tokens t with (position[t] + 1) % C == 0
-    ) -> tuple[o, states_out]    # o [N, H, V] fp32; states_out [S, H, K, V] fp32 (None if not asked)
+    ) -> tuple[o, states_out]    # o [N, H, V] fp32; states_out [S, H, K, V] fp32 after each of
+                                 # batch.state_out[chunk_size] (None if the batch asks for none)
 """
 
 from __future__ import annotations
@@ -263,7 +263,6 @@ def run_tree_linear_attention(
     scale: float,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``kernel`` over every path of ``batch``, one ragged scan per round (module docstring).
 
@@ -277,7 +276,7 @@ def run_tree_linear_attention(
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))
-    plan = scan_plan_of(batch, chunk_size, state_out_tokens)
+    plan = scan_plan_of(batch, chunk_size)
 
     tables = {
         name: _combined(x, None if context is None or name == "q" else context[name], nc) for name, x in own.items()
@@ -316,7 +315,7 @@ def run_tree_linear_attention(
             picked.append(take_rows(h_in, rplan.picks))
     flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_j * L_j, H, V]
     o = take_rows(torch.cat(flat), plan.output)  # [N, H, V]
-    if state_out_tokens is None:
+    if chunk_size not in batch.state_out:
         return o, None
     return o, take_rows(torch.cat(picked), plan.pick_order) if picked else zeros[:0]
 
@@ -335,7 +334,6 @@ def run_tree_kind(
     qk_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The common body of every kind's torch backend: fp32 inputs, ``qk_norm`` (fp32) of q and k,
     key heads expanded to the value heads (GVA), scale K^-0.5 by default; output in v's dtype."""
@@ -361,6 +359,5 @@ def run_tree_kind(
         scale=k.shape[-1] ** -0.5 if scale is None else scale,
         context=ctx,
         initial_states=initial_states,
-        state_out_tokens=state_out_tokens,
     )
     return o.to(v.dtype), states

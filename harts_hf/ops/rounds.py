@@ -35,7 +35,9 @@ import torch
 from ..forest import tree_levels
 from .tree_batch import TreeBatch
 
-__all__ = ["Round", "Rounds", "build_rounds", "rounds_of"]
+__all__ = ["ROUNDS_KEY", "Round", "Rounds", "build_rounds", "rounds_of"]
+
+ROUNDS_KEY = "rounds"  # the table key of a batch's rounds: (ROUNDS_KEY, chunk_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,11 +150,11 @@ class Rounds:
         local = tokens - self.num_context
         n = self.token_path.size
         if ((local < 0) | (local >= n)).any():
-            raise ValueError("state_out_tokens must be piece tokens (combined indices >= num_context)")
+            raise ValueError("state_out tokens must be piece tokens (combined indices >= num_context)")
         after = self.position[tokens] + 1
         if (after % self.chunk_size).any():
             raise ValueError(
-                f"state_out_tokens must sit just before a chunk boundary ((position + 1) % {self.chunk_size} == 0)"
+                f"state_out tokens must sit just before a chunk boundary ((position + 1) % {self.chunk_size} == 0)"
             )
         path = self.token_path[local]
         rnd = self.path_round[path]
@@ -364,4 +366,4 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
 
 def rounds_of(batch: TreeBatch, chunk_size: int) -> Rounds:
     """The rounds of ``batch`` for ``chunk_size``, derived once per batch."""
-    return batch.cached(("rounds", chunk_size), lambda b: build_rounds(b, chunk_size))
+    return batch.cached((ROUNDS_KEY, chunk_size), lambda b: build_rounds(b, chunk_size))

@@ -2,9 +2,9 @@
 
 A round of the ragged layout (:mod:`harts_hf.ops.tail_chunks`) could keep every chunk's start
 state; only those a later use reads are materialised here: the next round's path starts, the
-round's mid-chunk state requests and ``state_out_tokens``. The intra-chunk half of the kernels
+round's mid-chunk state requests and ``batch.state_out``. The intra-chunk half of the kernels
 runs once per chunk length for all rounds, so the run's slots are ordered by length, then round.
-Derived once per batch and ``state_out_tokens`` with numpy.
+Derived once per batch and ``batch.state_out`` with numpy.
 
 Legend: Tc chunks of a round, P paths of the round, R requested mid-chunk states, S states asked for.
 """
@@ -28,17 +28,17 @@ class RoundPlan:
     """Which states one round's scan keeps: only those a later use reads, not every chunk's start state.
 
     A round's *kept states* are ``cat([kept chunk-start states, h_final (if computed), requested
-    mid-chunk states])``; the next round's paths, the round's requests and ``state_out_tokens`` read rows
+    mid-chunk states])``; the next round's paths, the round's requests and ``batch.state_out`` read rows
     of it.
 
     Args:
         keep: per step, the visiting positions whose start states are kept (None: none; a slice: all).
-        finals: whether the paths' end states are computed (the next round or ``state_out_tokens`` reads one).
+        finals: whether the paths' end states are computed (the next round or ``batch.state_out`` reads one).
         h0: [n_0] row of the previous round's kept states (round 0: of ``cat([zeros(1), initial_states])``)
             at each visiting position of step 0.
         request_start: per :class:`StateRequests` of the round, [R_s] rows of the kept chunk-start states.
         request_chunk: per :class:`StateRequests`, [R_s] its chunks among every round's chunks of their length.
-        picks: [S_r] rows of the kept states returned for ``state_out_tokens`` (None: none).
+        picks: [S_r] rows of the kept states returned for ``batch.state_out`` (None: none).
     """
 
     keep: list[torch.Tensor | slice | None]
@@ -65,7 +65,7 @@ class ScanPlan:
             round; padding -1 becomes Nc + N, the zero row after the combined tokens): one gather per input
             for the whole run.
         output: [N] slot of each piece token's output.
-        pick_order: [S] row of ``cat(picks of every round)`` holding each ``state_out_tokens`` state.
+        pick_order: [S] row of ``cat(picks of every round)`` holding each ``batch.state_out`` state.
     """
 
     rounds: list[RoundPlan]
@@ -171,9 +171,7 @@ def _by_length(layout: list[RaggedRound]) -> tuple[np.ndarray, np.ndarray, list[
     return np.concatenate([x for p in parts for x in p]), own, lengths, counts
 
 
-def scan_plan_of(batch: TreeBatch, chunk_size: int, state_out_tokens: torch.Tensor | None = None) -> ScanPlan:
-    """The :class:`ScanPlan` of ``batch`` (ragged layout with :data:`BUCKET`) for these
-    ``state_out_tokens``, derived once per batch and token set."""
-    tokens = None if state_out_tokens is None else torch.as_tensor(state_out_tokens).cpu().numpy().astype(np.int64)
-    key = ("scan_plan", chunk_size, None if tokens is None else tokens.tobytes())
-    return batch.cached(key, lambda b: build_scan_plan(b, chunk_size, tokens))
+def scan_plan_of(batch: TreeBatch, chunk_size: int) -> ScanPlan:
+    """The :class:`ScanPlan` of ``batch`` (ragged layout with :data:`BUCKET`) returning the states
+    after ``batch.state_out[chunk_size]``, derived once per batch."""
+    return batch.cached(("scan_plan", chunk_size), lambda b: build_scan_plan(b, chunk_size, b.state_out.get(chunk_size)))

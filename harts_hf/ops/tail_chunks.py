@@ -22,7 +22,7 @@ States keep :class:`~harts_hf.ops.rounds.Round`'s layout: ``h_start`` in step-ma
 of a child starting at d is its state at d), ``h_final`` in rank order, then the round's requested
 mid-chunk states; ``Rounds.state_index`` applies unchanged. The driver materialises only the rows of
 these a later use reads (:class:`~harts_hf.ops.scan_plan.ScanPlan`, derived once per batch and
-``state_out_tokens``).
+``batch.state_out``).
 
 Legend: Tc chunks of a round, C chunk size, L a stream's chunk length, P paths of the round, R requested
 mid-chunk states.

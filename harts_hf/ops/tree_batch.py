@@ -7,13 +7,16 @@ microbatch: those ancestors are its *context*. Layers read context through expli
 
 Index spaces: "combined" = ``cat([context, piece])`` (context first, both in DFS order);
 ``num_context`` = len(context). For a whole forest the context is empty and combined == piece.
-Per-kind structures (attention blocks, linear-attention rounds, conv gather tables) are derived
-lazily by the op modules through :meth:`TreeBatch.cached`, once per batch, not once per layer.
+Per-kind structures (attention blocks, linear-attention rounds, conv gather tables) are built by
+the op modules through :meth:`TreeBatch.cached`, once per batch, not once per layer; each builder
+is kept, so ``harts_hf.schedule`` can build a model's tables for a new batch on the host before
+the model runs and move them to the device with :meth:`TreeBatch.to` (the layers then only read).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +39,12 @@ class TreeBatch:
         global_end: [Nc + N] exclusive end of the token's subtree, in forest indices: k is an
             ancestor-or-self of q iff ``global_index[k] <= global_index[q] < global_end[k]``.
         num_context: Nc, the leading tokens that ran in earlier microbatches.
+        state_out: per linear-attention chunk size C, the combined indices (host, sorted) of the
+            own tokens whose recurrent states the linear ops return (later pieces start from
+            them; each sits just before a chunk boundary); absent: none.
         handoff: for a piece run by ``harts_hf.engine``, the object that gives each layer call its
             context inputs and keeps the boundary outputs later pieces read (the modeling kinds
-            call it); None for a whole forest.
+            call it); None for a whole forest. Set on a per-run view (:meth:`with_handoff`).
     """
 
     position: torch.Tensor
@@ -46,8 +52,10 @@ class TreeBatch:
     global_index: torch.Tensor
     global_end: torch.Tensor
     num_context: int = 0
+    state_out: Mapping[int, np.ndarray] = field(default_factory=dict)
     handoff: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
+    _builders: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_forest(
@@ -96,7 +104,56 @@ class TreeBatch:
         return self.position.device
 
     def cached(self, key: Hashable, build: Callable[[TreeBatch], Any]) -> Any:
-        """``build(self)`` computed once per batch and key (e.g. ``("rounds", chunk_size)``)."""
+        """``build(self)`` computed once per batch and key (e.g. ``("rounds", chunk_size)``).
+        ``build`` may read the batch and model constants only (it is replayed on other batches)."""
         if key not in self._cache:
             self._cache[key] = build(self)
+            self._builders[key] = build
         return self._cache[key]
+
+    @property
+    def builders(self) -> dict[Hashable, Callable[[TreeBatch], Any]]:
+        """The tables built so far: key -> builder (what the layers that ran read)."""
+        return dict(self._builders)
+
+    def with_state_out(self, state_out: Mapping[int, np.ndarray]) -> TreeBatch:
+        """The same tokens returning the states after ``state_out`` (new tables)."""
+        state_out = {int(c): np.asarray(t, dtype=np.int64) for c, t in state_out.items()}
+        return dataclasses.replace(self, state_out=state_out, handoff=None, _cache={}, _builders={})
+
+    def with_handoff(self, handoff: Any) -> TreeBatch:
+        """A view for one run of the engine: the same tables, this ``handoff``."""
+        return dataclasses.replace(self, handoff=handoff)
+
+    def to(self, device: torch.device | str) -> TreeBatch:
+        """The batch and its tables on ``device`` (fields named ``*_cpu`` and numpy arrays stay)."""
+        memo: dict[int, Any] = {}
+        move = lambda x: _to_device(x, torch.device(device), memo)
+        fields = {f: move(getattr(self, f)) for f in ("position", "prev", "global_index", "global_end")}
+        cache = {key: move(value) for key, value in self._cache.items()}
+        return dataclasses.replace(self, **fields, handoff=None, _cache=cache, _builders=dict(self._builders))
+
+
+def _to_device(x: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+    """``x`` with every tensor it holds (dataclass fields, tuples, lists, dicts) on ``device``;
+    an object reached twice is moved once."""
+    if id(x) in memo:
+        return memo[id(x)]
+    if isinstance(x, torch.Tensor):
+        out = x.to(device)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changes = {
+            f.name: _to_device(getattr(x, f.name), device, memo)
+            for f in dataclasses.fields(x)
+            if f.init and not f.name.endswith("_cpu")
+        }
+        out = dataclasses.replace(x, **changes)
+    elif isinstance(x, (list, tuple)):
+        items = [_to_device(v, device, memo) for v in x]
+        out = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    elif isinstance(x, dict):
+        out = {k: _to_device(v, device, memo) for k, v in x.items()}
+    else:
+        out = x
+    memo[id(x)] = out
+    return out

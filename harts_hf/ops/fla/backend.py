@@ -128,7 +128,7 @@ def _fla_kind(kind: str, torch_fn: Callable, prepare: Callable[[Arguments], Argu
     """Register and return the fla implementation of ``kind``, with ``torch_fn``'s signature.
 
     ``prepare`` rewrites the bound arguments before they reach the driver; what it must leave
-    (beyond q, k, v, g, beta, context, initial_states, state_out_tokens) are ``batch``,
+    (beyond q, k, v, g, beta, context, initial_states) are ``batch``,
     ``chunk_size``, ``scale`` and the delta rules' ``use_qk_l2norm``.
     """
     signature = inspect.signature(torch_fn)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 
 from ..tree_batch import TreeBatch
@@ -38,19 +37,6 @@ def _table(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> tor
     return torch.cat((ctx.to(own), own, own.new_zeros((1, *own.shape[1:]))))
 
 
-def _from_bank(bank: dict[int, torch.Tensor], source: np.ndarray, row: np.ndarray) -> torch.Tensor:
-    """[len(row), H, K, V] states at bank addresses, gathered once per source."""
-    order = np.argsort(source, kind="stable")
-    parts = []
-    for s in np.unique(source):
-        rows = row[source == s]
-        parts.append(bank[int(s)][torch.as_tensor(rows, device=bank[int(s)].device)])
-    out = torch.cat(parts)
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    return out[torch.as_tensor(inverse, device=out.device)]
-
-
 def run_waves(
     kernel: SegmentKernel,
     batch: TreeBatch,
@@ -65,12 +51,11 @@ def run_waves(
     scale: float,
     context: Mapping[str, torch.Tensor] | None = None,
     initial_states: torch.Tensor | None = None,
-    state_out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every wave of ``batch`` through ``kernel``; q, k [N, Hk, K] (expanded here to v's H heads),
     v [N, H, V], g, beta as the kind takes them. Returns o [N, H, V] in v's dtype and the states
-    after ``state_out_tokens`` [S, H, K, V] fp32 (None if not asked)."""
-    waves: Waves = waves_of(batch, chunk_size, cut, state_out_tokens)
+    after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32 (None if not asked)."""
+    waves: Waves = waves_of(batch, chunk_size, cut)
     rounds = waves.rounds
     nc = batch.num_context
     own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
@@ -89,7 +74,7 @@ def run_waves(
     outs = []
     for w, wave in enumerate(waves.waves):
         packed = {name: t[wave.gather].unsqueeze(0) for name, t in tables.items()}  # [1, T, ...]
-        h0 = _from_bank(bank, wave.h0_source, wave.h0_row)
+        h0 = wave.h0.take(bank)
         o, h_chunks, h_final = kernel(
             packed["q"],
             packed["k"],
@@ -106,7 +91,4 @@ def run_waves(
             bank[1 + 2 * w] = h_chunks[:: h_chunks.shape[0] * chunk_size // o.shape[1]]  # every C-chunk's
         bank[2 + 2 * w] = h_final
     o = torch.cat(outs)[waves.own_index].to(v.dtype)  # [N, H, V]
-    if state_out_tokens is None:
-        return o, None
-    source, row = waves.state_address(torch.as_tensor(state_out_tokens).cpu().numpy())
-    return o, _from_bank(bank, source, row)
+    return o, None if waves.state_out is None else waves.state_out.take(bank)

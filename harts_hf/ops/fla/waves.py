@@ -31,7 +31,31 @@ import torch
 from ..rounds import Rounds, rounds_of
 from ..tree_batch import TreeBatch
 
-__all__ = ["Wave", "Waves", "waves_of"]
+__all__ = ["BankRows", "Wave", "Waves", "waves_of"]
+
+
+@dataclass(frozen=True, eq=False)
+class BankRows:
+    """States at bank addresses (module docstring), device-ready: ``rows[i]`` of bank entry
+    ``sources[i]``, concatenated, then reordered by ``order`` into the addresses' order."""
+
+    sources: tuple[int, ...]
+    rows: list[torch.Tensor]
+    order: torch.Tensor
+
+    @classmethod
+    def of(cls, source: np.ndarray, row: np.ndarray, device: torch.device) -> BankRows:
+        sources = np.unique(source)
+        grouped = np.argsort(source, kind="stable")
+        order = np.empty_like(grouped)
+        order[grouped] = np.arange(grouped.size)
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)
+        return cls(tuple(int(s) for s in sources), [as_t(row[source == s]) for s in sources], as_t(order))
+
+    def take(self, bank: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[len(addresses), H, K, V] the addressed states of ``bank``."""
+        parts = [bank[s].index_select(0, rows) for s, rows in zip(self.sources, self.rows)]
+        return torch.cat(parts).index_select(0, self.order)
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,14 +66,13 @@ class Wave:
         gather: [T] combined index of each token slot (-1: neutral padding), segments contiguous.
         cu_seqlens: [S_w + 1] int32 segment boundaries (every length a multiple of C).
         cu_seqlens_cpu: the same on the CPU (fla's index helpers read it without a device sync).
-        h0_source, h0_row: [S_w] bank address of each segment's initial state.
+        h0: [S_w] each segment's initial state in the bank.
     """
 
     gather: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
-    h0_source: np.ndarray
-    h0_row: np.ndarray
+    h0: BankRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +86,7 @@ class Waves:
         state_source, state_row: [P, max chunks + 1] bank address of path p's state at chunk
             boundary m (m = 0: its initial state, m = its chunk count: its final state); -1 where
             the layout holds no such state (an interior boundary nobody needs, when cutting).
+        state_out: the states after ``batch.state_out[C]`` in the bank (None: none asked).
     """
 
     waves: list[Wave]
@@ -70,15 +94,11 @@ class Waves:
     rounds: Rounds
     state_source: np.ndarray
     state_row: np.ndarray
+    state_out: BankRows | None
 
     @property
     def num_waves(self) -> int:
         return len(self.waves)
-
-    def state_address(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Bank (source, row) of the state after each of ``tokens`` (see ``Rounds.state_index``)."""
-        path, boundary = _boundary_of(self.rounds, np.asarray(tokens, dtype=np.int64).reshape(-1))
-        return self.state_source[path, boundary], self.state_row[path, boundary]
 
 
 def _path_ids(rounds: Rounds) -> np.ndarray:
@@ -113,10 +133,11 @@ def _boundary_of(rounds: Rounds, tokens: np.ndarray) -> tuple[np.ndarray, np.nda
     return path, boundary
 
 
-def build_waves(batch: TreeBatch, chunk_size: int, cut: bool, state_out: tuple[int, ...] = ()) -> Waves:
+def build_waves(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
     """Segments and waves of ``batch`` (module docstring); with ``cut``, the boundaries of the
-    caller's ``state_out`` tokens are cut too."""
+    states ``batch.state_out[chunk_size]`` asks for are cut too."""
     C = chunk_size
+    state_out = batch.state_out.get(C)
     rounds = rounds_of(batch, C)
     num_paths, chunks = rounds.num_paths, rounds.path_chunks
     ids = _path_ids(rounds)
@@ -141,8 +162,8 @@ def build_waves(batch: TreeBatch, chunk_size: int, cut: bool, state_out: tuple[i
     if cut:
         has_parent = parent >= 0
         cuts[parent[has_parent], parent_boundary[has_parent]] = True
-        if state_out:
-            p, m = _boundary_of(rounds, np.asarray(state_out, dtype=np.int64))
+        if state_out is not None and state_out.size:
+            p, m = _boundary_of(rounds, state_out)
             cuts[p, m] = True
     cuts &= np.arange(width) <= chunks[:, None]
     seg_path, seg_start = np.nonzero(cuts & (np.arange(width) < chunks[:, None]))  # path order, then chunk
@@ -168,12 +189,38 @@ def build_waves(batch: TreeBatch, chunk_size: int, cut: bool, state_out: tuple[i
             inner = paths[:, None], np.arange(1, width)[None, :]
             avail[inner] = np.where(np.arange(1, width) < chunks[paths, None], start_wave[paths, None], avail[inner])
     return _assemble(
-        batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
+        batch,
+        rounds,
+        ids,
+        C,
+        cut,
+        seg_path,
+        seg_start,
+        seg_end,
+        seg_wave,
+        parent,
+        parent_boundary,
+        input_row,
+        width,
+        state_out,
     )
 
 
 def _assemble(
-    batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
+    batch,
+    rounds,
+    ids,
+    C,
+    cut,
+    seg_path,
+    seg_start,
+    seg_end,
+    seg_wave,
+    parent,
+    parent_boundary,
+    input_row,
+    width,
+    state_out,
 ) -> Waves:
     """Token gathers, cu_seqlens, output index and state bank addresses of the waves."""
     num_paths = rounds.num_paths
@@ -207,14 +254,12 @@ def _assemble(
     device = batch.device
     table = torch.cat([rd.gather for rd in rounds.rounds]).view(-1, C)  # [all chunks, C]
     rows = torch.as_tensor(chunk_row, device=device)
-    waves = []
+    packed = []  # per wave: (token gather, cu_seqlens on the CPU)
     for w in range(num_waves):
         segs = order[wave_off[w] : wave_off[w + 1]]
         cu = np.concatenate(([0], np.cumsum(seg_end[segs] - seg_start[segs]) * C))
-        cu_cpu = torch.as_tensor(cu, dtype=torch.int32)
-        gather = table[rows[wave_chunk_off[w] : wave_chunk_off[w + 1]]].flatten()
-        waves.append(
-            Wave(gather, cu_cpu.to(device), cu_cpu, np.zeros(segs.size, np.int64), np.zeros(segs.size, np.int64))
+        packed.append(
+            (table[rows[wave_chunk_off[w] : wave_chunk_off[w + 1]]].flatten(), torch.as_tensor(cu, dtype=torch.int32))
         )
 
     # Own outputs: token -> its step-major slot -> its wave slot.
@@ -238,14 +283,18 @@ def _assemble(
         has = parent[paths] >= 0
         source[paths, 0] = np.where(has, source[parent[paths], parent_boundary[paths]], 0)
         row[paths, 0] = np.where(has, row[parent[paths], parent_boundary[paths]], input_row[paths])
-    for w, wave in enumerate(waves):
+    waves = []
+    for w, (gather, cu_cpu) in enumerate(packed):
         segs = order[wave_off[w] : wave_off[w + 1]]
-        wave.h0_source[:] = source[seg_path[segs], seg_start[segs]]
-        wave.h0_row[:] = row[seg_path[segs], seg_start[segs]]
-    return Waves(waves, torch.as_tensor(own_index, device=device), rounds, source, row)
+        h0 = BankRows.of(source[seg_path[segs], seg_start[segs]], row[seg_path[segs], seg_start[segs]], device)
+        waves.append(Wave(gather, cu_cpu.to(device), cu_cpu, h0))
+    out = None
+    if state_out is not None:
+        path, boundary = _boundary_of(rounds, state_out)
+        out = BankRows.of(source[path, boundary], row[path, boundary], device)
+    return Waves(waves, torch.as_tensor(own_index, device=device), rounds, source, row, out)
 
 
-def waves_of(batch: TreeBatch, chunk_size: int, cut: bool, state_out: torch.Tensor | None = None) -> Waves:
+def waves_of(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
     """The waves of ``batch`` (module docstring), derived once per batch and layout."""
-    out = () if state_out is None or not cut else tuple(torch.as_tensor(state_out).cpu().tolist())
-    return batch.cached(("fla_waves", chunk_size, cut, out), lambda b: build_waves(b, chunk_size, cut, out))
+    return batch.cached(("fla_waves", chunk_size, cut), lambda b: build_waves(b, chunk_size, cut))

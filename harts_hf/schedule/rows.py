@@ -1,0 +1,34 @@
+"""Trajectory rows: where each column of TRL's per-trajectory layout comes from among the pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..forest import RolloutForest
+
+__all__ = ["TrajectoryRows"]
+
+
+@dataclass(frozen=True)
+class TrajectoryRows:
+    """Where each column of TRL's ``[B, max_len - 1]`` layout comes from: ``pair`` [B, L - 1] the pair
+    (non-root compact token, forest order) whose target is token t + 1, where ``valid``."""
+
+    pair: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> TrajectoryRows:
+        pair_of = np.maximum(np.cumsum(forest.prev >= 0) - 1, 0)  # [N] pair number of each target token
+        target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
+        valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+        return cls(torch.as_tensor(pair_of[target], device=device), torch.as_tensor(valid, device=device))
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """[P] pair values -> [B, max_len - 1], exactly 0 past each row's end."""
+        if values.numel() == 0:  # nothing to predict: zeros still on the graph (zero gradients, as stock)
+            return values.new_zeros(self.pair.shape) + values.sum()
+        return torch.where(self.valid, values[self.pair], 0.0)
