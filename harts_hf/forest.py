@@ -312,6 +312,15 @@ class RolloutForest:
         return np.arange(self.num_trajectory_tokens) - self.traj_offsets[self._traj_row]
 
     @cached_property
+    def logprob_targets(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(target, valid)`` [B, max_len - 1]: column t of row i is the log-prob of the compact
+        token ``target[i, t]`` (the trajectory's token t + 1, predicted by ``prev`` of it) where
+        ``valid[i, t]``; 0 elsewhere."""
+        target = self.padded(self.restore, fill=0)[:, 1:]
+        valid = self.padded(np.ones(self.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+        return np.where(valid, target, 0), valid
+
+    @cached_property
     def logprob_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where per-trajectory log-probs come from, in the ``[B, max_len - 1]`` layout.
 
@@ -320,8 +329,5 @@ class RolloutForest:
         point's last token predicts a different next token for each child: the same compact
         predictor index appears once per child, never a duplicated compact token.
         """
-        idx = self.padded(self.restore, fill=0)
-        valid = self.padded(np.ones(self.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
-        predictor = np.where(valid, idx[:, :-1], 0)
-        target = np.where(valid, self.tokens[idx[:, 1:]], 0)
-        return predictor, target, valid
+        target, valid = self.logprob_targets
+        return np.where(valid, self.prev[target], 0), np.where(valid, self.tokens[target], 0), valid

@@ -4,7 +4,7 @@ of the suite must not see triton). Tiny shapes: the interpreter runs kernels in 
 
 Covered: our delta-rule state-gradient kernel; the registry choosing the fla backend; the
 zero-extra-round kernels of the diagonal kinds (``diagonal.py``) and of the delta rules
-(``delta.py``, on our state-gradient kernel) on fla's real chunk pieces (fla's state kernels,
+(``delta.py``, on our state-gradient kernel) on fla's real chunk functions (fla's state kernels,
 which the interpreter refuses, and KDA's token-parallel intra kernel, too slow there, have
 PyTorch stand-ins); the tree conv on fla's
 real ``causal_conv1d`` forward and backward kernels (only its dh0 kernel, which the interpreter
@@ -300,7 +300,7 @@ ROUNDS_TREES = {"boundaries": boundary_tree} | {
 @pytest.fixture
 def state_refs(monkeypatch: pytest.MonkeyPatch) -> None:
     """fla's state kernels by their PyTorch references, and KDA's token-parallel intra kernel (which
-    the interpreter runs, but one program per token: minutes); every other fla piece (and our
+    the interpreter runs, but one program per token: minutes); every other fla function (and our
     delta-rule state-gradient kernel) runs for real."""
     monkeypatch.setitem(diagonal.STATE_KERNELS, "fwd_h", fla_state_reference.chunk_fwd_h)
     monkeypatch.setitem(diagonal.STATE_KERNELS, "bwd_dh", fla_state_reference.chunk_bwd_dh)
@@ -409,7 +409,7 @@ def test_rounds_piece_matches_torch_backend(kind: str, state_refs) -> None:
 
 @pytest.mark.parametrize("kind", ["simple_gla", "gated_delta"])
 def test_rounds_states_only_gradients(kind: str, state_refs) -> None:
-    """A loss on the state outputs alone (no gradient reaches o: fla's pieces get a zero do)."""
+    """A loss on the state outputs alone (no gradient reaches o: fla's kernels get a zero do)."""
     forest = RolloutForest.from_sequences(boundary_tree(np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
     batch = batch.with_state_out({64: chunk_closing(batch, 64)})

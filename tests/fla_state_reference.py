@@ -3,7 +3,7 @@ diagonal kinds' ``chunk_fwd_h`` and ``chunk_bwd_dh`` (fla/ops/common/chunk_h.py)
 ``harts_hf.ops.fla.diagonal.STATE_KERNELS``, and the delta rule's state forward
 (``chunk_gated_delta_rule_fwd_h``, fla/ops/common/chunk_delta_h.py, as launched by
 ``harts_hf.ops.fla.delta.fwd_h_fp32``), put in ``harts_hf.ops.fla.delta.STATE_KERNELS``. The CPU
-tests run every other fla piece for real.
+tests run every other fla function for real.
 
 Written from the recurrence, with fla's conventions: batch 1 varlen (``cu_seqlens``), chunking
 restarting at every sequence start, gates ``g`` [1, T, H] or ``gk`` [1, T, H, K] as chunk-local

@@ -12,7 +12,7 @@ from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.segments import segment_rounds, segments_of
+from harts_hf.planner.node_parts import node_parts_of, round_counts
 
 COST = CostModel(token=1.5, pair=0.25, round=0.0, microbatch=0.0)
 
@@ -80,11 +80,11 @@ def test_common_prefix_of_trajectories(forests, rng):
 @pytest.mark.parametrize("build", nasty_tree_params())
 def test_rounds_of_whole_forests_match_ops(build, rng):
     forest = RolloutForest.from_sequences(build(rng))
-    assert segment_rounds(forest.node_parent).max() == build_rounds(TreeBatch.from_forest(forest), 64).num_rounds
+    assert round_counts(forest.node_parent).max() == build_rounds(TreeBatch.from_forest(forest), 64).num_rounds
 
 
 @pytest.mark.parametrize("build", nasty_tree_params())
-def test_segments_of_random_pieces_match_tree_batches(build, rng):
+def test_node_parts_of_random_pieces_match_tree_batches(build, rng):
     """Random DFS ranges as microbatches: rounds and external entries as ops.rounds derives them."""
     forest = RolloutForest.from_sequences(build(rng))
     geo = Geometry.of([forest], COST)
@@ -92,12 +92,12 @@ def test_segments_of_random_pieces_match_tree_batches(build, rng):
     cuts = np.unique(np.r_[0, rng.integers(1, n, 4), n])
     lo, hi = cuts[:-1], cuts[1:]
     mb = np.arange(lo.size)
-    seg = segments_of(geo, mb, lo, hi, lo.size)
+    parts = node_parts_of(geo, mb, lo, hi, lo.size)
     for m in range(lo.size):
         batch = TreeBatch.from_forest(forest, tokens=np.arange(lo[m], hi[m]))
         rd = build_rounds(batch, 8)
-        assert seg.rounds[m] == rd.num_rounds
-        entries = np.sort(seg.lo[seg.external & (seg.mb == m)])
+        assert parts.rounds[m] == rd.num_rounds
+        entries = np.sort(parts.lo[parts.external & (parts.mb == m)])
         local = batch.prev.numpy()[batch.num_context :]
         expect = batch.global_index.numpy()[batch.num_context :][(local >= 0) & (local < batch.num_context)]
         np.testing.assert_array_equal(entries, np.sort(expect))

@@ -7,7 +7,7 @@ Legend: N piece tokens (the queries), Nc context tokens, Nk = Nc + N keys (combi
 see ``TreeBatch``); Hq query heads, Hkv key/value heads, R = Hq // Hkv; D, Dv head dims;
 Bq queries per block, nb blocks, G blocks in a group, K keys of a block (padded).
 
-Layout: the DFS-ordered queries are cut into blocks of Bq consecutive tokens. A key serves
+Blocks: the DFS-ordered queries are cut into blocks of Bq consecutive tokens. A key serves
 every block that holds a token of its subtree; in DFS order those blocks form ONE contiguous
 range, so all blocks' key lists (the union of their tokens' root paths) come out of one
 repeat and one sort. Blocks whose key counts round up to the same size share a bucket; a
@@ -75,12 +75,12 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     last = np.searchsorted(piece, hi) - 1
     b_lo = first // block_size
     count = np.where(last >= first, last // block_size - b_lo + 1, 0)
-    key = np.repeat(np.arange(nk), count)
-    block = b_lo[key] + np.arange(key.size) - np.repeat(np.cumsum(count) - count, count)
-    order = np.argsort(block, kind="stable")
-    key, block = key[order], block[order]
+    # (key, block) pairs key-major, then block-major by a stable sort (radix on 16-bit block ids).
+    block = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - b_lo, count)
+    order = np.argsort(block.astype(np.int16 if nb < 1 << 15 else np.int64), kind="stable")
+    key = np.repeat(np.arange(nk), count)[order]
     per_block = np.bincount(block, minlength=nb)
-    rank = np.arange(key.size) - np.repeat(np.cumsum(per_block) - per_block, per_block)
+    block_start = np.cumsum(per_block) - per_block  # first pair of each block, block-major
 
     size = _padded_size(per_block, block_size)
     by_size = np.argsort(size, kind="stable")
@@ -90,7 +90,7 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     base = np.concatenate(([0], np.cumsum(sizes * rows)))
     offset = base[np.searchsorted(sizes, size)] + row * size  # flat offset of each block's row
     flat = np.full(int(base[-1]), nk, dtype=np.int64)
-    flat[offset[block] + rank] = key
+    flat[np.repeat(offset - block_start, per_block) + np.arange(key.size)] = key
 
     def as_t(a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.long, device=batch.device)
@@ -155,7 +155,7 @@ def _with_pad_row(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Layout:
+class _Blocked:
     """Block layouts of one call, rebuilt in backward (nothing quadratic is kept in between).
 
     Queries are pre-multiplied by ``scale`` (divided by ``softcap`` when capping), so a group's
@@ -173,7 +173,7 @@ class _Layout:
     seed: int
 
     @classmethod
-    def of(cls, q, k, v, sinks, blocks: _Blocks, scale, softcap, window, dropout, seed) -> _Layout:
+    def of(cls, q, k, v, sinks, blocks: _Blocks, scale, softcap, window, dropout, seed) -> _Blocked:
         hkv = k.shape[1]
         qb = _to_blocks(q, blocks.num_blocks, blocks.block_size, hkv)
         qb.mul_(_q_factor(scale, softcap))
@@ -227,7 +227,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, blocks: _Blocks, scale, softcap, window, dropout, seed, group_elements):
-        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
+        lay = _Blocked.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
         acc = _acc(q)
         out = lay.qb.new_zeros(*lay.qb.shape[:4], v.shape[-1], dtype=acc)  # [Hkv, nb, R, Bq, Dv]
         lse = lay.qb.new_zeros(lay.qb.shape[:4], dtype=acc)  # [Hkv, nb, R, Bq]
@@ -254,7 +254,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         blocks, scale, softcap, window, dropout, seed, group_elements = ctx.args
-        lay = _Layout.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
+        lay = _Blocked.of(q, k, v, sinks, blocks, scale, softcap, window, dropout, seed)
         acc = _acc(q)
         dob = _to_blocks(grad, blocks.num_blocks, blocks.block_size, k.shape[1])  # [Hkv, nb, R, Bq, Dv]
         delta = (dob.to(acc) * out).sum(-1)  # [Hkv, nb, R, Bq] rowsum(dO * O)

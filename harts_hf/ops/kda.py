@@ -4,7 +4,7 @@ Recurrence: ``S_t = diag(exp(g_t)) S_{t-1}``, then ``S_t += beta_t k_t (v_t - k_
 ``o_t = scale * q_t S_t``, with ``g`` [.., H, K]. The chunk-scan kernel follows the shared interface
 (see ``linear_attention.py``) and follows transformers' torch ``chunk_kimi_delta_attention``
 (models/kimi_linear) step by step, so tree training matches what the stock model computes trajectory
-by trajectory to fp32 rounding. Two intra-chunk pieces are computed differently for speed, with the
+by trajectory to fp32 rounding. Two intra-chunk terms are computed differently for speed, with the
 same values: the decayed scores by sub-chunks (:func:`harts_hf.ops.gla.channel_decay_scores`, no
 [C, C, K] tensor) and the UT transform by a triangular solve (not row-wise forward substitution).
 

@@ -174,4 +174,6 @@ def _by_length(layout: list[RaggedRound]) -> tuple[np.ndarray, np.ndarray, list[
 def scan_plan_of(batch: TreeBatch, chunk_size: int) -> ScanPlan:
     """The :class:`ScanPlan` of ``batch`` (ragged layout with :data:`BUCKET`) returning the states
     after ``batch.state_out[chunk_size]``, derived once per batch."""
-    return batch.cached(("scan_plan", chunk_size), lambda b: build_scan_plan(b, chunk_size, b.state_out.get(chunk_size)))
+    return batch.cached(
+        ("scan_plan", chunk_size), lambda b: build_scan_plan(b, chunk_size, b.state_out.get(chunk_size))
+    )

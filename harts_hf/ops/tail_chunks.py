@@ -122,7 +122,7 @@ class RaggedRound:
 
 
 @dataclass
-class _Layout:
+class _Streams:
     """A round's streams before the next round's requests are known (numpy)."""
 
     rows: np.ndarray  # [Tc, C] combined index per slot of each step-major chunk, shifted to slot 0
@@ -142,7 +142,7 @@ def _visits(ranks: np.ndarray, stream: np.ndarray, base: int) -> list[tuple[int,
     return [(int(s), ranks[stream == s] - base) for s in np.unique(stream)]
 
 
-def _layout(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Layout:
+def _streams(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Streams:
     """Streams and visiting order of one round whose paths drop their first ``skip`` slots (by rank)."""
     device = rnd.gather.device
     rows = rnd.gather.cpu().numpy().reshape(-1, C).copy()  # [Tc, C]
@@ -192,7 +192,7 @@ def _layout(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Layout:
     stream_off = np.concatenate(([0], np.cumsum(sizes)))
     s_own, pos_own = np.divmod(where[chunk], rows.shape[0])
     own = stream_off[s_own] + pos_own * np.asarray(lengths)[s_own] + col
-    return _Layout(
+    return _Streams(
         rows=rows,
         lengths=lengths,
         members=chunks,
@@ -211,7 +211,7 @@ def _paths_by_rank(rounds: Rounds, r: int) -> np.ndarray:
     return paths[np.argsort(rounds.path_rank[paths])]
 
 
-def _requests(rounds: Rounds, r: int, lay: _Layout, prev: _Layout) -> tuple[np.ndarray, list[tuple[np.ndarray, ...]]]:
+def _requests(rounds: Rounds, r: int, lay: _Streams, prev: _Streams) -> tuple[np.ndarray, list[tuple[np.ndarray, ...]]]:
     """Round r's h0 rows and the mid-chunk states round r - 1 computes for it: one per branch point
     (siblings share it), grouped by stream as (stream, position in stream, row, h_start row)."""
     C = rounds.chunk_size
@@ -242,7 +242,7 @@ def build_ragged_rounds(batch: TreeBatch, chunk_size: int, bucket: int = BUCKET)
     rounds = rounds_of(batch, C)
     device = batch.device
     internal = np.where(rounds.path_parent >= 0, rounds.path_replay, 0)  # [P] replay an exact start drops
-    layouts = [_layout(rnd, internal[_paths_by_rank(rounds, r)], C, bucket) for r, rnd in enumerate(rounds.rounds)]
+    layouts = [_streams(rnd, internal[_paths_by_rank(rounds, r)], C, bucket) for r, rnd in enumerate(rounds.rounds)]
     h0s, asked = [rounds.rounds[0].h0_index.cpu().numpy()], []
     for r in range(1, len(layouts)):
         h0, req = _requests(rounds, r, layouts[r], layouts[r - 1])

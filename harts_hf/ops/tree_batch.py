@@ -116,10 +116,13 @@ class TreeBatch:
         """The tables built so far: key -> builder (what the layers that ran read)."""
         return dict(self._builders)
 
-    def with_state_out(self, state_out: Mapping[int, np.ndarray]) -> TreeBatch:
-        """The same tokens returning the states after ``state_out`` (new tables)."""
+    def with_state_out(self, state_out: Mapping[int, np.ndarray], keep: tuple[Hashable, ...] = ()) -> TreeBatch:
+        """The same tokens returning the states after ``state_out``: new tables, but for the
+        ``keep`` ones, which do not depend on it (e.g. the rounds)."""
         state_out = {int(c): np.asarray(t, dtype=np.int64) for c, t in state_out.items()}
-        return dataclasses.replace(self, state_out=state_out, handoff=None, _cache={}, _builders={})
+        cache = {key: self._cache[key] for key in keep if key in self._cache}
+        builders = {key: self._builders[key] for key in cache}
+        return dataclasses.replace(self, state_out=state_out, handoff=None, _cache=cache, _builders=builders)
 
     def with_handoff(self, handoff: Any) -> TreeBatch:
         """A view for one run of the engine: the same tables, this ``handoff``."""

@@ -30,8 +30,8 @@ from .assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_pat
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import CostModel
 from .geometry import Geometry
+from .node_parts import node_parts_of
 from .plan import Plan, build_plan
-from .segments import segments_of
 from .slots import slot_pieces
 from .split import budget_cuts
 
@@ -153,12 +153,12 @@ def trie_packing(forests: Sequence[RolloutForest], world_size: int, max_tokens: 
         shared[:, m] = np.maximum(shared[:, m], lcp[p])
         trie[i] = m
     which, lo, hi = geo.path_intervals(ends, inclusive=True)
-    span = geo.num_tokens + 1
-    key, inv = np.unique(trie[which] * span + lo, return_inverse=True)  # one interval per (trie, node)
+    stride = geo.num_tokens + 1
+    key, inv = np.unique(trie[which] * stride + lo, return_inverse=True)  # one interval per (trie, node)
     top = np.zeros(key.size, dtype=np.int64)
     np.maximum.at(top, inv, hi)
-    t_id, t_lo = key // span, key % span
-    rounds = segments_of(geo, t_id, t_lo, top, used).rounds
+    t_id, t_lo = key // stride, key % stride
+    rounds = node_parts_of(geo, t_id, t_lo, top, used).rounds
     token_cost = np.bincount(t_id, weights=geo.prefix(top) - geo.prefix(t_lo), minlength=used)
     trie_cost = token_cost + cost.round * rounds + cost.microbatch
     table = _table(_lpt(trie_cost, world_size), trie_cost, world_size)

@@ -14,7 +14,7 @@ from functools import cached_property
 import numpy as np
 
 from .assign import RankIntervals
-from .segments import find_in
+from .node_parts import find_in
 
 __all__ = ["Pieces", "merge", "pieces_of", "sequence"]
 
@@ -49,15 +49,15 @@ class Pieces:
         return np.lexsort((self.lo, self.rank))
 
     def keys(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * span + token``, and span."""
-        span = int(self.hi.max(initial=0)) + 1
+        """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * stride + token``, and stride."""
+        stride = int(self.hi.max(initial=0)) + 1
         o = self.by_token
-        return self.rank[o] * span + self.lo[o], self.rank[o] * span + self.hi[o], span
+        return self.rank[o] * stride + self.lo[o], self.rank[o] * stride + self.hi[o], stride
 
     def locate(self, rank: np.ndarray, token: np.ndarray) -> np.ndarray:
         """The piece of ``rank`` holding each global ``token``, -1 if none."""
-        lo, hi, span = self.keys()
-        i = find_in(lo, hi, rank * span + token)
+        lo, hi, stride = self.keys()
+        i = find_in(lo, hi, rank * stride + token)
         return np.where(i >= 0, self.by_token[np.maximum(i, 0)], -1)
 
 

@@ -13,7 +13,7 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    rest of its DFS sequence cut at the cost quantiles that fill every slot (``split.py``), the
    same S on every rank (the smallest S whose microbatches all fit the budget), cuts on
    chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
-3. Handoffs (``segments.py``): per microbatch, the entries (paths whose parent token ran in an
+3. Handoffs (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in an
    earlier slot of the same rank), the boundary states and replays they need, and the pieces
    holding their attention context.
 
@@ -36,8 +36,8 @@ from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel
 from .geometry import Geometry
+from .node_parts import NodeParts, find_in, node_parts_of
 from .pieces import Pieces
-from .segments import Segments, find_in, segments_of
 from .slots import slot_pieces
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
@@ -175,11 +175,11 @@ def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np
     entries' root paths, intersected with the rank's pieces."""
     which, lo, hi = geo.path_intervals(entry)
     mb = entry_mb[which]
-    span = geo.num_tokens + 1
-    key, inv = np.unique(mb * span + lo, return_inverse=True)  # one interval per (microbatch, node)
+    stride = geo.num_tokens + 1
+    key, inv = np.unique(mb * stride + lo, return_inverse=True)  # one interval per (microbatch, node)
     top = np.zeros(key.size, dtype=np.int64)
     np.maximum.at(top, inv, hi)
-    mb, lo, hi = key // span, key % span, top
+    mb, lo, hi = key // stride, key % stride, top
     rank = mb // pieces.num_slots
     p_lo, p_hi, p_span = pieces.keys()
     k1 = np.searchsorted(p_hi, rank * p_span + lo, side="right")
@@ -193,16 +193,16 @@ def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np
 
 
 def _replay(
-    geo: Geometry, pieces: Pieces, seg: Segments, entry_parent: np.ndarray, entry_rank: np.ndarray, chunk: int
+    geo: Geometry, pieces: Pieces, parts: NodeParts, entry_parent: np.ndarray, entry_rank: np.ndarray, chunk: int
 ) -> int:
     """Replay the cuts add: a parent token whose microbatch holds none of its children makes one
     more path start off the chunk grid than in the unsplit rank (see ``ops/rounds.py``)."""
-    span = geo.num_tokens + 1
-    key = np.unique(entry_rank * span + entry_parent)
-    rank, pt = key // span, key % span
+    stride = geo.num_tokens + 1
+    key = np.unique(entry_rank * stride + entry_parent)
+    rank, pt = key // stride, key % stride
     mb = pieces.microbatch[pieces.locate(rank, pt)]
-    s = find_in(seg.mb * span + seg.lo, seg.mb * span + seg.hi, mb * span + pt)
-    has_child = np.bincount(seg.parent[seg.parent >= 0], minlength=seg.lo.size) > 0
+    s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
+    has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0
     lonely = ~has_child[s]
     return int(((geo.token_depth(pt[lonely]) + 1) % chunk).sum())
 
@@ -274,14 +274,14 @@ def build_plan(
     costs, handoffs, trajectory owners; ``plan_seconds`` counts from ``began``."""
     num_mb = world_size * pieces.num_slots
     mb = pieces.microbatch
-    seg = segments_of(geo, mb, pieces.lo, pieces.hi, num_mb)
+    parts = node_parts_of(geo, mb, pieces.lo, pieces.hi, num_mb)
 
     tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=num_mb).astype(np.int64)
     token_cost = np.bincount(mb, weights=geo.prefix(pieces.hi) - geo.prefix(pieces.lo), minlength=num_mb)
-    cost_table = token_cost + cost.round * seg.rounds + cost.microbatch * (tokens > 0)
+    cost_table = token_cost + cost.round * parts.rounds + cost.microbatch * (tokens > 0)
 
-    ext = seg.external
-    entry, entry_mb, entry_parent = seg.lo[ext], seg.mb[ext], seg.parent_token[ext]
+    ext = parts.external
+    entry, entry_mb, entry_parent = parts.lo[ext], parts.mb[ext], parts.parent_token[ext]
     entry_rank = entry_mb // pieces.num_slots
     depth = geo.token_depth(entry)
     aligned = depth - depth % chunk_size
@@ -309,7 +309,7 @@ def build_plan(
         cost=cost_table.reshape(shape),
         tokens=tokens.reshape(shape),
         context=context.reshape(shape),
-        rounds=seg.rounds.reshape(shape),
+        rounds=parts.rounds.reshape(shape),
         dep_piece=dep_piece,
         dep_rank=dep_mb // pieces.num_slots,
         dep_slot=dep_mb % pieces.num_slots,
@@ -325,6 +325,6 @@ def build_plan(
         forest_digests=tuple(forest.shape_digest for forest in forests),
         num_compact_tokens=geo.num_tokens,
         replicated_tokens=int((pieces.hi - pieces.lo)[pieces.replica].sum()),
-        replay_tokens=_replay(geo, pieces, seg, entry_parent, entry_rank, chunk_size),
+        replay_tokens=_replay(geo, pieces, parts, entry_parent, entry_rank, chunk_size),
         plan_seconds=time.perf_counter() - began,
     )

@@ -12,9 +12,9 @@ import numpy as np
 from .assign import RankIntervals
 from .cost import CostModel
 from .geometry import Geometry
+from .node_parts import node_parts_of
 from .pack import pack_whole_trees
 from .pieces import Pieces, merge
-from .segments import segments_of
 from .split import budget_cuts, capped_cuts, equal_cost_cuts
 
 __all__ = ["footprint", "slot_pieces"]
@@ -47,9 +47,9 @@ def slot_pieces(
         pieces = _packed(geo, iv, world_size, slots, chunk, None)
         if fits(pieces):
             num_mb = world_size * slots
-            seg = segments_of(geo, pieces.microbatch, pieces.lo, pieces.hi, num_mb)
+            parts = node_parts_of(geo, pieces.microbatch, pieces.lo, pieces.hi, num_mb)
             busy = np.bincount(pieces.microbatch, minlength=num_mb) > 0
-            overhead = (cost.round * seg.rounds + cost.microbatch * busy).reshape(world_size, slots)
+            overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
             tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
             return _without_idle_slots(tuned if fits(tuned) else pieces)
     capped = capped_cuts(geo, iv, world_size, fewest, chunk, max_tokens)

@@ -1,4 +1,11 @@
-"""The compiled schedule: every unit (model call) of a step, device-ready before the model runs."""
+"""The compiled schedule: every unit (model call) of a step, device-ready before the model runs.
+
+- ``units.py``: :class:`Unit` (token ids, tree tables, log-prob pairs, handoff addresses) and
+  the compilers: :func:`rank_units` (a rank's row of a plan) and :func:`forest_unit` (a whole
+  forest, what ``tree_logprobs`` runs).
+- ``tables.py``: builds the tree tables a model's layers read on a host batch and moves them once.
+- ``rows.py``: :class:`TrajectoryRows`, pair values -> TRL's ``[B, max_len - 1]`` rows.
+"""
 
 from .rows import TrajectoryRows
 from .tables import Builders, build_tables, chunk_sizes

@@ -23,8 +23,7 @@ class TrajectoryRows:
     @classmethod
     def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> TrajectoryRows:
         pair_of = np.maximum(np.cumsum(forest.prev >= 0) - 1, 0)  # [N] pair number of each target token
-        target = forest.padded(forest.restore, fill=0)[:, 1:]  # [B, L - 1] compact index of each target
-        valid = forest.padded(np.ones(forest.num_trajectory_tokens, dtype=bool), fill=False)[:, 1:]
+        target, valid = forest.logprob_targets
         return cls(torch.as_tensor(pair_of[target], device=device), torch.as_tensor(valid, device=device))
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:

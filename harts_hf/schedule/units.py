@@ -21,7 +21,7 @@ import torch
 
 from ..checks import is_integer
 from ..forest import RolloutForest
-from ..ops.rounds import rounds_of
+from ..ops.rounds import ROUNDS_KEY, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
 from .tables import Builders, build_tables, chunk_sizes
@@ -202,7 +202,9 @@ def rank_units(
             slot,
             f,
             forests[f],
-            batch.with_state_out(state_out[i]) if state_out[i] else batch,
+            batch.with_state_out(state_out[i], keep=tuple((ROUNDS_KEY, C) for C in state_out[i]))
+            if state_out[i]
+            else batch,
             tokens,
             pairs_of[i],
             exports[i],

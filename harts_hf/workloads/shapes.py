@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..checks import require_positive_ints, require_probabilities
-from .pieces import assemble, node_pool, tree_paths
+from .spans import assemble, node_pool, tree_paths
 from .workload import Workload
 
 __all__ = ["caterpillar", "deep_chain", "grpo_group", "random_tree"]
@@ -114,9 +114,7 @@ def random_tree(
     require_positive_ints("random_tree", num_nodes=num_nodes, roots=roots, max_node_len=max_node_len, vocab=vocab)
     require_probabilities("random_tree", prefix_prob=prefix_prob, duplicate_prob=duplicate_prob)
     if not 1 <= roots <= num_nodes:
-        raise ValueError(
-            f"random_tree: need 1 <= roots <= num_nodes, got roots={roots}, num_nodes={num_nodes}"
-        )
+        raise ValueError(f"random_tree: need 1 <= roots <= num_nodes, got roots={roots}, num_nodes={num_nodes}")
     rng = np.random.default_rng(seed)
     v = np.arange(num_nodes)
     parent = np.where(v < roots, -1, np.floor(rng.random(num_nodes) * v).astype(np.int64))

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import require_positive_ints, require_probabilities
-from .pieces import assemble
+from .spans import assemble
 from .workload import Workload
 
 __all__ = ["CPU_SCALE", "swe_like"]
@@ -252,9 +252,7 @@ def swe_like(
     require_probabilities("swe_like", sample_prob=sample_prob, fork_prob=fork_prob)
     rng = np.random.default_rng(seed)
     task_len = TASK.draw(rng, num_tasks)
-    ln = _lanes(
-        rng, system_len + task_len, group_size, turns_mean, turns_max, max_context, sample_prob, fork_prob
-    )
+    ln = _lanes(rng, system_len + task_len, group_size, turns_mean, turns_max, max_context, sample_prob, fork_prob)
     solve_rate = rng.random(num_tasks)
     reward = (rng.random(ln.turns.size) < solve_rate[ln.task]).astype(np.float64)  # [E] per episode
     e0, lanes, t_max = num_tasks * group_size, ln.turns.size, turns_max

@@ -30,10 +30,10 @@ from ..backends import register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
 from ..kda import tree_kda_torch
+from .common import BT as FLA_CHUNK
 from .delta import DeltaChunkOp
 from .diagonal import DiagonalChunkOp
 from .driver import run_waves
-from .pieces import BT as FLA_CHUNK
 from .public_ops import SEGMENT_OPS
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Zero-extra-round segment kernels for the delta rules (GDN: per-head decay; KDA: per-channel
-decay), built from fla's lower-level chunk pieces, with the state-gradient recurrence on our
+decay), built from fla's lower-level chunk functions, with the state-gradient recurrence on our
 kernel (``delta_state_grad.py``).
 
 In the ``cut=False`` layout (``waves.py``) a child path starts where its parent's call computes
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pieces import BT, fla_chunks, fla_piece
+from .common import BT, fla_chunks, fla_function
 from .waves import Wave
 
 __all__ = ["STATE_KERNELS", "DeltaChunkOp", "fwd_h_fp32"]
@@ -80,23 +80,23 @@ def fwd_h_fp32(
 # fla's state-forward kernel (Triton's interpreter cannot run it): tests swap in a PyTorch reference.
 STATE_KERNELS = {"fwd_h": fwd_h_fp32}
 
-# fla's other pieces, in the order fla's chunk_gated_delta_rule and chunk_kda call them.
-_l2norm_fwd = fla_piece("fla.modules.norm.l2norm", "l2norm_fwd")
-_l2norm_bwd = fla_piece("fla.modules.norm.l2norm", "l2norm_bwd")
-_prepare_chunk_indices = fla_piece("fla.ops.utils", "prepare_chunk_indices")
-_local_cumsum = fla_piece("fla.ops.utils", "chunk_local_cumsum")
-_fwd_intra = fla_piece("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra")
-_recompute_w_u = fla_piece("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd")
-_wy_bwd = fla_piece("fla.ops.gated_delta_rule.wy_fast", "prepare_wy_repr_bwd")
-_fwd_o = fla_piece("fla.ops.common.chunk_o", "chunk_fwd_o")
-_bwd_dv_local = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dv_local")
-_bwd_dqkwg = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
-_kda_fwd_intra = fla_piece("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra")
-_kda_recompute_w_u = fla_piece("fla.ops.kda.wy_fast", "recompute_w_u_fwd")
-_kda_fwd_o = fla_piece("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
-_kda_bwd_dAv = fla_piece("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv")
-_kda_bwd_wy_dqkg = fla_piece("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused")
-_kda_bwd_intra = fla_piece("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra")
+# fla's other functions, in the order fla's chunk_gated_delta_rule and chunk_kda call them.
+_l2norm_fwd = fla_function("fla.modules.norm.l2norm", "l2norm_fwd")
+_l2norm_bwd = fla_function("fla.modules.norm.l2norm", "l2norm_bwd")
+_prepare_chunk_indices = fla_function("fla.ops.utils", "prepare_chunk_indices")
+_local_cumsum = fla_function("fla.ops.utils", "chunk_local_cumsum")
+_fwd_intra = fla_function("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra")
+_recompute_w_u = fla_function("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd")
+_wy_bwd = fla_function("fla.ops.gated_delta_rule.wy_fast", "prepare_wy_repr_bwd")
+_fwd_o = fla_function("fla.ops.common.chunk_o", "chunk_fwd_o")
+_bwd_dv_local = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dv_local")
+_bwd_dqkwg = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
+_kda_fwd_intra = fla_function("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra")
+_kda_recompute_w_u = fla_function("fla.ops.kda.wy_fast", "recompute_w_u_fwd")
+_kda_fwd_o = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
+_kda_bwd_dAv = fla_function("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv")
+_kda_bwd_wy_dqkg = fla_function("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused")
+_kda_bwd_intra = fla_function("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra")
 
 
 def _forward(ctx, q: T, k: T, v: T, g: T, beta: T, h0: T, wave: Wave, scale: float, l2: bool) -> tuple[T, T, T]:

@@ -1,5 +1,5 @@
 """Zero-extra-round segment kernels for the diagonal-decay kinds (GLA; simple GLA, which also
-serves Mamba2-SSD and lightning attention), built from fla's lower-level chunk pieces.
+serves Mamba2-SSD and lightning attention), built from fla's lower-level chunk functions.
 
 In the ``cut=False`` layout (``waves.py``) a child path starts where its parent's call computes
 an interior chunk-start state, so the kernel must return every chunk's start state and take
@@ -15,9 +15,9 @@ terms in h * dh then see the total)::
 
 Everything else is fla's own sequence of calls (``chunk_gla_fwd`` / ``chunk_gla_bwd``,
 ``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``): gates as chunk-local cumulative sums in
-log2 units, h recomputed in backward, fp32 states (``pieces.py``: fla imported on first use); its
+log2 units, h recomputed in backward, fp32 states (``common.py``: fla imported on first use); its
 two state kernels go through ``STATE_KERNELS`` so CPU tests
-can run every other piece in Triton's interpreter, which cannot run those two.
+can run every other function in Triton's interpreter, which cannot run those two.
 
 Legend: T packed tokens (batch 1, varlen), S sequences, NT chunks (all sequences), H heads,
 K key dim, V value dim, BT fla's chunk (64).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .pieces import BT, fla_chunks, fla_piece
+from .common import BT, fla_chunks, fla_function
 from .waves import Wave
 
 __all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
@@ -40,8 +40,8 @@ T = torch.Tensor
 
 # fla's state kernels (Triton's interpreter cannot run them): tests swap in PyTorch references.
 STATE_KERNELS = {
-    "fwd_h": fla_piece("fla.ops.common.chunk_h", "chunk_fwd_h"),
-    "bwd_dh": fla_piece("fla.ops.common.chunk_h", "chunk_bwd_dh"),
+    "fwd_h": fla_function("fla.ops.common.chunk_h", "chunk_fwd_h"),
+    "bwd_dh": fla_function("fla.ops.common.chunk_h", "chunk_bwd_dh"),
 }
 
 
@@ -100,18 +100,18 @@ def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, cu_seqlens_cpu: T, chunk
     dh0.index_add_(0, torch.as_tensor(ch.rank[: off[1]], device=dh.device), y[: off[1]])
 
 
-# fla's other pieces, in the order fla's own chunk_gla / chunk_simple_gla call them.
-_prepare_chunk_indices = fla_piece("fla.ops.utils", "prepare_chunk_indices")
-_local_cumsum = fla_piece("fla.ops.utils", "chunk_local_cumsum")
-_gla_fwd_intra = fla_piece("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
-_gla_fwd_o = fla_piece("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
-_gla_bwd_dv = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
-_gla_bwd_dA = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
-_gla_bwd_dqk_intra = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
-_gla_bwd_dqkg = fla_piece("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
-_fwd_o = fla_piece("fla.ops.common.chunk_o", "chunk_fwd_o")
-_bwd_dqkwg = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
-_bwd_dv = fla_piece("fla.ops.common.chunk_o", "chunk_bwd_dv")
+# fla's other functions, in the order fla's own chunk_gla / chunk_simple_gla call them.
+_prepare_chunk_indices = fla_function("fla.ops.utils", "prepare_chunk_indices")
+_local_cumsum = fla_function("fla.ops.utils", "chunk_local_cumsum")
+_gla_fwd_intra = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
+_gla_fwd_o = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
+_gla_bwd_dv = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
+_gla_bwd_dA = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
+_gla_bwd_dqk_intra = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
+_gla_bwd_dqkg = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
+_fwd_o = fla_function("fla.ops.common.chunk_o", "chunk_fwd_o")
+_bwd_dqkwg = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
+_bwd_dv = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dv")
 
 
 def _forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool) -> tuple[T, T, T]:
@@ -138,7 +138,7 @@ def _forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_c
 
 def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T, T, T, T]:
     """fla's chunk_gla_bwd / chunk_simple_gla_bwd, with the children's gradients added to dh and
-    dh0 before the dq/dk/dv/dg pieces read them."""
+    dh0 before the dq/dk/dv/dg kernels read them."""
     q, k, v, gc, h0, A, idx = ctx.saved_tensors
     wave, scale = ctx.wave, ctx.scale
     common = {"cu_seqlens": wave.cu_seqlens, "chunk_size": BT}

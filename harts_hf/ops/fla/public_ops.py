@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pieces import fla_piece
+from .common import fla_function
 from .waves import Wave
 
 __all__ = ["SEGMENT_OPS", "FlaChunkOp"]
@@ -42,7 +42,7 @@ class FlaChunkOp:
     ) -> tuple[T, None, T]:
         if chunks:
             raise ValueError("fla's public chunk ops return no per-chunk states: use the cut layout")
-        op = fla_piece(self.module, self.name)
+        op = fla_function(self.module, self.name)
         delta = {"beta": beta, "use_qk_l2norm_in_kernel": l2} if self.delta_rule else {}
         o, ht = op(
             q=q,

@@ -1,13 +1,13 @@
-"""Microbatches as node segments: their linear-attention rounds, entries and handoff replay.
+"""Microbatches as node parts: their linear-attention rounds, entries and handoff replay.
 
-A *segment* is the part of one node inside one piece. Inside a microbatch a segment hangs under
-the segment holding its parent token; when that token lies in an earlier microbatch the segment
-starts an *external* path (an entry): its state and context come from earlier slots.
+A *node part* is the part of one node inside one piece. Inside a microbatch a node part hangs
+under the node part holding its parent token; when that token lies in an earlier microbatch the
+node part starts an *external* path (an entry): its state and context come from earlier slots.
 
 Rounds follow ``harts_hf.ops.rounds``: r(leaf) = 1 and r(x) = the largest child round count, plus
-one when two children reach it; a microbatch needs the maximum over its segments.
+one when two children reach it; a microbatch needs the maximum over its node parts.
 
-Legend: P pieces, Q segments, B microbatches, C chunk size.
+Legend: P pieces, Q node parts, B microbatches, C chunk size.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 from ..forest import tree_levels
 from .geometry import Geometry
 
-__all__ = ["Segments", "segment_rounds", "segments_of"]
+__all__ = ["NodeParts", "node_parts_of", "round_counts"]
 
 
-def segment_rounds(parent: np.ndarray) -> np.ndarray:
+def round_counts(parent: np.ndarray) -> np.ndarray:
     """[Q] min-rounds count of the subtree under every element of a forest (``parent``, -1 at
     roots): one vectorised step per level."""
     q = parent.size
@@ -44,13 +44,13 @@ def segment_rounds(parent: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class Segments:
-    """Node segments of a set of pieces.
+class NodeParts:
+    """Node parts of a set of pieces.
 
     Args:
-        piece, mb, lo, hi: [Q] piece, microbatch and global token range of every segment.
-        parent: [Q] segment holding the parent token in the same microbatch, -1 if none.
-        parent_token: [Q] global parent token of the segment's first token (-1 at a tree root).
+        piece, mb, lo, hi: [Q] piece, microbatch and global token range of every node part.
+        parent: [Q] node part holding the parent token in the same microbatch, -1 if none.
+        parent_token: [Q] global parent token of the node part's first token (-1 at a tree root).
         rounds: [B] rounds of every microbatch (0 when empty).
     """
 
@@ -64,7 +64,7 @@ class Segments:
 
     @property
     def external(self) -> np.ndarray:
-        """[Q] segments whose first token is an entry (parent token in an earlier microbatch)."""
+        """[Q] node parts whose first token is an entry (parent token in an earlier microbatch)."""
         return (self.parent < 0) & (self.parent_token >= 0)
 
 
@@ -75,8 +75,8 @@ def find_in(keys_lo: np.ndarray, keys_hi: np.ndarray, query: np.ndarray) -> np.n
     return np.where(ok, i, -1)
 
 
-def segments_of(geo: Geometry, mb: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_mb: int) -> Segments:
-    """Segments of pieces ``lo:hi`` (global tokens) in microbatches ``mb``, sorted by (mb, lo)."""
+def node_parts_of(geo: Geometry, mb: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_mb: int) -> NodeParts:
+    """Node parts of pieces ``lo:hi`` (global tokens) in microbatches ``mb``, sorted by (mb, lo)."""
     first, last = geo.node_of(lo), geo.node_of(hi - 1)
     count = last - first + 1
     piece = np.repeat(np.arange(lo.size), count)
@@ -85,13 +85,13 @@ def segments_of(geo: Geometry, mb: np.ndarray, lo: np.ndarray, hi: np.ndarray, n
     s_hi = np.minimum(geo.start[v] + geo.length[v], hi[piece])
     s_mb = mb[piece]
     pt = geo.parent_token(s_lo)
-    span = geo.num_tokens + 1
-    key = s_mb * span + s_lo
+    stride = geo.num_tokens + 1
+    key = s_mb * stride + s_lo
     order = np.argsort(key, kind="stable")
     piece, v, s_lo, s_hi, s_mb, pt, key = (a[order] for a in (piece, v, s_lo, s_hi, s_mb, pt, key))
-    parent = find_in(key, s_mb * span + s_hi, s_mb * span + pt)
+    parent = find_in(key, s_mb * stride + s_hi, s_mb * stride + pt)
     parent = np.where(pt >= 0, parent, -1)
-    r = segment_rounds(parent)
+    r = round_counts(parent)
     rounds = np.zeros(num_mb, dtype=np.int64)
     np.maximum.at(rounds, s_mb, r)
-    return Segments(piece, s_mb, s_lo, s_hi, parent, pt, rounds)
+    return NodeParts(piece, s_mb, s_lo, s_hi, parent, pt, rounds)

@@ -1,10 +1,10 @@
-"""Assemble trajectories from *pieces*: ranges of a token pool that trajectories share.
+"""Assemble trajectories from *spans*: ranges of a token pool that trajectories share.
 
-Generators describe every trajectory as an ordered list of pieces (system prompt, task text,
-tool call, tree node, ...). Two trajectories that list the same piece share its tokens, which
+Generators describe every trajectory as an ordered list of spans (system prompt, task text,
+tool call, tree node, ...). Two trajectories that list the same span share its tokens, which
 is how a generator says "these prefixes are identical" without copying token arrays by hand.
 
-Legend: P pieces, B trajectories, T total trajectory tokens.
+Legend: S spans, B trajectories, T total trajectory tokens.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ def assemble(
 
     Args:
         pool: [pool size] int64 token ids.
-        traj: [P] trajectory of each piece; a trajectory's pieces appear in order (a stable sort
+        traj: [S] trajectory of each span; a trajectory's spans appear in order (a stable sort
             by ``traj`` keeps them in order).
-        start, length: [P] pool range of each piece (zero-length pieces are allowed).
-        trained: [P] loss-mask value of each piece's tokens.
+        start, length: [S] pool range of each span (zero-length spans are allowed).
+        trained: [S] loss-mask value of each span's tokens.
     """
     order = np.argsort(traj, kind="stable")
     traj, start, length, trained = traj[order], start[order], length[order], trained[order]
     total = int(length.sum())
-    piece_off = np.cumsum(length) - length  # [P] offset of each piece in the flat layout
-    flat = np.repeat(start - piece_off, length) + np.arange(total)  # [T] pool index
+    span_off = np.cumsum(length) - length  # [S] offset of each span in the flat layout
+    flat = np.repeat(start - span_off, length) + np.arange(total)  # [T] pool index
     ids = pool[flat]
     mask = np.repeat(trained.astype(bool), length)
     lengths = np.bincount(traj, weights=length, minlength=num_traj).astype(np.int64)
@@ -73,9 +73,7 @@ def node_pool(
     group_first = np.flatnonzero(np.r_[True, parent[order][1:] != parent[order][:-1]])
     group_size = np.diff(np.r_[group_first, order.size])
     if group_size.max() > vocab:
-        raise ValueError(
-            f"{group_size.max()} siblings cannot start with distinct tokens of a vocab of {vocab}"
-        )
+        raise ValueError(f"{group_size.max()} siblings cannot start with distinct tokens of a vocab of {vocab}")
     rank = np.empty(order.size, dtype=np.int64)
     rank[order] = np.arange(order.size) - np.repeat(group_first, group_size)
     base = np.repeat(rng.integers(0, vocab, group_first.size), group_size)

@@ -1,5 +1,5 @@
 """What the fla backend's zero-extra-round segment kernels share (``diagonal.py``, ``delta.py``):
-fla's chunk size, fla's lower-level pieces imported on first use (importing harts_hf never imports
+fla's chunk size, fla's lower-level functions imported on first use (importing harts_hf never imports
 triton), and the autograd Function around a kind's forward / backward sequence of fla calls.
 """
 
@@ -12,12 +12,12 @@ import torch
 
 from ...chunking import CHUNK_SIZE
 
-__all__ = ["BT", "fla_chunks", "fla_piece"]
+__all__ = ["BT", "fla_chunks", "fla_function"]
 
 BT = CHUNK_SIZE  # fla's chunk size (its kernels are written for 64-token chunks): per-chunk states sit on this grid
 
 
-def fla_piece(module: str, name: str) -> Callable:
+def fla_function(module: str, name: str) -> Callable:
     """fla's ``module.name``, imported when first called."""
     return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
 
