@@ -18,7 +18,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-__all__ = ["RolloutForest", "tree_levels"]
+__all__ = ["RolloutForest", "chain_starts", "tree_levels", "trie_order"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -31,6 +31,20 @@ def tree_levels(parent: np.ndarray) -> np.ndarray:
         level[active] += level[up]
         jump[active] = jump[up]
     return level
+
+
+def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
+    """Indices of ``seqs`` (non-negative ids) in lexicographic order, a prefix before its
+    extensions: the order of their leaves in the trie's DFS pre-order."""
+    keys = [np.asarray(s, dtype=np.int64).astype(">u8").tobytes() for s in seqs]  # big-endian compares like ids
+    return np.asarray(sorted(range(len(seqs)), key=keys.__getitem__), dtype=np.int64)
+
+
+def chain_starts(prev: np.ndarray) -> np.ndarray:
+    """[N] whether each token (``prev``: its parent, -1 at a root) starts a chain, the maximal
+    unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
+    children = np.bincount(prev[prev >= 0], minlength=prev.size)
+    return (prev < 0) | (children[np.maximum(prev, 0)] != 1)
 
 
 def _as_ids(seq, i: int) -> np.ndarray:
@@ -141,9 +155,7 @@ class RolloutForest:
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         lcp = np.zeros(len(arrays), dtype=np.int64)
         if share_prefixes:
-            # Big-endian bytes compare like the id sequences (a prefix sorts before its extensions).
-            order = sorted(range(len(arrays)), key=lambda i: arrays[i].astype(">u8").tobytes())
-            order = np.asarray(order, dtype=np.int64)
+            order = trie_order(arrays)
             for r in range(1, len(order)):
                 lcp[r] = _common_prefix(arrays[order[r - 1]], arrays[order[r]])
         else:
@@ -202,8 +214,7 @@ class RolloutForest:
     def _nodes(prev: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, dict]:
         """Compress chains into nodes: a token starts a node unless it is its parent's only child."""
         n = prev.size
-        children = np.bincount(prev[prev >= 0], minlength=n)
-        starts = (prev < 0) | (children[np.maximum(prev, 0)] != 1)
+        starts = chain_starts(prev)
         node_start = np.flatnonzero(starts)
         node_of = np.cumsum(starts) - 1
         node_len = np.diff(np.append(node_start, n))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..forest import tree_levels
+from ..forest import chain_starts, tree_levels
 from .tree_batch import TreeBatch
 
 __all__ = ["ROUNDS_KEY", "Round", "Rounds", "build_rounds", "rounds_of"]
@@ -188,8 +188,7 @@ def _nodes(local_prev: np.ndarray, position: np.ndarray):
     Piece tokens need not be contiguous per chain (a context sibling subtree may sit in
     between), so chains are found by pointer jumping, not by index ranges."""
     n = local_prev.size
-    children = np.bincount(local_prev[local_prev >= 0], minlength=n)
-    starts = (local_prev < 0) | (children[np.maximum(local_prev, 0)] != 1)
+    starts = chain_starts(local_prev)
     head = _pointer_jump(np.where(starts, np.arange(n), local_prev))
     node_id = np.cumsum(starts) - 1
     node_of = node_id[head]

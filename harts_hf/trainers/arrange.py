@@ -31,22 +31,15 @@ Legend: B rows of this rank's generation batch, R ranks, S microbatches per gene
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ..forest import RolloutForest
+from ..forest import RolloutForest, trie_order
 from ..planner import plan
 from .rows import row_sequences
 
-__all__ = ["arrange", "batch_sequences", "equal_shares", "trie_order"]
-
-
-def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
-    """Row indices in lexicographic (DFS pre-order) order of their token sequences."""
-    keys = [np.asarray(s, dtype=np.int64).astype(">u8").tobytes() for s in seqs]
-    return np.asarray(sorted(range(len(seqs)), key=keys.__getitem__), dtype=np.int64)
+__all__ = ["arrange", "batch_sequences", "equal_shares"]
 
 
 def batch_sequences(batch: dict) -> list[np.ndarray]:

@@ -189,38 +189,12 @@ def build_waves(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
             inner = paths[:, None], np.arange(1, width)[None, :]
             avail[inner] = np.where(np.arange(1, width) < chunks[paths, None], start_wave[paths, None], avail[inner])
     return _assemble(
-        batch,
-        rounds,
-        ids,
-        C,
-        cut,
-        seg_path,
-        seg_start,
-        seg_end,
-        seg_wave,
-        parent,
-        parent_boundary,
-        input_row,
-        width,
-        state_out,
+        batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
     )
 
 
 def _assemble(
-    batch,
-    rounds,
-    ids,
-    C,
-    cut,
-    seg_path,
-    seg_start,
-    seg_end,
-    seg_wave,
-    parent,
-    parent_boundary,
-    input_row,
-    width,
-    state_out,
+    batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
 ) -> Waves:
     """Token gathers, cu_seqlens, output index and state bank addresses of the waves."""
     num_paths = rounds.num_paths
@@ -288,7 +262,7 @@ def _assemble(
         segs = order[wave_off[w] : wave_off[w + 1]]
         h0 = BankRows.of(source[seg_path[segs], seg_start[segs]], row[seg_path[segs], seg_start[segs]], device)
         waves.append(Wave(gather, cu_cpu.to(device), cu_cpu, h0))
-    out = None
+    out, state_out = None, batch.state_out.get(C)
     if state_out is not None:
         path, boundary = _boundary_of(rounds, state_out)
         out = BankRows.of(source[path, boundary], row[path, boundary], device)
