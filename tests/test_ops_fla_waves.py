@@ -25,7 +25,7 @@ from harts_hf.ops import backends
 from harts_hf.ops.fla import backend
 from harts_hf.ops.fla.diagonal import inject_state_grads
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
-from harts_hf.ops.fla.waves import waves_of
+from harts_hf.ops.fla.waves import ChunkSteps, waves_of
 from harts_hf.ops.gated_delta import tree_gated_delta_rule_torch
 from harts_hf.ops.gla import tree_gla_torch, tree_simple_gla_torch
 from harts_hf.ops.kda import tree_kda_torch
@@ -199,7 +199,7 @@ def test_inject_state_grads_matches_autograd(per_channel: bool) -> None:
         return torch.stack([e.grad for e in ends]), h0.grad
 
     dh, dh0 = grads(with_ext=False)
-    inject_state_grads(dh, dh0, ext, gc, torch.tensor(cu, dtype=torch.int32), CHUNK)
+    inject_state_grads(dh, dh0, ext, gc, ChunkSteps.of(np.asarray(cu), CHUNK, torch.device("cpu")))
     ref_dh, ref_dh0 = grads(with_ext=True)
     assert not torch.allclose(dh0, grads(with_ext=False)[1])
     assert_close("dh", ref_dh, dh)

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .common import BT, fla_chunks, fla_function
-from .waves import Wave
+from .waves import ChunkSteps, Wave
 
 __all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
 
@@ -45,59 +44,25 @@ STATE_KERNELS = {
 }
 
 
-@dataclass(frozen=True)
-class _Chunks:
-    """fla's chunk rows of a varlen call in step-major order, for the reverse scan: local chunk 0
-    of every sequence, then chunk 1 of those that have one, ..., longest sequences first within
-    each step, so a step's successors are the leading rows of the next step.
-
-    Args:
-        order: [NT] fla row of each step-major row.
-        last: [NT] packed index of each step-major chunk's last token.
-        offsets: [max chunks + 1] step-major start of each local chunk index.
-        rank: [S] sequences longest first (the position within each step).
-    """
-
-    order: np.ndarray
-    last: np.ndarray
-    offsets: np.ndarray
-    rank: np.ndarray
-
-    @classmethod
-    def of(cls, cu_seqlens_cpu: T, chunk: int) -> _Chunks:
-        cu = cu_seqlens_cpu.numpy().astype(np.int64)
-        lengths = np.diff(cu)
-        counts = -(-lengths // chunk)
-        rank = np.argsort(-counts, kind="stable")
-        active = counts.size - np.searchsorted(np.sort(counts), np.arange(counts.max(initial=0)), side="right")
-        offsets = np.concatenate(([0], np.cumsum(active)))
-        step = np.repeat(np.arange(active.size), active)  # local chunk index of each step-major row
-        seq = rank[np.arange(step.size) - offsets[step]]
-        order = np.cumsum(counts)[seq] - counts[seq] + step
-        last = cu[seq] + np.minimum((step + 1) * chunk, lengths[seq]) - 1
-        return cls(order, last, offsets, rank)
-
-
-def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, cu_seqlens_cpu: T, chunk: int = BT) -> None:
+def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, steps: ChunkSteps) -> None:
     """Adds the gradients children put on chunk-start states to fla's state gradients, in place
     (the module docstring's Y recurrence), one batched step per local chunk index.
 
     dh [NT, H, K, V] fp32: fla's gradient of each chunk's end state; dh0 [S, H, K, V] fp32;
     dh_ext [NT, H, K, V]: gradient of each chunk's start state (fla's ``h`` rows); gc [T, H] or
     [T, H, K]: chunk-local cumulative log2 gates (at a chunk's last token: its total, G_c / ln 2);
-    cu_seqlens_cpu [S + 1].
+    ``steps``: the call's chunks in step-major order (compiled with its wave).
     """
-    ch = _Chunks.of(cu_seqlens_cpu, chunk)
-    order = torch.as_tensor(ch.order, device=dh.device)
+    order = steps.order
     y = dh_ext[order].float()  # [NT, H, K, V] step-major, becomes Y
-    a = torch.exp2(gc[torch.as_tensor(ch.last, device=gc.device)].float())  # [NT, H] or [NT, H, K]
+    a = torch.exp2(gc[steps.last].float())  # [NT, H] or [NT, H, K]
     a = a.reshape(*a.shape[:2], -1, 1)  # [NT, H, K or 1, 1]
-    off = ch.offsets
-    for c in range(off.size - 3, -1, -1):
+    off = steps.offsets
+    for c in range(len(off) - 3, -1, -1):
         n = off[c + 2] - off[c + 1]  # sequences with a chunk c + 1: the leading ones of step c
         y[off[c] : off[c] + n].addcmul_(a[off[c] : off[c] + n], y[off[c + 1] : off[c + 1] + n])
     dh.index_add_(0, order[off[1] :] - 1, y[off[1] :])
-    dh0.index_add_(0, torch.as_tensor(ch.rank[: off[1]], device=dh.device), y[: off[1]])
+    dh0.index_add_(0, steps.first_rank, y[: off[1]])
 
 
 # fla's other functions, in the order fla's own chunk_gla / chunk_simple_gla call them.
@@ -150,7 +115,7 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
         q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, **gate, states_in_fp32=True, **common
     )
     if dh_ext is not None:
-        inject_state_grads(dh[0], dh0, dh_ext, gc[0], wave.cu_seqlens_cpu)
+        inject_state_grads(dh[0], dh0, dh_ext, gc[0], wave.steps)
     if ctx.per_channel:
         dv = _gla_bwd_dv(k=k, g=gc, A=A, do=do, dh=dh, chunk_indices=idx, **common)
         dA = _gla_bwd_dA(v=v, do=do, scale=scale, chunk_indices=idx, **common)

@@ -30,8 +30,9 @@ import torch
 
 from ..rounds import Rounds, rounds_of
 from ..tree_batch import TreeBatch
+from .common import BT
 
-__all__ = ["BankRows", "Wave", "Waves", "waves_of"]
+__all__ = ["BankRows", "ChunkSteps", "Wave", "Waves", "waves_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +60,41 @@ class BankRows:
 
 
 @dataclass(frozen=True, eq=False)
+class ChunkSteps:
+    """A wave's fla chunk rows in step-major order, for the diagonal kinds' reverse scan of state
+    gradients (``diagonal.inject_state_grads``): local chunk 0 of every sequence, then chunk 1 of
+    those that have one, ..., longest sequences first within each step, so a step's successors
+    are the leading rows of the next step.
+
+    Args:
+        order: [NT] fla row of each step-major row.
+        last: [NT] packed index of each step-major chunk's last token.
+        offsets: [max chunks + 1] step-major start of each local chunk index.
+        first_rank: [offsets[1]] the sequence of each step-0 row (longest first).
+    """
+
+    order: torch.Tensor
+    last: torch.Tensor
+    offsets: tuple[int, ...]
+    first_rank: torch.Tensor
+
+    @classmethod
+    def of(cls, cu: np.ndarray, chunk: int, device: torch.device) -> ChunkSteps:
+        cu = np.asarray(cu, dtype=np.int64)
+        lengths = np.diff(cu)
+        counts = -(-lengths // chunk)
+        rank = np.argsort(-counts, kind="stable")
+        active = counts.size - np.searchsorted(np.sort(counts), np.arange(counts.max(initial=0)), side="right")
+        offsets = np.concatenate(([0], np.cumsum(active)))
+        step = np.repeat(np.arange(active.size), active)  # local chunk index of each step-major row
+        seq = rank[np.arange(step.size) - offsets[step]]
+        order = np.cumsum(counts)[seq] - counts[seq] + step
+        last = cu[seq] + np.minimum((step + 1) * chunk, lengths[seq]) - 1
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)
+        return cls(as_t(order), as_t(last), tuple(int(o) for o in offsets), as_t(rank[: offsets[1]]))
+
+
+@dataclass(frozen=True, eq=False)
 class Wave:
     """One packed fla call.
 
@@ -67,12 +103,14 @@ class Wave:
         cu_seqlens: [S_w + 1] int32 segment boundaries (every length a multiple of C).
         cu_seqlens_cpu: the same on the CPU (fla's index helpers read it without a device sync).
         h0: [S_w] each segment's initial state in the bank.
+        steps: its fla chunks step-major (state-gradient injection of the diagonal kinds).
     """
 
     gather: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     h0: BankRows
+    steps: ChunkSteps
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,7 +299,7 @@ def _assemble(
     for w, (gather, cu_cpu) in enumerate(packed):
         segs = order[wave_off[w] : wave_off[w + 1]]
         h0 = BankRows.of(source[seg_path[segs], seg_start[segs]], row[seg_path[segs], seg_start[segs]], device)
-        waves.append(Wave(gather, cu_cpu.to(device), cu_cpu, h0))
+        waves.append(Wave(gather, cu_cpu.to(device), cu_cpu, h0, ChunkSteps.of(cu_cpu.numpy(), BT, device)))
     out, state_out = None, batch.state_out.get(C)
     if state_out is not None:
         path, boundary = _boundary_of(rounds, state_out)
