@@ -38,7 +38,7 @@ GROUP_ELEMENTS = 1 << 22  # scores per group (heads included): 16 MiB per fp32 t
 @dataclass(frozen=True)
 class _Bucket:
     blocks: torch.Tensor  # [B] block ids
-    keys: torch.Tensor  # [B, K] combined key index; Nk (a zero row) where padded
+    keys: torch.Tensor  # [B, K] int32 combined key index; Nk (a zero row) where padded
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,12 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     first = np.searchsorted(piece, lo)
     last = np.searchsorted(piece, hi) - 1
     b_lo = first // block_size
-    count = np.where(last >= first, last // block_size - b_lo + 1, 0)
-    # (key, block) pairs key-major, then block-major by a stable sort (radix on 16-bit block ids).
-    block = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - b_lo, count)
-    order = np.argsort(block.astype(np.int16 if nb < 1 << 15 else np.int64), kind="stable")
-    key = np.repeat(np.arange(nk), count)[order]
-    per_block = np.bincount(block, minlength=nb)
-    block_start = np.cumsum(per_block) - per_block  # first pair of each block, block-major
+    b_hi = np.where(last >= first, last // block_size, -1)
+    # Keys serving block b: b_lo <= b <= b_hi (counted by differences of cumulative counts).
+    has = b_hi >= 0
+    opened = np.cumsum(np.bincount(b_lo[has], minlength=nb))
+    closed = np.cumsum(np.bincount(b_hi[has], minlength=nb))
+    per_block = opened - np.concatenate(([0], closed[:-1]))
 
     size = _padded_size(per_block, block_size)
     by_size = np.argsort(size, kind="stable")
@@ -89,8 +88,10 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     row[by_size] = np.arange(nb) - np.repeat(start, rows)
     base = np.concatenate(([0], np.cumsum(sizes * rows)))
     offset = base[np.searchsorted(sizes, size)] + row * size  # flat offset of each block's row
-    flat = np.full(int(base[-1]), nk, dtype=np.int64)
-    flat[np.repeat(offset - block_start, per_block) + np.arange(key.size)] = key
+    flat = np.full(int(base[-1]), nk, dtype=np.int32)  # the largest table of a batch: 32-bit rows (Nk < 2^31)
+    for b, (at, count) in enumerate(zip(offset.tolist(), per_block.tolist())):  # its keys, ascending
+        end = nc + min(n, (b + 1) * block_size)  # later piece tokens start in later blocks
+        flat[at : at + count] = np.flatnonzero((b_lo[:end] <= b) & (b_hi[:end] >= b))
 
     def as_t(a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.long, device=batch.device)
@@ -98,7 +99,7 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     buckets = tuple(
         _Bucket(
             blocks=as_t(by_size[start[u] : start[u] + rows[u]]),
-            keys=as_t(flat[base[u] : base[u + 1]].reshape(rows[u], sizes[u])),
+            keys=torch.as_tensor(flat[base[u] : base[u + 1]].reshape(rows[u], sizes[u]), device=batch.device),
         )
         for u in range(sizes.size)
     )

@@ -69,22 +69,18 @@ class TreeBatch:
         if tokens is None:
             combined = np.arange(n)
             num_context = 0
+            prev = forest.prev
         else:
             tokens = np.unique(np.asarray(tokens, dtype=np.int64))
             if tokens.size == 0 or tokens[0] < 0 or tokens[-1] >= n:
                 raise ValueError(f"piece tokens must be non-empty compact indices in [0, {n})")
-            in_piece = np.zeros(n, dtype=bool)
-            in_piece[tokens] = True
-            # A token is context iff it is outside the piece and its subtree holds a piece token.
-            count = np.concatenate(([0], np.cumsum(in_piece)))
-            holds = count[forest.subtree_end] - count[np.arange(n)] > 0
-            context = np.flatnonzero(holds & ~in_piece)
+            context = _context(forest, tokens)
             combined = np.concatenate((context, tokens))
             num_context = int(context.size)
-        local = np.full(n, -1, dtype=np.int64)
-        local[combined] = np.arange(combined.size)
-        parent = forest.prev[combined]
-        prev = np.where(parent >= 0, local[np.maximum(parent, 0)], -1)
+            # The parent of a combined token is combined (or -1): its row among the sorted combined.
+            order = np.argsort(combined, kind="stable")
+            parent = forest.prev[combined]
+            prev = np.where(parent >= 0, order[np.searchsorted(combined[order], np.maximum(parent, 0))], -1)
         as_t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)
         return cls(
             position=as_t(forest.position[combined]),
@@ -130,11 +126,42 @@ class TreeBatch:
 
     def to(self, device: torch.device | str) -> TreeBatch:
         """The batch and its tables on ``device`` (fields named ``*_cpu`` and numpy arrays stay)."""
+        device = torch.device(device)
+        if device == self.device:  # built where it runs (a CPU model): nothing to move
+            return dataclasses.replace(self, handoff=None, _cache=dict(self._cache), _builders=dict(self._builders))
         memo: dict[int, Any] = {}
-        move = lambda x: _to_device(x, torch.device(device), memo)
+        move = lambda x: _to_device(x, device, memo)
         fields = {f: move(getattr(self, f)) for f in ("position", "prev", "global_index", "global_end")}
         cache = {key: move(value) for key, value in self._cache.items()}
         return dataclasses.replace(self, **fields, handoff=None, _cache=cache, _builders=dict(self._builders))
+
+
+def _in_sorted(x: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
+    """[len(x)] whether each of ``x`` is in ``sorted_values`` (sorted, unique)."""
+    at = np.minimum(np.searchsorted(sorted_values, x), sorted_values.size - 1)
+    return sorted_values[at] == x
+
+
+def _context(forest: RolloutForest, tokens: np.ndarray) -> np.ndarray:
+    """The ancestors of the piece ``tokens`` (sorted) outside it, sorted: the root paths of the
+    parents outside the piece, climbed node by node (an ancestor node is an ancestor whole; in
+    the parent's own node, its tokens from the node's start to it). Never touches the rest of
+    the forest, so a rank's units cost their own size, not the forest's."""
+    parent = forest.prev[tokens]
+    parent = np.unique(parent[(parent >= 0) & ~_in_sorted(parent, tokens)])
+    node = forest.node_of[parent]
+    lo, hi = [forest.node_start[node]], [parent + 1]
+    visited = np.zeros(forest.node_start.size, dtype=bool)
+    node = np.unique(forest.node_parent[node])
+    while (node := node[node >= 0]).size:
+        node = node[~visited[node]]
+        visited[node] = True
+        lo.append(forest.node_start[node])
+        hi.append(forest.node_start[node] + forest.node_len[node])
+        node = np.unique(forest.node_parent[node])
+    lo, length = np.concatenate(lo), np.concatenate(hi) - np.concatenate(lo)
+    ancestors = np.unique(np.repeat(lo - np.cumsum(length) + length, length) + np.arange(length.sum()))
+    return ancestors[~_in_sorted(ancestors, tokens)]
 
 
 def _to_device(x: Any, device: torch.device, memo: dict[int, Any]) -> Any:

@@ -1,0 +1,59 @@
+"""The compiled schedule's mechanics: tables built on the host move to the device once, as one
+graph of objects (a table reached twice is moved once), keeping what must stay on the host (fla's
+``*_cpu`` fields, numpy arrays); a batch that already lives there shares its tables; a new
+``state_out`` rebuilds every table but the ones named."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from trees import NASTY_TREES
+
+from harts_hf.forest import RolloutForest
+from harts_hf.ops.attention import tree_attention
+from harts_hf.ops.fla.waves import waves_of
+from harts_hf.ops.rounds import rounds_of
+from harts_hf.ops.tree_batch import TreeBatch
+
+META = torch.device("meta")
+
+
+def piece_batch() -> TreeBatch:
+    forest = RolloutForest.from_sequences(NASTY_TREES["branch_at_65"](np.random.default_rng(0)))
+    batch = TreeBatch.from_forest(forest, np.flatnonzero(forest.position >= 40))  # context: depths 0-39
+    out = np.flatnonzero((batch.position.numpy() + 1) % 64 == 0)
+    return batch.with_state_out({64: out[out >= batch.num_context]})
+
+
+def test_to_moves_every_table_once_and_keeps_host_fields() -> None:
+    batch = piece_batch()
+    waves = waves_of(batch, 64, cut=True)
+    q, ctx = torch.randn(batch.num_tokens, 2, 8), torch.randn(batch.num_context, 2, 8)
+    tree_attention(q, q, q, batch, context_kv=(ctx, ctx), scale=1.0)  # builds its blocks, as a layer would
+    moved = batch.to(META)
+    assert set(moved._cache) == set(batch._cache) and moved.builders.keys() == batch.builders.keys()
+    assert moved.position.device == META and batch.position.device.type == "cpu"
+    got = moved._cache[("fla_waves", 64, True)]
+    assert got.rounds is moved._cache[("rounds", 64)], "an object reached twice is moved once"
+    assert got.own_index.device == META and got.waves[0].gather.device == META
+    assert got.waves[0].cu_seqlens.device == META and got.waves[0].cu_seqlens_cpu.device.type == "cpu"
+    assert got.waves[0].h0.order.device == META and got.state_out is not None
+    assert isinstance(got.state_source, np.ndarray) and got.state_source is waves.state_source
+    blocks = next(v for k, v in moved._cache.items() if k[0] == "attention")
+    assert all(b.keys.device == META and b.keys.dtype == torch.int32 for b in blocks.buckets)
+
+
+def test_to_the_same_device_shares_the_tables() -> None:
+    batch = piece_batch()
+    rounds = rounds_of(batch, 64)
+    same = batch.to("cpu")
+    assert same is not batch and same._cache[("rounds", 64)] is rounds
+
+
+def test_with_state_out_keeps_only_the_named_tables() -> None:
+    batch = piece_batch()
+    rounds = rounds_of(batch, 64)
+    waves_of(batch, 64, cut=True)
+    again = batch.with_state_out({64: np.zeros(0, dtype=np.int64)}, keep=(("rounds", 64),))
+    assert list(again._cache) == [("rounds", 64)] and again._cache[("rounds", 64)] is rounds
+    assert again.state_out[64].size == 0 and batch.state_out[64].size
