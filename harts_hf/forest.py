@@ -323,6 +323,12 @@ class RolloutForest:
         return np.arange(self.num_trajectory_tokens) - self.traj_offsets[self._traj_row]
 
     @cached_property
+    def pair_number(self) -> np.ndarray:
+        """[N] the number of the (predictor, target) pair whose target is each token, pairs
+        numbered in forest order (every non-root token is one); -1 at a root."""
+        return np.cumsum(self.prev >= 0) - 1
+
+    @cached_property
     def logprob_targets(self) -> tuple[np.ndarray, np.ndarray]:
         """``(target, valid)`` [B, max_len - 1]: column t of row i is the log-prob of the compact
         token ``target[i, t]`` (the trajectory's token t + 1, predicted by ``prev`` of it) where

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -111,10 +110,11 @@ class TreeEngine:
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
         # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
         # the numbers of the pairs it produces.
-        pair_of = [np.cumsum(f.prev >= 0) - 1 for f in self.forests]
         self.num_pairs = [int((f.prev >= 0).sum()) for f in self.forests]
         self._layouts = [TrajectoryRows.of(f, self.device) for f in self.forests]
-        self._pair_index = [torch.as_tensor(pair_of[u.forest][u.pairs], device=self.device) for u in self.units]
+        self._pair_index = [
+            torch.as_tensor(self.forests[u.forest].pair_number[u.pairs], device=self.device) for u in self.units
+        ]
         self._handoff: Handoff | None = None
 
     def logprobs(

@@ -8,15 +8,14 @@ before the model runs, so the layers only read them.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
 from ..forest import RolloutForest
-from ..ops.backends import ENV
+from ..ops.backends import requested
 from ..ops.tree_batch import TreeBatch
-from ..schedule import Builders, build_tables
+from ..schedule import Builders
 from . import _compat
 from .adapters import FamilyAdapter
 from .kinds import TREE_KWARG
@@ -49,12 +48,11 @@ def run_base(hf, adapter: FamilyAdapter, input_ids: torch.Tensor, batch: TreeBat
 def model_tables(hf, adapter: FamilyAdapter) -> Builders:
     """The table builders ``hf``'s tree layers use (module docstring)."""
     weight = hf.get_output_embeddings().weight
-    key = (os.environ.get(ENV, "auto"), weight.device, weight.dtype)
+    key = (requested(), weight.device, weight.dtype)
     per_model = _TABLES.setdefault(hf, {})
     if key not in per_model:
         forest = RolloutForest.from_sequences(_PROBE)
-        batch = TreeBatch.from_forest(forest)
-        probe = build_tables(batch, {}, weight.device)
+        probe = TreeBatch.from_forest(forest, device=weight.device)
         devices = [weight.device] if weight.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             run_base(hf, adapter, torch.as_tensor(forest.tokens, device=weight.device), probe)

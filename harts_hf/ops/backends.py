@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["dispatch", "implementation", "register", "registered"]
+__all__ = ["dispatch", "implementation", "register", "registered", "requested"]
 
 logger = logging.getLogger(__name__)
 ENV = "HARTS_BACKEND"
@@ -61,12 +61,17 @@ def registered(kind: str) -> list[str]:
     return list(_REGISTRY.get(kind, {}))
 
 
+def requested() -> str:
+    """The backend ``HARTS_BACKEND`` asks for (normalised; "auto" when unset)."""
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+
+
 def implementation(kind: str, *args, **kwargs) -> Callable:
     """The implementation of ``kind`` that serves this call (``args``/``kwargs`` are the call's)."""
     if kind not in _REGISTRY:
         raise KeyError(f"unknown tree-op kind {kind!r}; registered kinds: {sorted(_REGISTRY)}")
     entries = _REGISTRY[kind]
-    wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    wanted = requested()
     if wanted == "auto":
         candidates = [name for name in entries if name != "torch"] + ["torch"]
     elif wanted in entries:

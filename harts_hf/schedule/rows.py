@@ -22,9 +22,9 @@ class TrajectoryRows:
 
     @classmethod
     def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> TrajectoryRows:
-        pair_of = np.maximum(np.cumsum(forest.prev >= 0) - 1, 0)  # [N] pair number of each target token
         target, valid = forest.logprob_targets
-        return cls(torch.as_tensor(pair_of[target], device=device), torch.as_tensor(valid, device=device))
+        pair = np.maximum(forest.pair_number[target], 0)  # columns past a row's end read pair 0, masked
+        return cls(torch.as_tensor(pair, device=device), torch.as_tensor(valid, device=device))
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """[P] pair values -> [B, max_len - 1], exactly 0 past each row's end."""
