@@ -147,14 +147,36 @@ def test_planned_pieces_and_ranks(world_size, shape):
     assert_same(ref, engine_run(model, forest, the_plan, loss_fn, per_token=True))
 
 
-def test_gradient_checkpointing_keeps_layer_names():
-    model = patch_model(tiny_model("qwen3_5"))
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])  # kimi: three convs in one mixer
+def test_gradient_checkpointing_keeps_layer_names(family, monkeypatch):
+    """Calls are named by the module whose forward makes them (no hooks anywhere): checkpoint
+    recomputation reruns those forwards and finds the same names."""
+    model = patch_model(tiny_model(family))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     seqs, forest = _forest(5)
     loss_fn = sequence_loss(forest)
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
-    assert_same(ref, engine_run(model, forest, dfs_cut_plan(forest, np.array([30, 64, 70])), loss_fn))
+    the_plan = dfs_cut_plan(forest, np.array([30, 64, 70]))
+
+    def no_hooks(*args, **kwargs):
+        raise AssertionError("the engine registered a module hook")
+
+    for name in ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook"):
+        monkeypatch.setattr(torch.nn.Module, name, no_hooks)
+    monkeypatch.setattr(torch.nn.modules.module, "register_module_forward_pre_hook", no_hooks)
+    assert_same(ref, engine_run(model, forest, the_plan, loss_fn))
+
+
+def test_refuses_a_module_shared_between_layers():
+    """One attention module called by two layers cannot hand its context over per layer: refused
+    while recording, not mixed up."""
+    model = patch_model(tiny_model("llama"))
+    model.model.layers[1].self_attn = model.model.layers[0].self_attn
+    _, forest = _forest(0)
+    engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([40])))
+    with pytest.raises(RuntimeError, match="LlamaAttention ran its 'attention' call twice"):
+        engine.logprobs()
 
 
 def test_single_microbatch_holds_one_graph():

@@ -28,8 +28,7 @@ Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -115,14 +114,13 @@ class TreeEngine:
         self._pair_index = [
             torch.as_tensor(self.forests[u.forest].pair_number[u.pairs], device=self.device) for u in self.units
         ]
-        self._handoff: Handoff | None = None
 
     def logprobs(
         self, return_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """No-grad per-trajectory log-probs: per forest [B_f, L_f - 1] in TRL's layout (rows this
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
-        with torch.no_grad(), self._hooks():
+        with torch.no_grad():
             lp, ent = self._record(Store(), return_entropy)
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
@@ -137,7 +135,7 @@ class TreeEngine:
         backward passes accumulate gradients outside any DDP reducer. Entropies carry no gradient."""
         _check_no_dropout(self.hf)
         store = Store()
-        with torch.no_grad(), self._hooks():
+        with torch.no_grad():
             values, ents = self._record(store, return_entropy)
         anchor = next((p for p in self.hf.parameters() if p.requires_grad), None)
         if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
@@ -161,10 +159,9 @@ class TreeEngine:
         if per_token and return_entropy:
             raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
         store = Store()
-        with self._hooks():
-            if per_token or len(self.units) == 1:
-                return self._stream(store, loss_fn, return_entropy)
-            return self._replay(store, loss_fn, return_entropy)
+        if per_token or len(self.units) == 1:
+            return self._stream(store, loss_fn, return_entropy)
+        return self._replay(store, loss_fn, return_entropy)
 
     def _stream(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
         """Units nobody reads from: forward, loss, backward at once; the others: recorded now and
@@ -258,26 +255,9 @@ class TreeEngine:
 
     def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[p] log-probs (and entropies) of the unit's pairs."""
-        self._handoff = handoff
         out = run_base(self.hf, self.adapter, unit.input_ids, unit.batch.with_handoff(handoff))
         hidden = out.last_hidden_state[0]  # [N, H]
         return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
-
-    @contextlib.contextmanager
-    def _hooks(self) -> Iterator[None]:
-        """Pre-hooks on every base-model module naming each tree call after the module that ran
-        last before it; checkpoint recomputation reruns the same modules, so it finds the same names."""
-
-        def enter(name: str) -> Callable:
-            return lambda module, args: self._handoff.enter(name) if self._handoff is not None else None
-
-        handles = [m.register_forward_pre_hook(enter(n)) for n, m in self.hf.base_model.named_modules()]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-            self._handoff = None
 
 
 class _Replay(torch.autograd.Function):
@@ -299,7 +279,7 @@ class _Replay(torch.autograd.Function):
                 "again for another backward pass"
             )
         grads = [torch.zeros(n, device=engine.device) if g is None else g for g, n in zip(grads, engine.num_pairs)]
-        with torch.enable_grad(), engine._hooks():
+        with torch.enable_grad():
             engine._replay_units(ctx.store, grads)
         ctx.store = None
         return (None, None, None, *[None] * len(grads))

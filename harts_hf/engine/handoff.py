@@ -1,13 +1,13 @@
 """Handoffs: what a unit gives the later units of its rank, and the gradients they send back.
 
-Every tree-aware layer call of a unit (``modeling/kinds.py``, ``modeling/attention.py``) asks its
-:class:`Handoff` for the context rows of its inputs (K/V, conv inputs, linear-attention inputs for
-the replay) and for the recurrent states its external paths start from, and hands over the same
-inputs at the unit's export rows and the states after its state-export tokens (``batch.state_out``);
-every row and state address is compiled with the unit (``harts_hf.schedule.units``). A call is named
-``(module, kind, n)``: the n-th call of that kind since the base-model module ``module`` was
-entered (the engine's pre-hooks say which), so gradient checkpointing's recomputation, which
-reruns the same modules, finds the same names.
+Every tree-aware layer call of a unit (``modeling/kinds.py``, ``modeling/attention.py``) asks the
+unit's :class:`Handoff` (the :class:`~harts_hf.modeling.calls.LayerHandoff` its tree kwarg carries)
+for the context rows of its inputs (K/V, conv inputs, linear-attention inputs for the replay) and
+for the recurrent states its external paths start from, and hands over the same inputs at the
+unit's export rows and the states after its state-export tokens (``batch.state_out``); every row
+and state address is compiled with the unit (``harts_hf.schedule.units``). A call is named
+``(module, kind, n)`` by the view its module takes when its forward starts (``calls.called_by``),
+so gradient checkpointing's recomputation, which reruns the same forwards, finds the same names.
 
 Recording (no grad) stores detached values in the rank's :class:`Store`. In the backward pass a
 unit reruns with grad: the context it reads are fresh leaves over the stored values, whose
@@ -19,16 +19,19 @@ Legend: Nc context tokens, X export rows, E external states, S state exports, C 
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Hashable, Mapping
 
 import torch
+from torch import nn
 
+from ..modeling.calls import LayerHandoff
 from ..schedule import Gather, Unit
 
 __all__ = ["Handoff", "Store"]
 
-Key = tuple[int, Hashable, str]  # (unit, call name, field)
+Key = tuple[int, Hashable, str]  # (unit, call name (module, kind, n), field)
 
 
 class Store:
@@ -50,7 +53,7 @@ class Store:
                 del table[key]
 
 
-class Handoff:
+class Handoff(LayerHandoff):
     """One run of one unit: its layer calls' context in, boundary values out (module docstring).
     Every address comes compiled with the unit (``harts_hf.schedule.units``)."""
 
@@ -58,20 +61,26 @@ class Handoff:
         self.store = store
         self.unit = unit
         self.grad = grad
-        self.module = ""
+        self.module: nn.Module | None = None
         self.leaves: dict[Key, torch.Tensor] = {}
         self.live: dict[Key, torch.Tensor] = {}
         self._calls: Counter = Counter()
 
-    def enter(self, module: str) -> None:
-        self.module = module
-        self._calls.clear()
+    def at(self, module: nn.Module) -> Handoff:
+        """The view ``module``'s calls use during one run of its forward (records shared)."""
+        view = copy.copy(self)
+        view.module, view._calls = module, Counter()
+        return view
 
-    def call(self, name: str) -> Hashable:
-        """The name of the current module's next ``name`` call."""
-        n = self._calls[name]
-        self._calls[name] += 1
-        return (self.module, name, n)
+    def call(self, kind: str) -> Hashable:
+        if self.module is None:
+            raise RuntimeError(
+                f"a tree {kind!r} call ran outside any module that names its calls (an attention module or a "
+                "mixer the family adapter declares): the adapter does not match this model's modeling code"
+            )
+        n = self._calls[kind]
+        self._calls[kind] += 1
+        return (self.module, kind, n)
 
     def context(self, call: Hashable, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Keep ``values`` ([N, ...] each) at the export rows; return their context rows [Nc, ...]."""
@@ -93,15 +102,23 @@ class Handoff:
 
     def _keep(self, key: Key, value: torch.Tensor) -> None:
         if not self.grad:
+            if key in self.store.values:
+                module, kind, _ = key[1]
+                raise RuntimeError(
+                    f"{type(module).__name__} ran its {kind!r} call twice in one forward (a module shared between "
+                    "layers): its context cannot be handed between microbatches; raise the microbatch budget so "
+                    "each forest runs in one microbatch"
+                )
             self.store.values[key] = value.detach()
         elif key not in self.live:  # a checkpoint recomputation must not replace the first
             self.live[key] = value
 
     def _leaf(self, key: Key) -> torch.Tensor:
         if key not in self.store.values:
+            module, kind, n = key[1]
             raise RuntimeError(
-                f"unit {key[0]} recorded no {key[2]!r} for layer call {key[1]}: the model ran different layers "
-                "in different microbatches"
+                f"unit {key[0]} recorded no {key[2]!r} for {type(module).__name__}'s {kind!r} call {n}: the model "
+                "ran different layers in different microbatches"
             )
         if not self.grad:
             return self.store.values[key]

@@ -34,7 +34,8 @@ class FamilyAdapter:
     Args:
         family: the modeling module's name (``transformers.models.<family>.modeling_<family>``).
         kernels: module global -> kernel kind (``kinds.KINDS``) it is replaced by on tree calls.
-        mixers: classes whose ``forward`` must call every kernel (checked in their source).
+        mixers: classes whose ``forward`` must call every kernel (checked in their source); their
+            tree calls are named after them.
         mixer_forwards: class -> kind replacing its whole ``forward`` on tree calls, for mixers
             without a module-level kernel hook (and layers that drop the tree kwarg).
         attention: classes that must reach attention through ``ALL_ATTENTION_FUNCTIONS``.
@@ -55,11 +56,14 @@ class FamilyAdapter:
     logits: Callable[[PreTrainedModel, torch.Tensor], torch.Tensor] | None = None
     aux_loss: bool = False
 
-    def targets(self, module: ModuleType) -> list[tuple[ModuleType | type, str, str]]:
-        """(owner, attribute, kernel kind) of every function the patch replaces."""
-        return [(module, name, kind) for name, kind in self.kernels.items()] + [
-            (vars(module)[cls], "forward", kind) for cls, kind in self.mixer_forwards.items()
-        ]
+    def targets(self, module: ModuleType) -> list[tuple[ModuleType | type, str, str | None]]:
+        """(owner, attribute, kernel kind) of every function the patch replaces; kind None: a mixer
+        forward that only names its tree calls after its module (``calls.called_by``)."""
+        return (
+            [(module, name, kind) for name, kind in self.kernels.items()]
+            + [(vars(module)[cls], "forward", kind) for cls, kind in self.mixer_forwards.items()]
+            + [(vars(module)[cls], "forward", None) for cls in self.mixers]
+        )
 
     def check(self, model: PreTrainedModel, module: ModuleType) -> None:
         """Refuse a module whose internals no longer match this declaration."""
@@ -83,6 +87,8 @@ class FamilyAdapter:
     def _drift(self, module: ModuleType) -> list[str]:
         problems = []
         for owner, name, kind in self.targets(module):
+            if kind is None:
+                continue
             fn = vars(owner)[name]
             where = f"{owner.__name__}.{name}"
             lost = [p for p in KINDS[kind].params if p not in _compat.parameters(fn)]

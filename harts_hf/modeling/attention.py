@@ -19,8 +19,9 @@ from torch import nn
 from ..ops.attention import tree_attention
 from ..ops.tree_batch import TreeBatch
 from . import _compat
+from .calls import called_by, context_of
 from .errors import UnsupportedModelError
-from .kinds import TREE_KWARG, context_of
+from .kinds import TREE_KWARG
 
 __all__ = ["PREFIX", "original_attention_name", "tree_attention_name"]
 
@@ -60,7 +61,7 @@ def _dispatcher(original: str) -> Callable:
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("harts-hf tree attention expects keyword arguments after attention_mask")
-        return _tree_call(query, key, value, batch, kwargs)
+        return _tree_call(query, key, value, called_by(batch, module), kwargs)
 
     attention.__name__ = f"{PREFIX}{original}_attention"
     return attention

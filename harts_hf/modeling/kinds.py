@@ -30,8 +30,9 @@ from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
 from ..ops.tree_batch import TreeBatch
 from . import _compat
+from .calls import context_of, linear_call
 
-__all__ = ["KINDS", "TREE_KWARG", "KernelKind", "context_of"]
+__all__ = ["KINDS", "TREE_KWARG", "KernelKind"]
 
 Arguments = Mapping[str, Any]
 
@@ -62,31 +63,6 @@ def _stateless(a: Arguments, state_in: str, state_out: str | None = None) -> Non
     """Trees hand states between paths themselves: a cache state here means use_cache was on."""
     if a[state_in] is not None or (state_out is not None and a[state_out]):
         raise ValueError("harts-hf tree calls run without a cache: call the model with use_cache=False")
-
-
-def context_of(batch: TreeBatch, name: str, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The context rows of this layer call's inputs ``values`` ([N, ...] each) when the batch is a
-    piece run by the engine (which also keeps the rows later pieces read); None for a whole forest."""
-    handoff = batch.handoff
-    return None if handoff is None else handoff.context(handoff.call(name), values)
-
-
-def _linear(
-    batch: TreeBatch,
-    name: str,
-    values: Mapping[str, torch.Tensor],
-    chunk_size: int,
-    run: Callable,
-) -> torch.Tensor:
-    """``run(context, initial_states) -> (o, states)`` with the piece's handoff: context inputs and
-    boundary states in, the states later pieces start from (``batch.state_out``) kept."""
-    handoff = batch.handoff
-    if handoff is None:
-        return run(None, None)[0]
-    key = handoff.call(name)
-    o, states = run(handoff.context(key, values), handoff.initial_states(key, chunk_size))
-    handoff.keep_states(key, states)
-    return o
 
 
 def _tree_conv(
@@ -132,7 +108,7 @@ def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tup
             context=context,
             initial_states=states,
         )
-        o = _linear(batch, name, values, a["chunk_size"], run)
+        o = linear_call(batch, name, values, a["chunk_size"], run)
         return o.unsqueeze(0).to(a["query"].dtype), None  # [1, N, H, V]
 
     return call
@@ -161,7 +137,7 @@ def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
         context=context,
         initial_states=states,
     )
-    return _linear(batch, "mamba2_scan", values, a["chunk_size"], run).unsqueeze(0)  # [1, N, H, P] fp32
+    return linear_call(batch, "mamba2_scan", values, a["chunk_size"], run).unsqueeze(0)  # [1, N, H, P] fp32
 
 
 def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None]:
@@ -182,7 +158,7 @@ def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None
         context=context,
         initial_states=states,
     )
-    o = _linear(batch, "lightning_mixer", {"k": k, "v": v}, layer.block_size, run)  # [N, H, D]
+    o = linear_call(batch, "lightning_mixer", {"k": k, "v": v}, layer.block_size, run)  # [N, H, D]
     o = layer.norm(o.reshape(x.shape[0], -1))
     o = torch.sigmoid(layer.output_gate(x)) * o
     return layer.out_proj(o).unsqueeze(0), None  # [1, N, E]
@@ -230,7 +206,7 @@ def _selective_scan(
         context=None if context is None else discretize(context),
         initial_states=states,
     )
-    y = _linear(batch, "selective_scan", values, CHUNK_SIZE, run)[..., 0]  # [N, I] in x's dtype
+    y = linear_call(batch, "selective_scan", values, CHUNK_SIZE, run)[..., 0]  # [N, I] in x's dtype
     if D is not None:
         y = y + x * D
     if z is not None:

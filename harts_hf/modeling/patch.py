@@ -3,7 +3,8 @@
 ``patch_model`` (in place, idempotent, reversible with ``unpatch_model``):
 1. checks the family adapter against the model's modeling module (refusing drifted internals);
 2. replaces each declared module-level kernel function by a wrapper that calls the original when
-   the call carries no ``harts_tree`` and the kernel kind's tree implementation otherwise;
+   the call carries no ``harts_tree`` and the kernel kind's tree implementation otherwise, and
+   each declared mixer's ``forward`` by one that names its tree calls after the mixer;
 3. switches the model to the tree-aware attention name registered for its original attention.
 
 Kernel wrappers are process-wide but transparent: a call without a tree reaches the original
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from . import _compat
 from .adapters import FamilyAdapter, adapter_for, supported_families
 from .attention import original_attention_name, tree_attention_name
+from .calls import called_by
 from .errors import UnsupportedModelError
 from .kinds import KINDS, TREE_KWARG, KernelKind
 from .registry import KERNELS, MODELS, ORIGINAL_ATTENTION, is_patched, kernel_key
@@ -43,9 +45,24 @@ def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        if "self" in bound.arguments:  # a re-stated forward: its calls are named after its module
+            batch = called_by(batch, bound.arguments["self"])
         return kind.tree_call(batch, bound.arguments)
 
     return kernel
+
+
+def _wrap_mixer(forward: Callable) -> Callable:
+    """A mixer's own ``forward``, its tree calls named after the mixer (``calls.called_by``)."""
+
+    @functools.wraps(forward)
+    def mixer_forward(self, *args, **kwargs):
+        batch = kwargs.get(TREE_KWARG)
+        if batch is not None:
+            kwargs[TREE_KWARG] = called_by(batch, self)
+        return forward(self, *args, **kwargs)
+
+    return mixer_forward
 
 
 def _patch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
@@ -53,7 +70,7 @@ def _patch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
         current, key = vars(owner)[name], kernel_key(owner, name)
         if key in KERNELS and current is KERNELS[key][1]:
             continue
-        KERNELS[key] = (current, _wrap_kernel(current, KINDS[kind]))
+        KERNELS[key] = (current, _wrap_mixer(current) if kind is None else _wrap_kernel(current, KINDS[kind]))
         setattr(owner, name, KERNELS[key][1])
 
 
