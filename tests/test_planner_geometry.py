@@ -54,9 +54,6 @@ def test_ancestors(forests, rng):
             x = prev[x]
         got = np.concatenate([np.arange(a, b) for a, b in zip(lo[which == i], hi[which == i])] + [np.zeros(0, int)])
         np.testing.assert_array_equal(np.sort(got), np.sort(walk))
-        if walk:
-            d = int(rng.integers(0, len(walk)))
-            assert geo.ancestor_at(np.array([t[i]]), np.array([d]))[0] == walk[::-1][d]
 
 
 def test_common_prefix_of_trajectories(forests, rng):

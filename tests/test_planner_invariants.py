@@ -1,6 +1,7 @@
 """Plan invariants, checked against code the planner does not use: the forest's own token arrays
-(prev, subtree_end, restore), ``TreeBatch.from_forest`` (context of a microbatch) and
-``ops.rounds.build_rounds`` (rounds, external boundary states).
+(prev, subtree_end, restore), ``TreeBatch.from_forest`` (context of a microbatch),
+``ops.rounds.build_rounds`` (rounds) and a walk up each path (the boundary states the compiled
+schedule hands between units).
 
 Invariants: every compact token owned exactly once (copies on other ranks are replicas of
 ancestors their rank needs, counted as redundancy; replays bounded by the chunk); a rank's tokens
@@ -11,6 +12,8 @@ and boundary states from earlier slots; every trajectory whole on its loss rank.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,9 +21,10 @@ from hypothesis import strategies as st
 from trees import nasty_tree_params
 
 from harts_hf.forest import RolloutForest
-from harts_hf.ops.rounds import build_rounds
+from harts_hf.ops.rounds import ROUNDS_KEY, build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, Plan, plan
+from harts_hf.schedule import Unit, rank_units
 from harts_hf.workloads import caterpillar, deep_chain, grpo_group, random_tree
 
 
@@ -62,14 +66,15 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
             for i in np.flatnonzero(p.traj_rank[f] == r):
                 assert (slot[forest.trajectory_index(i)] >= 0).all(), "a trajectory is not whole on its loss rank"
     assert p.replicated_tokens == total_on_ranks - sum(f.num_compact_tokens for f in forests)
-    assert 0 <= p.replay_tokens <= (C - 1) * p.entry_token.size
-    assert ((p.entry_replay >= 0) & (p.entry_replay < C)).all()
 
     dep_dst = p.dep_rank * S + p.dep_slot
     assert (p.piece_rank[p.dep_piece] == p.dep_rank).all() and (p.piece_slot[p.dep_piece] < p.dep_slot).all()
-    has_state = p.entry_state >= 0
-    sp = p.entry_state_piece[has_state]
-    assert (p.piece_rank[sp] == p.entry_rank[has_state]).all() and (p.piece_slot[sp] < p.entry_slot[has_state]).all()
+    entries = 0
+    for r in range(R):
+        entries += check_states(
+            forests, rank_units(forests, p, r, {(ROUNDS_KEY, C): partial(build_rounds, chunk_size=C)}, "cpu"), C
+        )
+    assert 0 <= p.replay_tokens <= (C - 1) * entries
     for r in range(R):
         for s in range(S):
             parts = p.microbatch(r, s)
@@ -84,15 +89,41 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
                 context += nc
                 ctx = batch.global_index[:nc].numpy()
                 assert (slots[r][f][ctx] >= 0).all() and (slots[r][f][ctx] < s).all(), "context not from earlier slots"
-                rd = build_rounds(batch, C)
-                rounds = max(rounds, rd.num_rounds)
-                states = np.sort(batch.global_index[rd.external_tokens].numpy())
-                sel = (p.entry_rank == r) & (p.entry_slot == s) & (p.entry_forest == f) & has_state
-                np.testing.assert_array_equal(np.unique(p.entry_state[sel]), states)
+                rounds = max(rounds, build_rounds(batch, C).num_rounds)
             assert footprint <= max_tokens, "microbatch over budget"
             assert footprint == p.tokens[r, s] + p.context[r, s]
             assert context == p.context[r, s] == p.dep_tokens[dep_dst == r * S + s].sum()
             assert rounds == p.rounds[r, s]
+
+
+def check_states(forests: list[RolloutForest], units: list[Unit], C: int) -> int:
+    """Every path of a unit that hangs under a context token starts on the chunk grid (depth a =
+    depth - depth % C) from the state after its ancestor at depth a - 1, which the schedule takes
+    from an earlier unit of the rank that returns it. Returns the number of such paths."""
+    entries = 0
+    for unit in units:
+        batch, nc = unit.batch, unit.batch.num_context
+        prev, depth, index = batch.prev.numpy(), batch.position.numpy(), batch.global_index.numpy()
+        expected = set()
+        for e in np.flatnonzero((prev[nc:] >= 0) & (prev[nc:] < nc)) + nc:
+            entries += 1
+            aligned, x = depth[e] - depth[e] % C, e
+            while aligned and depth[x] > aligned - 1:
+                x = prev[x]
+            if aligned:
+                expected.add(int(index[x]))
+        source = unit.states.get(C)
+        got = set()
+        if source is not None:
+            assert all(q < unit.index for q in source.producers), "a state from a later unit"
+            kept = np.concatenate(
+                [index[:0]]
+                + [units[q].batch.global_index.numpy()[units[q].batch.state_out[C]] for q in source.producers]
+            )
+            got = set(kept[source.index.numpy()].tolist())
+            assert len(got) == source.index.numel()
+        assert got == expected, f"unit {unit.index}: boundary states {sorted(got)} != {sorted(expected)}"
+    return entries
 
 
 def _owned_on(p: Plan, f: int, r: int, forest: RolloutForest) -> np.ndarray:
@@ -157,7 +188,7 @@ def test_plan_is_deterministic():
     budget = max(f.max_length for f in forests) + 100
     a, b = (plan(forests, world_size=4, max_tokens_per_microbatch=budget) for _ in range(2))
     assert a.num_slots > 1 and a.dep_piece.size > 0
-    names = ("piece_rank", "piece_slot", "piece_forest", "piece_start", "piece_end", "cost", "dep_piece", "entry_state")
+    names = ("piece_rank", "piece_slot", "piece_forest", "piece_start", "piece_end", "cost", "dep_piece")
     for name in names:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
@@ -197,7 +228,9 @@ def test_oversize_tree_is_cut_into_ordered_pieces():
     budget = forest.max_length + 300
     p = plan(forest, world_size=1, max_tokens_per_microbatch=budget, chunk_size=64)
     check_plan([forest], p, budget)
-    assert p.num_slots >= 2 and p.entry_token.size > 0 and (p.entry_state >= 0).any()
+    assert p.num_slots >= 2 and any(
+        u.states for u in rank_units([forest], p, 0, {(ROUNDS_KEY, 64): partial(build_rounds, chunk_size=64)}, "cpu")
+    )
     assert p.replicated_tokens == 0 and p.redundancy < 0.01
 
 

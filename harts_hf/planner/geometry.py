@@ -2,7 +2,7 @@
 
 The planner never reads per-token arrays: a node's tokens are consecutive in DFS order with
 depths rising by one, so a token's node and depth, the cost of any DFS range, the token where a
-cost is reached and a token's ancestor at a given depth all follow from the node arrays in
+cost is reached and a token's root path (as node intervals) all follow from the node arrays in
 O(log M) per query. Planning time therefore grows with nodes, not with compact tokens.
 
 Global indices: forest f's token k is ``forest_tokens[f] + k``; its node v is
@@ -135,14 +135,6 @@ class Geometry:
         """Cost of a root path of d tokens (depths 0 .. d - 1): what replicating a context costs."""
         d = np.asarray(d, dtype=np.float64)
         return self.a * d + self.b * d * (d + 1) / 2
-
-    def ancestor_at(self, t: np.ndarray, d: np.ndarray) -> np.ndarray:
-        """Token at depth d on the root path of token t (0 <= d <= depth of t): one vectorised
-        step per tree level."""
-        v = self.node_of(t)
-        while (up := self.depth[v] > d).any():
-            v = np.where(up, self.parent[v], v)
-        return self.start[v] + d - self.depth[v]
 
     def path_intervals(self, t: np.ndarray, *, inclusive: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The strict ancestors (or ancestors-or-self) of each token t as node-chain intervals.

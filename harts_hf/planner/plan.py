@@ -13,11 +13,12 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    rest of its DFS sequence cut at the cost quantiles that fill every slot (``split.py``), the
    same S on every rank (the smallest S whose microbatches all fit the budget), cuts on
    chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
-3. Handoffs (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in an
-   earlier slot of the same rank), the boundary states and replays they need, and the pieces
-   holding their attention context.
+3. Dependencies (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in
+   an earlier slot of the same rank), the replay they add and the pieces holding their attention
+   context (counted against the budget). The handoff addresses themselves (which unit keeps each
+   context row and boundary state) are compiled from the plan by ``harts_hf.schedule``.
 
-Legend: R ranks, S slots, P pieces, D dependencies, E entries, F forests, C chunk size.
+Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
 
 from __future__ import annotations
@@ -67,13 +68,8 @@ class Plan:
     held by piece ``dep_piece`` (always the same rank, an earlier slot). Ranks never exchange
     activations.
 
-    Entries [E]: paths of microbatch (``entry_rank``, ``entry_slot``) whose first token
-    ``entry_token`` (forest ``entry_forest``) hangs under a context token. Such a path starts on the
-    chunk grid at depth a = depth - depth % C from the recurrent state after ``entry_state`` (the
-    context token at depth a - 1, produced by piece ``entry_state_piece``; -1 when a = 0) and
-    replays ``entry_replay`` context tokens (depths a .. depth - 1, outputs discarded); a short
-    conv reads the entry's last k - 1 context tokens. This is what ``TreeBatch.from_forest`` and
-    ``ops.rounds`` derive for the microbatch; the plan says where each input comes from.
+    Where each context row and boundary state of a microbatch comes from (the handoff addresses)
+    is compiled from these pieces by ``harts_hf.schedule``, the one place that derives them.
 
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
     last token; its whole path is on that rank). ``forest_digests``: per forest, the
@@ -100,13 +96,6 @@ class Plan:
     dep_rank: np.ndarray
     dep_slot: np.ndarray
     dep_tokens: np.ndarray
-    entry_rank: np.ndarray
-    entry_slot: np.ndarray
-    entry_forest: np.ndarray
-    entry_token: np.ndarray
-    entry_state: np.ndarray
-    entry_state_piece: np.ndarray
-    entry_replay: np.ndarray
     traj_rank: list[np.ndarray]
     forest_digests: tuple[str, ...]
     num_compact_tokens: int
@@ -281,17 +270,12 @@ def build_plan(
     cost_table = token_cost + cost.round * parts.rounds + cost.microbatch * (tokens > 0)
 
     ext = parts.external
-    entry, entry_mb, entry_parent = parts.lo[ext], parts.mb[ext], parts.parent_token[ext]
+    entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    depth = geo.token_depth(entry)
-    aligned = depth - depth % chunk_size
-    state = np.where(aligned > 0, geo.ancestor_at(entry, np.maximum(aligned - 1, 0)), -1)
-    state_piece = np.where(state >= 0, pieces.locate(entry_rank, np.maximum(state, 0)), -1)
     dep_piece, dep_mb, dep_tokens = _dependencies(geo, pieces, entry, entry_mb, num_mb)
     context = np.bincount(dep_mb, weights=dep_tokens, minlength=num_mb).astype(np.int64)
 
     forest_of = geo.forest_of(pieces.lo)
-    entry_forest = geo.forest_of(entry)
     shape = (world_size, pieces.num_slots)
     return Plan(
         world_size=world_size,
@@ -314,17 +298,10 @@ def build_plan(
         dep_rank=dep_mb // pieces.num_slots,
         dep_slot=dep_mb % pieces.num_slots,
         dep_tokens=dep_tokens,
-        entry_rank=entry_rank,
-        entry_slot=entry_mb % pieces.num_slots,
-        entry_forest=entry_forest,
-        entry_token=entry - geo.forest_tokens[entry_forest],
-        entry_state=np.where(state >= 0, state - geo.forest_tokens[entry_forest], -1),
-        entry_state_piece=state_piece,
-        entry_replay=depth - aligned,
         traj_rank=_traj_rank(geo, forests, pieces),
         forest_digests=tuple(forest.shape_digest for forest in forests),
         num_compact_tokens=geo.num_tokens,
         replicated_tokens=int((pieces.hi - pieces.lo)[pieces.replica].sum()),
-        replay_tokens=_replay(geo, pieces, parts, entry_parent, entry_rank, chunk_size),
+        replay_tokens=_replay(geo, pieces, parts, parts.parent_token[ext], entry_rank, chunk_size),
         plan_seconds=time.perf_counter() - began,
     )

@@ -157,6 +157,7 @@ def rank_units(
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
     calls: list[tuple[int, int, np.ndarray, TreeBatch, np.ndarray]] = []
     for slot in range(plan.num_slots):
+        first = len(calls)
         for f, tokens in plan.microbatch(rank, slot):
             tokens = np.unique(tokens)
             if (owner[f][tokens] >= 0).any():
@@ -170,6 +171,12 @@ def rank_units(
                 )
             owner[f][tokens] = len(calls)
             calls.append((slot, f, tokens, batch, context))
+        held = tuple(sum(c[k].size for c in calls[first:]) for k in (2, 4))  # own tokens, context tokens
+        if held != (plan.tokens[rank, slot], plan.context[rank, slot]):
+            raise ValueError(
+                f"slot {slot} of rank {rank} holds {held[0]} own and {held[1]} context tokens where the plan counted "
+                f"{plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these forests"
+            )
     own = [(f, tokens) for _, f, tokens, _, _ in calls]
     exports, sources = handoff_rows(forests, own, [c[4] for c in calls])
     kept = [e.size for e in exports]
