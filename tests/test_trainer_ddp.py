@@ -6,11 +6,13 @@ after every step (rank 0) and the rows each rank trained. Rollouts are rank-depe
 rolls out its own prompts), so a 2-process HARTS run is compared with a 2-process stock run, never
 with one process. SGD (see test_trainer_exactness.py for why not Adam).
 
-Most cases put one system prompt in front of every prompt, so the whole generation batch is ONE
-tree: HARTS all-gathers it, plans it over both ranks (the plan divides the tree) and every rank
-trains exactly stock's row count of real rows. Every loss type of TRL 1.16 is a case; the options
-whose loss depends on which rows share a microbatch (bnpo, the entropy bonus, top_entropy_quantile,
-the router aux loss) keep TRL's own grouping and must match as well.
+Every optimizer step is a HARTS step: both ranks' rows become one forest, one plan divides it
+between the ranks and their slots, the log-probs are summed over the ranks, TRL's loss runs on
+stock's rows and microbatches, and the engine backpropagates once per step through DDP (gradient
+sync in the last backward pass only). Most cases put one system prompt in front of every prompt, so
+the step's rows are ONE tree that the plan divides; every loss type of TRL 1.16 is a case, and
+forests several times the budget are cut into pieces. The entropy bonus and the router aux loss
+need each microbatch's own forward with grad: they run per microbatch and must match as well.
 """
 
 from __future__ import annotations
@@ -49,8 +51,15 @@ CASES: dict[str, dict] = {
     "dapo-groups": dict(loss_type="dapo", system=False),
     "grpo-groups": dict(loss_type="grpo", system=False),
     "router-aux-moe": dict(loss_type="grpo", model="qwen3_5_moe"),
+    "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=64, num_iterations=2, beta=0.1),
+    "bnpo-pieces-two-microbatches": dict(
+        loss_type="bnpo",
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        harts_max_tokens_per_microbatch=48,
+    ),
 }
-GROUPING_KEPT = ("bnpo-one-tree", "entropy-bonus-one-tree", "top-entropy-one-tree", "router-aux-moe")
+ONE_PASS = ("entropy-bonus-one-tree", "router-aux-moe")  # each microbatch its own forward with grad
 
 
 def _free_port() -> int:
@@ -95,15 +104,14 @@ def test_two_processes_match_stock(case, ddp_run):
         assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
     np.testing.assert_allclose(harts["losses"], stock["losses"], rtol=TOL, atol=TOL)
     assert harts["ranks_agree"]
-    # Every rank trains stock's row count of real rows in every microbatch: no filler, no idle rank.
-    assert harts["rows"] == stock["rows"], (harts["rows"], stock["rows"])
-    assert harts["real_rows"] == harts["rows"]
+    assert harts["rows"] == stock["rows"], (harts["rows"], stock["rows"])  # TRL's loss sees stock's microbatches
     compression = harts["metrics"]["harts/compression"]
     assert compression and min(compression) > 1.2
-    if case in GROUPING_KEPT:  # TRL's grouping: every rank trains the rows it rolled out
-        assert not harts["metrics"]["harts/moved_rows"]
-    else:  # the batch was planned over both ranks; the predicted rank imbalance of what ran stays small
-        assert harts["metrics"]["harts/moved_rows"] and max(harts["metrics"]["harts/plan_imbalance"]) < 1.3
+    if case not in ONE_PASS:  # one plan over both ranks per step: both busy, the predicted imbalance small
+        assert max(harts["metrics"]["harts/plan_imbalance"]) < 1.3
+        assert min(harts["metrics"]["harts/rows"]) == harts["block_rows"]  # the step's rows of both ranks
+    if "pieces" in case:
+        assert min(harts["metrics"]["harts/microbatches"]) >= 3
 
 
 def _worker(out: Path) -> None:
@@ -140,7 +148,12 @@ def _worker(out: Path) -> None:
             trainer = trainer_cls(
                 model=str(out / family),
                 reward_funcs=id_reward,
-                args=config_cls(**config_kwargs(str(out / name), **overrides)),
+                args=config_cls(
+                    **config_kwargs(
+                        str(out / name),
+                        **{k: v for k, v in overrides.items() if name == "harts" or not k.startswith("harts_")},
+                    )
+                ),
                 processing_class=build_tokenizer(),
                 train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
                 rollout_func=with_system if system else branching_rollout,
@@ -164,11 +177,14 @@ def _worker(out: Path) -> None:
                     "params": snaps.params,
                     "losses": [h["loss"] for h in history if "loss" in h],
                     "ranks_agree": bool((gathered[0] == gathered[1]).all()),
+                    "block_rows": trainer.accelerator.num_processes
+                    * trainer.args.per_device_train_batch_size
+                    * min(trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation),
                     "rows": counts[0::2].tolist(),
                     "real_rows": counts[1::2].tolist(),
                     "metrics": {
                         k: [h[k] for h in history if k in h]
-                        for k in ("harts/compression", "harts/plan_imbalance", "harts/moved_rows")
+                        for k in ("harts/compression", "harts/plan_imbalance", "harts/rows", "harts/microbatches")
                     },
                 }
                 torch.save(record, out / f"{name}-{case}.pt")

@@ -120,7 +120,7 @@ CASES = [
     pytest.param(
         dict(loss_type="dapo", importance_sampling_level="sequence", num_iterations=2, beta=0.1), id="seq-dapo-mu2-beta"
     ),
-    pytest.param(  # two microbatches per generation batch: the trie-ordered split replaces TRL's shuffle
+    pytest.param(  # two microbatches per optimizer step: one HARTS step computes both, TRL's loss runs per microbatch
         dict(loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2),
         id="grpo-two-microbatches",
     ),
@@ -128,9 +128,17 @@ CASES = [
         dict(loss_type="dapo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
         id="dapo-two-microbatches",
     ),
-    pytest.param(  # bnpo divides by a microbatch's own token count: TRL's grouping is kept
+    pytest.param(  # bnpo divides by a microbatch's own token count: TRL's loss sees stock's microbatches
         dict(loss_type="bnpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.1),
         id="bnpo-two-microbatches",
+    ),
+    pytest.param(
+        dict(loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, top_entropy_quantile=0.5),
+        id="top-entropy-two-microbatches",
+    ),
+    pytest.param(  # one optimizer step over two generation batches: a HARTS step per generation batch
+        dict(loss_type="dapo", steps_per_generation=1, gradient_accumulation_steps=2, per_device_train_batch_size=4),
+        id="dapo-step-over-two-generations",
     ),
     pytest.param(
         dict(loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4, entropy_coef=0.1),
@@ -163,6 +171,12 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
     assert max_param_diff(harts.model, stock.model) < TOL
     compression = [h["harts/compression"] for h in harts.state.log_history if "harts/compression" in h]
     assert compression and min(compression) > 1.2  # the forests did share prefixes
+    if "entropy_coef" not in overrides:  # one plan per optimizer step (per generation batch where a step spans two)
+        rows = [h["harts/rows"] for h in harts.state.log_history if "harts/rows" in h]
+        step_rows = harts.args.per_device_train_batch_size * min(
+            harts.args.gradient_accumulation_steps, harts.args.steps_per_generation
+        )
+        assert rows and min(rows) == step_rows, (rows, step_rows)
 
 
 def test_harts_disabled_is_stock(model_dir, tmp_path):

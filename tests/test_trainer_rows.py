@@ -1,5 +1,5 @@
-"""TRL's padded rows <-> forests (``harts_hf.trainers.rows``): columns by hand, shapes checked; equal row
-shares of a plan (``arrange.equal_shares``)."""
+"""TRL's padded rows <-> forests (``harts_hf.trainers.rows``): columns by hand, shapes checked; the
+HARTS step's blocks (``step.block_length``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from harts_hf.trainers.arrange import equal_shares
 from harts_hf.trainers.rows import rows_forest, to_completion_layout
+from harts_hf.trainers.step import block_length
 
 # Two rows: left-padded prompts (widths 2 and 1 of 2), right-padded completions (3 and 2 of 3).
 IDS = torch.tensor([[5, 6, 7, 8, 9], [0, 5, 7, 8, 0]])
@@ -41,27 +41,13 @@ def test_completion_layout_refuses_what_does_not_fit(rows, keep):
 
 
 @pytest.mark.parametrize(
-    "owner, world",
+    "accumulation, per_generation, expected",
     [
-        pytest.param([0, 0, 1, 1, 1, 1, 0, 0], 2, id="equal-kept"),
-        pytest.param([1, 1, 1, 1, 1, 0, 0, 0], 2, id="one-moves"),
-        pytest.param([0] * 12, 3, id="all-on-one"),
-        pytest.param([2, 2, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], 3, id="three-ranks"),
+        pytest.param(4, 4, [4, 3, 2, 1, 4], id="one-generation-per-step"),
+        pytest.param(2, 4, [2, 1, 2, 1, 2], id="a-generation-over-two-steps"),
+        pytest.param(4, 2, [2, 1, 2, 1, 2], id="a-step-over-two-generations"),
+        pytest.param(3, 2, [2, 1, 1, 1, 2, 1], id="blocks-end-at-both-edges"),
     ],
 )
-def test_equal_shares_keep_the_plan_grouping_with_equal_row_counts(owner, world):
-    owner = np.asarray(owner)
-    got = equal_shares(owner, world)
-    n = owner.size // world
-    assert (np.bincount(got, minlength=world) == n).all()
-    counts = np.bincount(owner, minlength=world)
-    if (counts == n).all():
-        assert (got == owner).all()
-    # every rank's rows are one run of the plan's order (ranks by first row, rows in trie order), and
-    # rows move only where the run boundaries shift from the plan's
-    first = [np.flatnonzero(owner == r).min() if (owner == r).any() else owner.size for r in range(world)]
-    ranks = np.argsort(first, kind="stable")
-    order = np.lexsort((np.arange(owner.size), np.argsort(ranks)[owner]))
-    assert all(np.unique(got[order[k * n : (k + 1) * n]]).size == 1 for k in range(world))
-    shift = np.abs(np.cumsum(counts[ranks])[:-1] - n * np.arange(1, world)).sum()
-    assert (got != owner).sum() <= shift
+def test_a_block_ends_with_its_optimizer_step_or_its_generation(accumulation, per_generation, expected):
+    assert [block_length(s, accumulation, per_generation) for s in range(len(expected))] == expected

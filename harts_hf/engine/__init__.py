@@ -1,5 +1,5 @@
 """Engine: runs a rank's planned microbatch slots on a patched model (``TreeEngine``)."""
 
-from .engine import TreeEngine
+from .engine import Recording, TreeEngine
 
-__all__ = ["TreeEngine"]
+__all__ = ["Recording", "TreeEngine"]

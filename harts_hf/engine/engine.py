@@ -23,12 +23,20 @@ Backward policy (bounded, exact for every objective):
   units with consumers are recorded first and replayed, in reverse order, after them.
 Dropout would make two passes over a unit differ: it must be off.
 
+Data parallel: each unit's model call can run as the forward of the wrapper the caller trains
+(``forward``), so DDP / FSDP2 see ordinary forward and backward passes, and every backward pass but
+the last runs inside ``no_sync`` (accelerate's ``accelerator.no_sync(model)``): the step's
+gradients are synchronised once, by the wrapper, in its last backward pass.
+
 Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +55,10 @@ from ..planner.plan import plan as make_plan
 from ..schedule import TrajectoryRows, Unit, rank_units
 from .handoff import Handoff, Store
 
-__all__ = ["TreeEngine"]
+__all__ = ["Recording", "TreeEngine"]
 
 LossFn = Callable[..., torch.Tensor]
+Forward = Callable[[Callable[[], Any]], Any]  # runs a closure as the (wrapped) model's forward
 
 
 def _check_no_dropout(hf: nn.Module) -> None:
@@ -65,8 +74,7 @@ class TreeEngine:
     """Runs ``rank``'s slots of ``plan`` over ``forests`` on a patched ``model`` (module docstring).
 
     Args:
-        model: a model patched with :func:`harts_hf.patch_model` (unwrapped: no DDP/FSDP wrapper;
-            data-parallel callers reduce the gradients themselves).
+        model: a model patched with :func:`harts_hf.patch_model` (unwrapped: no DDP/FSDP wrapper).
         forests: the forests ``plan`` was made for (one, or one per group).
         plan: the plan; None plans one rank under ``max_tokens_per_microbatch``.
         rank: the row of the plan this process runs.
@@ -74,6 +82,10 @@ class TreeEngine:
             :data:`~harts_hf.planner.DEFAULT_MAX_TOKENS`).
         temperature: divides the logits before the log-softmax (as TRL does).
         head_chunk_tokens: pairs per checkpointed LM-head chunk (default: 64 MiB of logits).
+        forward: runs a closure as the forward of the wrapper being trained, e.g.
+            ``lambda run: wrapped(harts_call=run)`` (``harts_hf.trainers``); None calls ``model``.
+        no_sync: a context in which backward passes skip the wrapper's gradient sync (e.g.
+            ``lambda: accelerator.no_sync(wrapped)``): every backward pass but the last runs in it.
     """
 
     def __init__(
@@ -86,6 +98,8 @@ class TreeEngine:
         max_tokens_per_microbatch: int | None = None,
         temperature: float = 1.0,
         head_chunk_tokens: int | None = None,
+        forward: Forward | None = None,
+        no_sync: Callable[[], AbstractContextManager] | None = None,
     ):
         validate_temperature(temperature)
         self.hf, self.adapter = patched_adapter(model)
@@ -105,6 +119,8 @@ class TreeEngine:
         self.temperature = temperature
         self.head = model_head(self.hf, self.adapter, head_chunk_tokens)
         self.device = self.hf.get_output_embeddings().weight.device
+        self._forward: Forward = forward or (lambda run: run())
+        self._no_sync = no_sync
         self.units: list[Unit] = rank_units(self.forests, plan, rank, model_tables(self.hf, self.adapter), self.device)
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
         # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
@@ -125,23 +141,33 @@ class TreeEngine:
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
+    def record(self, return_entropy: bool = False) -> Recording:
+        """The recording pass alone: the :class:`Recording` of every unit, whose values are
+        :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
+        through the units later (a caller that owns the loss and gathers its gradients first: the
+        trainer's HARTS step)."""
+        _check_no_dropout(self.hf)
+        store = Store()
+        with torch.no_grad():
+            values, ents = self._record(store, return_entropy)
+        return Recording(self, store, values, ents)
+
     def attached_logprobs(
         self, return_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`logprobs` attached to the autograd graph: the recording pass runs now, and
         backpropagating any loss through the result replays the units in reverse (as
         :meth:`backward` does), accumulating the parameters' ``.grad``. For callers that own the
-        loss and its ``backward()`` (TRL's trainer). Single process only: the replay's nested
-        backward passes accumulate gradients outside any DDP reducer. Entropies carry no gradient."""
-        _check_no_dropout(self.hf)
-        store = Store()
-        with torch.no_grad():
-            values, ents = self._record(store, return_entropy)
+        loss and its ``backward()``, in one process (the replay runs inside that backward pass,
+        where a data-parallel wrapper cannot sync: use :meth:`record` there). Entropies carry no
+        gradient."""
+        recording = self.record(return_entropy)
+        values = recording.values
         anchor = next((p for p in self.hf.parameters() if p.requires_grad), None)
         if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
-            values = _Replay.apply(self, store, anchor, *values)
+            values = _Replay.apply(recording, anchor, *values)
         lp = self._layout(list(values))
-        return (lp, self._layout(ents)) if return_entropy else lp
+        return (lp, recording.entropies) if return_entropy else lp
 
     def backward(self, loss_fn: LossFn, *, per_token: bool = False, return_entropy: bool = False) -> torch.Tensor:
         """Backpropagate ``loss_fn(logprobs)`` (``loss_fn(logprobs, entropies)`` with
@@ -167,15 +193,20 @@ class TreeEngine:
         """Units nobody reads from: forward, loss, backward at once; the others: recorded now and
         backpropagated in reverse order once their consumers have sent their gradients."""
         lps, ents, deferred = [None] * len(self.units), [None] * len(self.units), []
+        done = 0
         for unit in self.units:
             if unit.exports.size:
                 with torch.no_grad():
                     lps[unit.index], ents[unit.index] = self._run(unit, Handoff(store, unit, grad=False), entropy)
                 deferred.append(unit)
             else:
-                lps[unit.index], ents[unit.index] = self._backprop(store, unit, loss_fn, entropy)
+                with self._sync_last(done):
+                    lps[unit.index], ents[unit.index] = self._backprop(store, unit, loss_fn, entropy)
+                done += 1
         for unit in reversed(deferred):
-            self._backprop(store, unit, loss_fn, False)
+            with self._sync_last(done):
+                self._backprop(store, unit, loss_fn, False)
+            done += 1
         with torch.no_grad():
             return self._apply(loss_fn, self._scatter(lps), self._scatter(ents) if entropy else None)
 
@@ -203,10 +234,16 @@ class TreeEngine:
 
     def _replay_units(self, store: Store, grads: list[torch.Tensor]) -> None:
         """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f])."""
-        for unit in reversed(self.units):
-            handoff = Handoff(store, unit, grad=True)
-            lp, _ = self._run(unit, handoff, False)
-            self._send(store, handoff, [lp], [grads[unit.forest][self._pair_index[unit.index]]])
+        for done, unit in enumerate(reversed(self.units)):
+            with self._sync_last(done):
+                handoff = Handoff(store, unit, grad=True)
+                lp, _ = self._run(unit, handoff, False)
+                self._send(store, handoff, [lp], [grads[unit.forest][self._pair_index[unit.index]]])
+
+    def _sync_last(self, done: int) -> AbstractContextManager:
+        """``no_sync`` for every backward pass of a step but the last (``done`` passes so far)."""
+        last = done == len(self.units) - 1
+        return contextlib.nullcontext() if self._no_sync is None or last else self._no_sync()
 
     def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backpropagate ``tensors`` plus the unit's exports (with their consumers' gradients),
@@ -254,32 +291,59 @@ class TreeEngine:
         return self._scatter(lps), self._scatter(ents) if entropy else None
 
     def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[p] log-probs (and entropies) of the unit's pairs."""
-        out = run_base(self.hf, self.adapter, unit.input_ids, unit.batch.with_handoff(handoff))
-        hidden = out.last_hidden_state[0]  # [N, H]
-        return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
+        """[p] log-probs (and entropies) of the unit's pairs, the LM head inside the forward (a DDP
+        wrapper that looks for unused parameters walks back from what its forward returns)."""
+        batch = unit.batch.with_handoff(handoff)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden = run_base(self.hf, self.adapter, unit.input_ids, batch).last_hidden_state[0]  # [N, H]
+            return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
+
+        return self._forward(run)
+
+
+class Recording:
+    """The recorded units of one pass (:meth:`TreeEngine.record`): ``logprobs`` (and
+    ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
+    does not own are 0), and the boundary values the replay reads."""
+
+    def __init__(self, engine: TreeEngine, store: Store, values: list[torch.Tensor], ents: list[torch.Tensor] | None):
+        self.engine, self._store = engine, store
+        self.values = values  # per forest [P_f] pair values
+        self.logprobs = engine._layout(values)
+        self.entropies = None if ents is None else engine._layout(ents)
+
+    def backward(self, grads: list[torch.Tensor]) -> None:
+        """Backpropagate ``grads`` (per forest [B_f, L_f - 1], w.r.t. ``logprobs``; rows this rank
+        does not own are ignored) through every unit, in reverse slot order, once."""
+        pairs = [torch.zeros_like(v, requires_grad=True) for v in self.values]
+        torch.autograd.backward(self.engine._layout(pairs), grads)
+        self.backward_pairs([torch.zeros_like(p) if p.grad is None else p.grad for p in pairs])
+
+    def backward_pairs(self, grads: list[torch.Tensor]) -> None:
+        """:meth:`backward` from gradients w.r.t. the pair values (per forest [P_f])."""
+        if self._store is None:
+            raise RuntimeError(
+                "a recording replays its units once and then frees their records: record again (or call "
+                "attached_logprobs again) for another backward pass"
+            )
+        with torch.enable_grad():
+            self.engine._replay_units(self._store, grads)
+        self._store = None
 
 
 class _Replay(torch.autograd.Function):
-    """Identity on recorded pair values whose backward replays the engine's units (the model's
+    """Identity on recorded pair values whose backward replays the recording's units (the model's
     parameters receive their gradients there; ``anchor``, one of them, only puts the values on the
     graph)."""
 
     @staticmethod
-    def forward(ctx, engine: TreeEngine, store: Store, anchor: torch.Tensor, *values: torch.Tensor):
-        ctx.engine, ctx.store = engine, store
+    def forward(ctx, recording: Recording, anchor: torch.Tensor, *values: torch.Tensor):
+        ctx.recording = recording
         return tuple(v.clone() for v in values)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        engine = ctx.engine
-        if ctx.store is None:
-            raise RuntimeError(
-                "attached_logprobs replays its units once and then frees their records: call attached_logprobs "
-                "again for another backward pass"
-            )
-        grads = [torch.zeros(n, device=engine.device) if g is None else g for g, n in zip(grads, engine.num_pairs)]
-        with torch.enable_grad():
-            engine._replay_units(ctx.store, grads)
-        ctx.store = None
-        return (None, None, None, *[None] * len(grads))
+        values = ctx.recording.values
+        ctx.recording.backward_pairs([torch.zeros_like(v) if g is None else g for g, v in zip(grads, values)])
+        return (None, None, *[None] * len(grads))

@@ -1,28 +1,25 @@
-"""The two places where HARTSGRPOTrainer touches TRL internals (checked against trl 1.16.0).
+"""The places where HARTSGRPOTrainer touches TRL internals (checked against trl 1.16.0).
 
 1. The tree pass runs as the model's own forward, the way TRL installs its fused LM head
    (``trl.trainer.utils.add_fused_lm_head`` replaces ``model.forward`` on the instance):
-   ``model(harts_forest=forest, harts_options={...})`` returns a :class:`~harts_hf.TreeOutput`.
-   Called through whatever wraps the model (DDP, FSDP2, DeepSpeed, PEFT), the wrapper sees an
-   ordinary forward, so its gradient synchronisation and parameter gathering work unchanged.
-2. ``GRPOTrainer._prepare_inputs`` shuffles the generation batch with the module global
-   ``trl.trainer.grpo_trainer.shuffle_sequence_dict`` before ``split_tensor_dict`` cuts it into
-   ``steps_per_generation`` microbatches. :func:`replace_row_shuffle` swaps that global for the
-   duration of one call, so the rows can be arranged by prefix instead (``arrange.py``).
-3. ``GRPOTrainer._compute_loss`` normalises some terms by a microbatch's own token count or
-   statistics, so they change when rows are regrouped (:func:`grouping_dependent_options`).
+   ``model(harts_forest=forest, harts_options={...})`` returns a :class:`~harts_hf.TreeOutput`,
+   and ``model(harts_call=run)`` runs one of the engine's unit calls. Called through whatever wraps
+   the model (DDP, FSDP2, PEFT), the wrapper sees an ordinary forward, so its gradient
+   synchronisation and parameter gathering work unchanged.
+2. ``GRPOTrainer._prepare_inputs`` keeps the generation batch's ``steps_per_generation``
+   microbatches in ``_buffered_inputs`` and hands out ``_buffered_inputs[_step % steps_per_generation]``:
+   a HARTS step reads the rest of its optimizer step's microbatches there (``step.py``).
+3. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus and
+   through the router logits for the aux loss (:func:`one_pass_options`).
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 import trl
-from trl.trainer import grpo_trainer
 
 from ..modeling import tree_forward
 
@@ -31,8 +28,7 @@ __all__ = [
     "FOREST_KWARG",
     "add_tree_forward",
     "entropy_bonus_enabled",
-    "grouping_dependent_options",
-    "replace_row_shuffle",
+    "one_pass_options",
 ]
 
 CHECKED_TRL = "1.16.0"
@@ -43,28 +39,21 @@ if not trl.__version__.startswith("1.16."):
 
 
 def add_tree_forward(model: torch.nn.Module) -> None:
-    """Let ``model(harts_forest=forest, harts_options=kwargs)`` run ``tree_forward(model, forest, **kwargs)``;
-    any other call goes to the forward the model had (TRL's fused head, generation)."""
+    """Let ``model(harts_forest=forest, harts_options=kwargs)`` run ``tree_forward(model, forest, **kwargs)``
+    and ``model(harts_call=run)`` run ``run()`` (the engine's unit calls, seen by DDP / FSDP2 as the
+    wrapped model's forward); any other call goes to the forward the model had (TRL's fused head,
+    generation)."""
     previous = model.forward
 
     @functools.wraps(type(model).forward)
-    def forward(self, *args, harts_forest=None, harts_options=None, **kwargs):
+    def forward(self, *args, harts_forest=None, harts_options=None, harts_call=None, **kwargs):
+        if harts_call is not None:
+            return harts_call()
         if harts_forest is None:
             return previous(*args, **kwargs)
         return tree_forward(self, harts_forest, **(harts_options or {}))  # PEFT's None input kwargs are dropped
 
     model.forward = types.MethodType(forward, model)
-
-
-@contextmanager
-def replace_row_shuffle(arrange: Callable[[dict], dict]) -> Iterator[None]:
-    """Within the block, TRL's generation-batch shuffle is ``arrange``."""
-    original = grpo_trainer.shuffle_sequence_dict
-    grpo_trainer.shuffle_sequence_dict = arrange
-    try:
-        yield
-    finally:
-        grpo_trainer.shuffle_sequence_dict = original
 
 
 def entropy_bonus_enabled(trainer) -> bool:
@@ -73,19 +62,14 @@ def entropy_bonus_enabled(trainer) -> bool:
     return trainer._entropy_bonus_enabled
 
 
-def grouping_dependent_options(trainer) -> list[str]:
-    """The settings of a GRPOTrainer whose loss depends on which rows share a microbatch (trl 1.16
-    ``_compute_loss``): bnpo divides by the microbatch's token count, the entropy bonus is a
-    microbatch mean, ``top_entropy_quantile`` takes its threshold over the microbatch, the MoE aux
-    loss is the microbatch's. Every other loss type normalises by a global count or by the row
-    count of equally sized microbatches."""
+def one_pass_options(trainer) -> list[str]:
+    """The settings of a GRPOTrainer whose loss needs each microbatch's own forward with grad (trl
+    1.16 ``_compute_loss``): the entropy bonus backpropagates through the entropies, the MoE aux
+    loss through the microbatch's router logits. Every other term reads only per-token log-probs
+    (and entropies as values), which a HARTS step computes for the whole step at once."""
     found = []
-    if trainer.loss_type == "bnpo":
-        found.append("loss_type='bnpo'")
     if entropy_bonus_enabled(trainer):
         found.append("the entropy bonus (entropy_coef / use_adaptive_entropy)")
-    if trainer.top_entropy_quantile < 1.0:
-        found.append(f"top_entropy_quantile={trainer.top_entropy_quantile}")
     if trainer.aux_loss_enabled:
         found.append("the router aux loss (router_aux_loss_coef)")
     return found

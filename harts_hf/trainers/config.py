@@ -22,15 +22,9 @@ class HARTSGRPOConfig(GRPOConfig):
             Compute every per-token log-prob / entropy (policy, old policy, reference) on the prefix forest of the
             rows: each shared prefix once, same values and gradients. `False` is stock `GRPOTrainer` behaviour.
         harts_max_tokens_per_microbatch (`int`, *optional*, defaults to `65536`):
-            Planner budget: compact tokens plus the ancestor context a microbatch's attention reads.
-        harts_group_rows (`bool`, *optional*, defaults to `True`):
-            Replace TRL's row shuffle by trie-ordered microbatches (rows sharing prefixes land in the same
-            microbatch; the microbatches are still visited in a random order).
-        harts_distribute (`bool`, *optional*, defaults to `True`):
-            With several processes, all-gather the generation batch, plan it over the ranks (a tree is divided
-            between ranks where that lowers the step time) and let every rank train stock's row count of the rows the
-            plan groups on it (shared prefixes stay on one rank where possible). Losses that depend on the grouping
-            (bnpo, the entropy bonus, `top_entropy_quantile`, the router aux loss) keep TRL's own grouping.
+            Planner budget: compact tokens plus the ancestor context a microbatch's attention reads. Each
+            optimizer step's rows, from every rank, are planned at once over the ranks and their microbatch
+            slots under this budget (trees above it are cut into pieces joined exactly).
         harts_chunk_size (`int`, *optional*, defaults to `64`):
             Chunk grid of the model's linear-attention kernels, where the planner prefers its cuts.
         harts_cost_model (`dict[str, float]`, *optional*):
@@ -45,16 +39,6 @@ class HARTSGRPOConfig(GRPOConfig):
     harts_max_tokens_per_microbatch: int = field(
         default=DEFAULT_MAX_TOKENS,
         metadata={"help": "Planner budget per microbatch: compact tokens plus ancestor context."},
-    )
-    harts_group_rows: bool = field(
-        default=True,
-        metadata={"help": "Trie-ordered microbatches instead of TRL's row shuffle (keeps prefixes together)."},
-    )
-    harts_distribute: bool = field(
-        default=True,
-        metadata={
-            "help": "With several processes, plan the gathered generation batch over the ranks (equal row counts)."
-        },
     )
     harts_chunk_size: int = field(
         default=CHUNK_SIZE,

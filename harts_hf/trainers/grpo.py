@@ -1,16 +1,18 @@
 """``HARTSGRPOTrainer``: TRL's ``GRPOTrainer`` with every log-prob forward run on rollout forests.
 
-Only seams are overridden; TRL's generation, rewards, advantages and every loss stay TRL's:
+Only seams are overridden; TRL's generation, row shuffle, rewards, advantages and every loss stay
+TRL's:
 
-- ``_get_per_token_logps_and_entropies`` (policy, old policy and reference passes): the rows
-  become a :class:`~harts_hf.RolloutForest` and one tree pass computes each shared prefix once
-  (a forest above ``harts_max_tokens_per_microbatch`` runs as planned pieces through
-  :class:`~harts_hf.engine.TreeEngine`); the result is mapped back to TRL's ``[B, C]``
-  completion layout (``rows.py``).
-- ``_prepare_inputs``: the generation batch is arranged by prefix instead of shuffled row by row
-  (``arrange.py``), and with several processes planned over the ranks (every rank keeps stock's row
-  count); options whose loss depends on the grouping keep TRL's shuffle.
-- ``compute_loss`` / ``training_step``: timing, and the step's metrics over all ranks.
+- ``_compute_loss`` / ``training_step``: each optimizer step runs as a HARTS step (``step.py``):
+  the log-probs of the step's rows, from every rank, come first, from one plan over the ranks and
+  their token-budgeted slots; TRL's loss then runs per TRL microbatch on exactly stock's rows, and
+  the engine backpropagates the step once.
+- ``_get_per_token_logps_and_entropies``: the loss passes read the step's values; the other passes
+  (old policy, reference) and losses that need a microbatch's own forward with grad (the entropy
+  bonus, the router aux loss) make the microbatch's rows a :class:`~harts_hf.RolloutForest`, one
+  tree pass computing each shared prefix once (a forest above ``harts_max_tokens_per_microbatch``
+  runs as planned pieces through :class:`~harts_hf.engine.TreeEngine`); the result is mapped back
+  to TRL's ``[B, C]`` completion layout (``rows.py``).
 
 Multimodal rows (pixel values and friends) take TRL's own path.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import time
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import DistributedType, is_peft_model
 from transformers.utils import logging
 from trl import GRPOTrainer
 
@@ -28,16 +30,10 @@ from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import Plan, plan
-from ._compat import (
-    FOREST_KWARG,
-    add_tree_forward,
-    entropy_bonus_enabled,
-    grouping_dependent_options,
-    replace_row_shuffle,
-)
-from .arrange import arrange
+from ._compat import FOREST_KWARG, add_tree_forward, entropy_bonus_enabled, one_pass_options
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
+from .step import HARTSStep, block_length
 
 __all__ = ["HARTSGRPOTrainer"]
 
@@ -67,14 +63,21 @@ class HARTSGRPOTrainer(GRPOTrainer):
             args = HARTSGRPOConfig(f"{name.split('/')[-1]}-HARTS-GRPO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._step_stats = torch.zeros(self.accelerator.num_processes, len(PASS_STATS), dtype=torch.float64)
+        self._harts_step: HARTSStep | None = None
+        self._loss_call: tuple | None = None  # (model, inputs) of the loss pass that is running
+        self._served = -1  # the HARTS step's microbatch the last loss pass read
         if not self._harts_enabled:
             return
-        self._trl_grouping = grouping_dependent_options(self)
-        if self._trl_grouping and args.harts_group_rows:
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "HARTSGRPOTrainer backpropagates each optimizer step through its own plan, which DeepSpeed's engine "
+                "does not let it drive: train with DDP or FSDP2 (accelerate config), or pass harts_enable=False"
+            )
+        self._one_pass = one_pass_options(self)
+        if self._one_pass:
             logger.warning(
-                f"{' and '.join(self._trl_grouping)} depend(s) on which rows share a microbatch: HARTS keeps TRL's "
-                "row shuffle (and every rank its own rows), so prefixes are shared within each microbatch only. "
-                "A loss type normalised by a global count (dapo, TRL's default) lets HARTS group rows by prefix."
+                f"{' and '.join(self._one_pass)} need(s) each microbatch's own forward with grad: HARTS runs every TRL "
+                "microbatch as its own forest (prefixes shared within it only) instead of one plan per step"
             )
         for m in (self.model, self.ref_model):
             if m is None:
@@ -111,7 +114,8 @@ class HARTSGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **media,
     ):
-        """TRL's (log-probs [B, C], entropies [B, C] or None, aux loss or None), from one forest pass.
+        """TRL's (log-probs [B, C], entropies [B, C] or None, aux loss or None): the HARTS step's values
+        for a loss pass, else from one forest pass over the rows.
 
         ``batch_size`` (TRL's row chunking of no-grad passes) is not needed: the forest is the unit.
         """
@@ -119,6 +123,10 @@ class HARTSGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **media
             )
+        step = self._step_of_loss_pass(input_ids) if torch.is_grad_enabled() and not compute_aux_loss else None
+        if step is not None:
+            logps, entropies = step.values(self._served, attention_mask, logits_to_keep)
+            return logps, entropies if compute_entropy else None, None
         forest = rows_forest(input_ids, attention_mask)
         start = time.perf_counter()
         if forest.num_compact_tokens <= self.args.harts_max_tokens_per_microbatch:
@@ -139,6 +147,26 @@ class HARTSGRPOTrainer(GRPOTrainer):
         entropies = to_completion_layout(entropy, attention_mask, logits_to_keep) if compute_entropy else None
         return logps, entropies, aux_loss if compute_aux_loss else None
 
+    def _step_of_loss_pass(self, input_ids: torch.Tensor) -> HARTSStep | None:
+        """The HARTS step serving the running loss pass (made at its block's first microbatch), None
+        where the pass takes the per-microbatch path (eval, the one-pass options)."""
+        if self._loss_call is None or self._one_pass or not self.model.training:
+            return None
+        model, inputs = self._loss_call
+        if inputs["prompt_ids"].size(0) != input_ids.size(0):
+            return None
+        step = self._harts_step
+        j = step.index(inputs) if step is not None else None
+        if j is None:
+            spg = self.args.steps_per_generation
+            k, n = self._step % spg, block_length(self._step, self.current_gradient_accumulation_steps, spg)
+            buffer = self._buffered_inputs
+            block = buffer[k : k + n] if buffer is not None and buffer[k] is inputs else [inputs]
+            step = self._harts_step = HARTSStep(self, model, block, self._plan_options())
+            j = 0
+        self._served = j
+        return step
+
     def _engine_pass(
         self, model, forest: RolloutForest, compute_entropy: bool, compute_aux_loss: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -156,13 +184,13 @@ class HARTSGRPOTrainer(GRPOTrainer):
                 f"does not give to a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens: "
                 "raise the budget or lower per_device_train_batch_size"
             )
-        if torch.is_grad_enabled() and self.accelerator.num_processes > 1:
-            raise ValueError(
-                f"a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens is split by the "
-                "engine, which runs single-process only: raise the budget or lower per_device_train_batch_size"
-            )
         engine = TreeEngine(
-            self.accelerator.unwrap_model(model), forest, self._plan(forest), temperature=self.temperature
+            self.accelerator.unwrap_model(model),
+            forest,
+            self._plan(forest),
+            temperature=self.temperature,
+            forward=lambda run: model(harts_call=run),
+            no_sync=lambda: self.accelerator.no_sync(model),
         )
         with self.accelerator.autocast():
             if torch.is_grad_enabled():
@@ -177,49 +205,41 @@ class HARTSGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["harts/rounds"].append(float(p.rounds.sum()))
         metrics["harts/microbatches"].append(float(p.num_slots))
-        metrics["harts/forward_seconds"].append(seconds)
         self._pass = (forest.num_trajectory_tokens, forest.num_compact_tokens, seconds, p.step_seconds)
 
-    # ------------------------------------------------------------------ row arrangement
-    def _prepare_inputs(self, generation_batch):
-        start = time.perf_counter()
+    # ------------------------------------------------------------------ the step
+    def _compute_loss(self, model, inputs):
+        self._loss_call = (model, inputs)
         try:
-            if not (self._harts_enabled and self.args.harts_group_rows and self.model.training) or self._trl_grouping:
-                return super()._prepare_inputs(generation_batch)
-            with replace_row_shuffle(self._arrange):
-                return super()._prepare_inputs(generation_batch)
+            return super()._compute_loss(model, inputs)
         finally:
-            self._prepare_seconds = time.perf_counter() - start
-
-    def _arrange(self, batch: dict) -> dict:
-        simple = all(not isinstance(v, list) for v in batch.values())  # multimodal lists stay local
-        across = self.accelerator if self.args.harts_distribute and simple else None
-        batch, moved = arrange(
-            batch, self.args.steps_per_generation, self.args.gradient_accumulation_steps, across, **self._plan_options()
-        )
-        if moved is not None:
-            self._metrics["train"]["harts/moved_rows"].append(moved)
-        return batch
-
-    # ------------------------------------------------------------------ loss and timing
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        start = time.perf_counter()
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self._loss_seconds = time.perf_counter() - start
-        return loss
+            self._loss_call = None
 
     def training_step(self, model, inputs, num_items_in_batch):
-        """TRL's step; gathers every rank's microbatch figures and, at the end of each optimizer step,
-        logs the step's (``_log_step``)."""
+        """TRL's step; a HARTS step backpropagates after its block's last microbatch. Gathers every
+        rank's figures and, at the end of each optimizer step, logs the step's (``_log_step``)."""
         if not self._harts_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
-        self._pass, self._loss_seconds, self._prepare_seconds = (0, 0, 0.0, 0.0), 0.0, 0.0
+        self._pass = (0, 0, 0.0, 0.0)
         start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
-        backward = max(time.perf_counter() - start - self._prepare_seconds - self._loss_seconds, 0.0)
-        self._metrics["train"]["harts/backward_seconds"].append(backward)
-        tokens, compact, forward, predicted = self._pass
-        mine = torch.tensor([[tokens, compact, forward + backward, predicted]], dtype=torch.float64)
+        metrics = self._metrics["train"]
+        step = self._harts_step
+        if step is not None and (self._served == len(step.microbatches) - 1 or self.accelerator.sync_gradients):
+            step.backward()
+            self._harts_step = None
+            self._pass = step.stats()
+            metrics["harts/rounds"].append(float(step.plan.rounds.sum()))
+            metrics["harts/microbatches"].append(float(step.plan.num_slots))
+            metrics["harts/rows"].append(float(step.forest.num_trajectories))
+            metrics["harts/forward_seconds"].append(step.forward_seconds)
+            metrics["harts/backward_seconds"].append(step.backward_seconds)
+        elif step is None and self._pass[1]:  # the per-microbatch path: its forward, then the rest
+            tokens, compact, forward, predicted = self._pass
+            self._pass = (tokens, compact, time.perf_counter() - start, predicted)
+            metrics["harts/forward_seconds"].append(forward)
+            metrics["harts/backward_seconds"].append(self._pass[2] - forward)
+        mine = torch.tensor([self._pass], dtype=torch.float64)
         self._step_stats += self.accelerator.gather(mine.to(self.accelerator.device)).cpu()
         if self.accelerator.sync_gradients:
             self._log_step(self._step_stats)

@@ -1,0 +1,125 @@
+"""The HARTS step: one plan over every rank's rows of an optimizer step; TRL's loss on stock's rows.
+
+A *block* is the run of TRL microbatches of one optimizer step that one generation buffer holds
+(the whole step unless ``steps_per_generation`` is smaller than ``gradient_accumulation_steps``).
+At the block's first loss pass:
+
+1. every rank's rows of the block are all-gathered and become one forest (rank-major, then
+   microbatch, then row: the order stock TRL gives them);
+2. one plan over the ranks and their microbatch slots under the token budget
+   (:func:`harts_hf.plan`) decides who computes which tokens when: trees are divided between
+   ranks where that lowers the step time, trees above the budget are cut into pieces that the
+   schedule's handoffs join exactly;
+3. every rank's engine records its units without grad, and the log-probs and entropies of the
+   trajectories it owns are summed over the ranks, so every rank holds every row's values.
+
+Each TRL microbatch's loss then runs, unchanged, on exactly the rows and grouping stock TRL gives
+it, reading its values from one leaf tensor; its backward accumulates the gradients w.r.t. the
+log-probs there. After the block's last microbatch those gradients are summed over the ranks and
+every rank's engine backpropagates its units, in reverse slot order, one unit's graph alive at a
+time; gradient synchronisation runs once, in the last of these backward passes (the others run in
+accelerate's ``no_sync``), through the wrapper the trainer trains (DDP, FSDP2).
+
+Legend: B rows of the block on all ranks, L their longest row, b a microbatch's rows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+
+from ..engine import TreeEngine
+from ..forest import RolloutForest
+from ..planner import plan
+from .rows import row_sequences, to_completion_layout
+
+__all__ = ["HARTSStep", "block_length"]
+
+
+def block_length(step: int, accumulation: int, steps_per_generation: int) -> int:
+    """Microbatches from trainer step ``step`` to the end of its optimizer step or of its
+    generation buffer, whichever comes first."""
+    return min(accumulation - step % accumulation, steps_per_generation - step % steps_per_generation)
+
+
+def _rows(batch: dict) -> list[np.ndarray]:
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return row_sequences(ids, mask)
+
+
+class HARTSStep:
+    """One block's log-probs and entropies on every rank (module docstring).
+
+    Args:
+        trainer: the GRPO trainer (its accelerator, temperature and planner options).
+        model: the model as the trainer trains it (wrapped by DDP / FSDP2 where it is).
+        microbatches: this rank's TRL microbatches of the block, in order.
+        plan_options: ``max_tokens_per_microbatch``, ``cost_model``, ``chunk_size`` for the plan.
+    """
+
+    def __init__(self, trainer, model: torch.nn.Module, microbatches: list[dict], plan_options: dict):
+        began = time.perf_counter()
+        acc = self.accelerator = trainer.accelerator
+        self.microbatches = microbatches
+        local = [_rows(batch) for batch in microbatches]
+        mine = [row for rows in local for row in rows]
+        everyone = gather_object([mine]) if acc.num_processes > 1 else [mine]  # per rank, its rows
+        first = sum(len(rows) for rows in everyone[: acc.process_index])
+        bounds = first + np.cumsum([0] + [len(rows) for rows in local])
+        self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.forest = RolloutForest.from_sequences([row for rows in everyone for row in rows])
+        self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
+        self.engine = TreeEngine(
+            acc.unwrap_model(model),
+            self.forest,
+            self.plan,
+            rank=acc.process_index,
+            temperature=trainer.temperature,
+            forward=lambda run: model(harts_call=run),
+            no_sync=lambda: acc.no_sync(model),
+        )
+        with acc.autocast():
+            self._recording = self.engine.record(return_entropy=True)
+        values, entropies = self._recording.logprobs[0], self._recording.entropies[0]  # [B, L - 1], 0 where not owned
+        if acc.num_processes > 1:  # rows a rank does not own are 0 there
+            values, entropies = acc.reduce(values, "sum"), acc.reduce(entropies, "sum")
+        self.logprobs = values.requires_grad_(True)  # [B, L - 1]: every row, the leaf TRL's losses read
+        self.entropies = entropies
+        self.forward_seconds, self.backward_seconds = time.perf_counter() - began, 0.0
+
+    def index(self, inputs: dict) -> int | None:
+        """The block's microbatch ``inputs`` is (by identity), None if it is none of them."""
+        return next((j for j, batch in enumerate(self.microbatches) if batch is inputs), None)
+
+    def values(self, j: int, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Microbatch ``j``'s (log-probs, entropies) [b, C] in TRL's completion layout."""
+        rows = self._rows[j]
+        logps = to_completion_layout(self.logprobs[rows], attention_mask, logits_to_keep)
+        return logps, to_completion_layout(self.entropies[rows], attention_mask, logits_to_keep)
+
+    def backward(self) -> None:
+        """Backpropagate the gradients the block's losses left on the log-probs (summed over
+        ranks) through every unit of this rank."""
+        began = time.perf_counter()
+        grad = self.logprobs.grad if self.logprobs.grad is not None else torch.zeros_like(self.logprobs)
+        if self.accelerator.num_processes > 1:
+            grad = self.accelerator.reduce(grad, "sum")
+        with self.accelerator.autocast():
+            self._recording.backward([grad])
+        self.backward_seconds = time.perf_counter() - began
+
+    def stats(self) -> tuple[float, float, float, float]:
+        """This rank's (trajectory tokens it trains, compact tokens it computes, seconds, predicted
+        seconds) for the step's metrics."""
+        rank = self.accelerator.process_index
+        rows = torch.cat(self._rows).cpu().numpy()
+        return (
+            float(self.forest.lengths[rows].sum()),
+            float(self.plan.tokens[rank].sum()),
+            self.forward_seconds + self.backward_seconds,
+            float(self.plan.cost[rank].sum()),
+        )
