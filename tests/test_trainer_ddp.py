@@ -1,9 +1,9 @@
-"""Two-process DDP on CPU (gloo): HARTSGRPOTrainer == GRPOTrainer under the same launch, step by step.
+"""DDP on CPU (gloo), 2 and 3 processes: HARTSGRPOTrainer == GRPOTrainer under the same launch, step by step.
 
-The test starts ``torchrun --nproc_per_node 2`` on this file once. Each worker trains, for every
+The test starts ``torchrun --nproc_per_node N`` on this file once per N. Each worker trains, for every
 case, stock GRPO and then HARTS GRPO on deterministic branching rollouts and saves the parameters
 after every step (rank 0) and the rows each rank trained. Rollouts are rank-dependent (each rank
-rolls out its own prompts), so a 2-process HARTS run is compared with a 2-process stock run, never
+rolls out its own prompts), so an N-process HARTS run is compared with an N-process stock run, never
 with one process. SGD (see test_trainer_exactness.py for why not Adam).
 
 Every optimizer step is a HARTS step: both ranks' rows become one forest, one plan divides it
@@ -56,7 +56,7 @@ CASES: dict[str, dict] = {
         loss_type="bnpo",
         gradient_accumulation_steps=2,
         per_device_train_batch_size=4,
-        harts_max_tokens_per_microbatch=48,
+        harts_max_tokens_per_microbatch=64,
     ),
 }
 ONE_PASS = ("entropy-bonus-one-tree", "router-aux-moe")  # each microbatch its own forward with grad
@@ -68,20 +68,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> Path:
+ON_THREE = ("dapo-one-tree", "bnpo-pieces-two-microbatches", "grpo-groups", "dapo-generation-over-two-steps-one-tree")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-processes")
+def ddp_run(request, tmp_path_factory) -> tuple[int, Path]:
+    """Every case (2 processes) or the cases of ``ON_THREE`` (3 processes), stock then HARTS."""
     from tiny_models import tiny_model
 
     from harts_hf.envs.tokenizer import build_tokenizer
 
-    out = tmp_path_factory.mktemp("ddp")
+    world = request.param
+    out = tmp_path_factory.mktemp(f"ddp{world}")
     for family in ("qwen3_5", "qwen3_5_moe"):
         tiny_model(family).save_pretrained(out / family)
         build_tokenizer().save_pretrained(out / family)
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port]
+    cases = ",".join(CASES if world == 2 else ON_THREE)
     run = subprocess.run(
-        [*cmd, __file__, str(out)],
+        [*cmd, __file__, str(out), cases],
         env=env,
         capture_output=True,
         text=True,
@@ -90,12 +97,15 @@ def ddp_run(tmp_path_factory) -> Path:
         check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return out
+    return world, out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_processes_match_stock(case, ddp_run):
+def test_several_processes_match_stock(case, ddp_run):
+    world, ddp_run = ddp_run
+    if world == 3 and case not in ON_THREE:
+        pytest.skip("run under 2 processes only (CI time)")
     stock = torch.load(ddp_run / f"stock-{case}.pt")
     harts = torch.load(ddp_run / f"harts-{case}.pt")
     assert len(stock["params"]) == len(harts["params"]) == 3  # the start, then after each of the 2 steps
@@ -105,16 +115,17 @@ def test_two_processes_match_stock(case, ddp_run):
     np.testing.assert_allclose(harts["losses"], stock["losses"], rtol=TOL, atol=TOL)
     assert harts["ranks_agree"]
     assert harts["rows"] == stock["rows"], (harts["rows"], stock["rows"])  # TRL's loss sees stock's microbatches
+    assert harts["real_rows"] == harts["rows"]  # no filler rows
     compression = harts["metrics"]["harts/compression"]
     assert compression and min(compression) > 1.2
     if case not in ONE_PASS:  # one plan over both ranks per step: both busy, the predicted imbalance small
-        assert max(harts["metrics"]["harts/plan_imbalance"]) < 1.3
+        assert max(harts["metrics"]["harts/plan_imbalance"]) < (1.5 if "pieces" in case else 1.3)  # tight budgets
         assert min(harts["metrics"]["harts/rows"]) == harts["block_rows"]  # the step's rows of both ranks
     if "pieces" in case:
         assert min(harts["metrics"]["harts/microbatches"]) >= 3
 
 
-def _worker(out: Path) -> None:
+def _worker(out: Path, cases: list[str]) -> None:
     from datasets import Dataset
     from test_trainer_exactness import PROMPTS, branching_rollout, config_kwargs, id_reward
     from transformers import TrainerCallback
@@ -137,8 +148,8 @@ def _worker(out: Path) -> None:
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
 
-    for case, overrides in CASES.items():
-        overrides = dict(overrides)
+    for case in cases:
+        overrides = dict(CASES[case])
         family, system = overrides.pop("model", "qwen3_5"), overrides.pop("system", True)
         for name, trainer_cls, config_cls in (
             ("stock", GRPOTrainer, GRPOConfig),
@@ -176,7 +187,7 @@ def _worker(out: Path) -> None:
                 record = {
                     "params": snaps.params,
                     "losses": [h["loss"] for h in history if "loss" in h],
-                    "ranks_agree": bool((gathered[0] == gathered[1]).all()),
+                    "ranks_agree": bool((gathered == gathered[0]).all()),
                     "block_rows": trainer.accelerator.num_processes
                     * trainer.args.per_device_train_batch_size
                     * min(trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation),
@@ -191,7 +202,7 @@ def _worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _worker(Path(sys.argv[1]), sys.argv[2].split(","))
     if torch.distributed.is_initialized():  # gloo's threads abort the exit ("terminate called ...") otherwise
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

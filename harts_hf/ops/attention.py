@@ -195,8 +195,9 @@ class _Blocked:
         keep = torch.rand(shape, generator=gen, device=self.qb.device) >= self.dropout
         return keep.to(_acc(self.qb)).div_(1 - self.dropout)
 
-    def logits(self, blk: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Masked logits [Hkv, G, R, Bq, K] and, when capping, d(logit)/d(raw product)."""
+    def logits(self, blk: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Masked logits [Hkv, G, R, Bq, K], which (query, key) pairs attend [G, Bq, K] as 1 / 0 (see
+        :func:`_probabilities`) and, when capping, d(logit)/d(raw product)."""
         hkv, r, bq = self.qb.shape[0], self.qb.shape[2], self.blocks.block_size
         s = (self.queries(blk) @ self.gather(self.kt, keys).transpose(-1, -2)).to(_acc(self.qb))
         s = s.view(hkv, blk.numel(), r, bq, -1)
@@ -215,8 +216,17 @@ class _Blocked:
             qp = self.blocks.query_pos.index_select(0, blk)[:, :, None]  # [G, Bq, 1]
             kp = self.blocks.key_pos.index_select(0, flat).view(keys.shape)[:, None]  # [G, 1, K]
             keep &= qp - kp < self.window
-        bias = keep.to(s.dtype).sub_(1).mul_(1e30)
-        return s.add_(bias[None, :, None]), dcap
+        attends = keep.to(s.dtype)
+        return s.add_((attends - 1).mul_(1e30)[None, :, None]), attends, dcap
+
+
+def _probabilities(s: torch.Tensor, shift: torch.Tensor, attends: torch.Tensor) -> torch.Tensor:
+    """``exp(s - shift)`` in place, exactly 0 where ``attends`` [G, Bq, K] is 0: a masked logit's exponent
+    is zeroed before ``exp`` and its result after. CPU ``exp`` takes a slow path on every input that
+    underflows, and the masked -1e30s are most of a block's pairs on a tree (exp alone was 15x slower);
+    multiplying the attended ones by 1 leaves them exactly as they were."""
+    attends = attends[None, :, None]
+    return s.sub_(shift).mul_(attends).exp_().mul_(attends)
 
 
 def _q_factor(scale: float, softcap: float | None) -> float:
@@ -233,14 +243,17 @@ class _Attention(torch.autograd.Function):
         out = lay.qb.new_zeros(*lay.qb.shape[:4], v.shape[-1], dtype=acc)  # [Hkv, nb, R, Bq, Dv]
         lse = lay.qb.new_zeros(lay.qb.shape[:4], dtype=acc)  # [Hkv, nb, R, Bq]
         for g, (blk, keys) in enumerate(_groups(blocks, q.shape[1], group_elements)):
-            s, _ = lay.logits(blk, keys)  # [Hkv, G, R, Bq, K]
+            s, attends, _ = lay.logits(blk, keys)  # [Hkv, G, R, Bq, K]
             m = s.amax(-1, keepdim=True)
             if sinks is not None:
                 m = torch.maximum(m, lay.sinks)
-            p = s.sub_(m).exp_()
+            p = _probabilities(s, m, attends)
             total = p.sum(-1, keepdim=True)
             if sinks is not None:
                 total = total + torch.exp(lay.sinks - m)
+            # A real row's max term is exp(0) = 1, so its total is >= 1; a padded query slot attends no
+            # key (total 0): 1 gives it output 0 and a finite log-sum-exp, so no NaN in backward.
+            total.clamp_min_(1)
             if dropout:
                 p.mul_(lay.keep(g, p.shape))
             o = p.flatten(2, 3).to(v.dtype) @ lay.gather(lay.vt, keys)  # [Hkv, G, R * Bq, Dv]
@@ -263,8 +276,8 @@ class _Attention(torch.autograd.Function):
         dk = torch.zeros_like(lay.kt, dtype=acc)
         dv = torch.zeros_like(lay.vt, dtype=acc)
         for g, (blk, keys) in enumerate(_groups(blocks, q.shape[1], group_elements)):
-            s, dcap = lay.logits(blk, keys)
-            p = s.sub_(lse.index_select(1, blk).unsqueeze(-1)).exp_()  # [Hkv, G, R, Bq, K]
+            s, attends, dcap = lay.logits(blk, keys)
+            p = _probabilities(s, lse.index_select(1, blk).unsqueeze(-1), attends)  # [Hkv, G, R, Bq, K]
             keep = lay.keep(g, p.shape) if dropout else None
             kg, vg = lay.gather(lay.kt, keys), lay.gather(lay.vt, keys)  # [Hkv, G, K, D(v)]
             do = dob.index_select(1, blk).flatten(2, 3)  # [Hkv, G, R * Bq, Dv]
