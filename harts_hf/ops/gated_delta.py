@@ -17,7 +17,7 @@ import torch
 
 from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, prefix_state, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, masked_exp, prefix_state, run_tree_kind
 from .tree_batch import TreeBatch
 
 __all__ = ["GDN_KERNEL", "gdn_chunk_scan", "tree_gated_delta_rule"]
@@ -39,20 +39,20 @@ def gdn_intra(
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
 
-    strictly_upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     cum_decay = decay.cumsum(dim=-1)  # [T, H, L]
-    pairwise_decay = cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)  # [T, H, L, L]
-    pairwise_decay = pairwise_decay.masked_fill(strictly_upper, float("-inf")).exp()
+    causal = torch.ones(C, C, dtype=cum_decay.dtype, device=q.device).tril()
+    pairwise_decay = masked_exp(cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2), causal)  # [T, H, L, L]
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay  # [T, H, L, L]
     intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    to_row = cum_decay.exp().unsqueeze(-1)  # [T, H, L, 1] decay from the chunk start
+    decayed_k_beta = k_beta * to_row
     # One triangular solve for both right-hand sides (columns are independent): [u | w].
     uw = torch.linalg.solve_triangular(
         ut_system, torch.cat((v_beta, decayed_k_beta), -1), upper=False, unitriangular=True
     )
     new_values, k_cumdecay = uw.split((v_beta.shape[-1], key.shape[-1]), -1)
 
-    query = query * cum_decay.exp().unsqueeze(-1)
+    query = query * to_row
     key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]  # [T, H, 1, 1]
     wq = torch.cat((k_cumdecay, query), -2)  # [T, H, 2L, K]: one product with the state for both

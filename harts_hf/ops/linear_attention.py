@@ -60,6 +60,7 @@ __all__ = [
     "chunk_scan",
     "expand_heads",
     "linear_inputs_check",
+    "masked_exp",
     "prefix_state",
     "run_tree_linear_attention",
     "scan_ragged",
@@ -135,6 +136,14 @@ def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.float().repeat_interleave(heads // x.shape[1], dim=1)
 
 
+def masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x.masked_fill(keep == 0, -inf).exp()`` to the bit (values and gradient) for a finite ``x``;
+    ``keep`` holds 1 / 0 in x's dtype (broadcast). The masked entries are zeroed before ``exp`` and
+    after, because CPU ``exp`` takes a slow path on every input that underflows (-inf included), and a
+    causal mask is about half of a chunk's pairs; multiplying the kept ones by 1 leaves them as they are."""
+    return (x * keep).exp() * keep
+
+
 def prefix_state(
     state: torch.Tensor, k: torch.Tensor, values: torch.Tensor, g: torch.Tensor, upto: torch.Tensor
 ) -> torch.Tensor:
@@ -148,8 +157,8 @@ def prefix_state(
     cum = g.float().cumsum(2)  # [R, H, L] or [R, H, L, K]
     cum = cum if cum.dim() == 4 else cum.unsqueeze(-1)  # [R, H, L, K or 1]
     at = cum.gather(2, upto.view(-1, 1, 1, 1).expand(-1, cum.shape[1], 1, cum.shape[3]))  # [R, H, 1, K|1]
-    later = torch.arange(k.shape[2], device=k.device) > upto[:, None]  # [R, L]
-    rel = (at - cum).masked_fill(later[:, None, :, None], float("-inf")).exp()  # [R, H, L, K|1]
+    upto_here = (torch.arange(k.shape[2], device=k.device) <= upto[:, None]).to(cum.dtype)  # [R, L]
+    rel = masked_exp(at - cum, upto_here[:, None, :, None])  # [R, H, L, K|1]
     keys = k.float() * rel  # [R, H, L, K]
     return torch.addcmul(keys.transpose(-1, -2) @ values, state, at.exp().transpose(-1, -2))
 

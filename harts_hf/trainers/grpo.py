@@ -123,10 +123,15 @@ class HARTSGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **media
             )
-        step = self._step_of_loss_pass(input_ids) if torch.is_grad_enabled() and not compute_aux_loss else None
-        if step is not None:
-            logps, entropies = step.values(self._served, attention_mask, logits_to_keep)
-            return logps, entropies if compute_entropy else None, None
+        if not compute_aux_loss:
+            if torch.is_grad_enabled():
+                step, j = self._step_of_loss_pass(input_ids), self._served
+            else:  # old policy, reference, evaluation: the rows of every rank under one plan
+                batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+                step, j = HARTSStep(self, model, [batch], self._plan_options(), entropy=compute_entropy), 0
+            if step is not None:
+                logps, entropies = step.values(j, attention_mask, logits_to_keep)
+                return logps, entropies if compute_entropy else None, None
         forest = rows_forest(input_ids, attention_mask)
         start = time.perf_counter()
         if forest.num_compact_tokens <= self.args.harts_max_tokens_per_microbatch:
@@ -170,33 +175,30 @@ class HARTSGRPOTrainer(GRPOTrainer):
     def _engine_pass(
         self, model, forest: RolloutForest, compute_entropy: bool, compute_aux_loss: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A microbatch whose forest exceeds the budget: the engine runs the planned pieces (one
-        graph alive at a time); with grad, TRL's ``loss.backward()`` replays them."""
+        """A microbatch forest above the budget outside a HARTS step (the one-pass options): the
+        engine runs the planned pieces; TRL's ``loss.backward()`` replays them (one process)."""
         budget = self.args.harts_max_tokens_per_microbatch
         if compute_aux_loss:
             raise ValueError(
                 f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
                 f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
             )
-        if torch.is_grad_enabled() and entropy_bonus_enabled(self):
+        if entropy_bonus_enabled(self):
             raise ValueError(
                 f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs entropy gradients, which the engine "
                 f"does not give to a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens: "
                 "raise the budget or lower per_device_train_batch_size"
             )
+        if self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens with grad outside "
+                "an optimizer step's loss pass runs in one process only: raise the budget"
+            )
         engine = TreeEngine(
-            self.accelerator.unwrap_model(model),
-            forest,
-            self._plan(forest),
-            temperature=self.temperature,
-            forward=lambda run: model(harts_call=run),
-            no_sync=lambda: self.accelerator.no_sync(model),
+            self.accelerator.unwrap_model(model), forest, self._plan(forest), temperature=self.temperature
         )
         with self.accelerator.autocast():
-            if torch.is_grad_enabled():
-                lps, ents = engine.attached_logprobs(return_entropy=True)
-            else:
-                lps, ents = engine.logprobs(return_entropy=True)
+            lps, ents = engine.attached_logprobs(return_entropy=True)
         return lps[0], ents[0] if compute_entropy else None
 
     def _record_train_pass(self, forest: RolloutForest, seconds: float) -> None:

@@ -26,6 +26,7 @@ Legend: B rows of the block on all ranks, L their longest row, b a microbatch's 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from ..forest import RolloutForest
 from ..planner import plan
 from .rows import row_sequences, to_completion_layout
 
-__all__ = ["HARTSStep", "block_length"]
+__all__ = ["HARTSStep", "batch_rows", "block_length"]
 
 
 def block_length(step: int, accumulation: int, steps_per_generation: int) -> int:
@@ -45,33 +46,44 @@ def block_length(step: int, accumulation: int, steps_per_generation: int) -> int
     return min(accumulation - step % accumulation, steps_per_generation - step % steps_per_generation)
 
 
-def _rows(batch: dict) -> list[np.ndarray]:
+def batch_rows(batch: dict) -> list[np.ndarray]:
+    """The real tokens of every row of a TRL microbatch (prompt then completion), or of a pass's
+    ``input_ids`` under its ``attention_mask``."""
+    if "input_ids" in batch:
+        return row_sequences(batch["input_ids"], batch["attention_mask"])
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     return row_sequences(ids, mask)
 
 
 class HARTSStep:
-    """One block's log-probs and entropies on every rank (module docstring).
+    """One block's log-probs and entropies on every rank (module docstring). Every rank makes it
+    at the same time (it all-gathers the rows and sums the values over the ranks). Made with grad
+    enabled it records its units for :meth:`backward` (a loss pass); without, it is a no-grad pass
+    over the same kind of plan (old policy, reference, evaluation).
 
     Args:
-        trainer: the GRPO trainer (its accelerator, temperature and planner options).
-        model: the model as the trainer trains it (wrapped by DDP / FSDP2 where it is).
-        microbatches: this rank's TRL microbatches of the block, in order.
+        trainer: the GRPO trainer (its accelerator and temperature).
+        model: the model as the trainer runs it (wrapped by DDP / FSDP2 where it is).
+        microbatches: this rank's TRL microbatches of the block, in order (or, for a no-grad pass,
+            ``{"input_ids", "attention_mask"}`` batches: :func:`batch_rows`).
         plan_options: ``max_tokens_per_microbatch``, ``cost_model``, ``chunk_size`` for the plan.
+        entropy: compute the entropies too.
     """
 
-    def __init__(self, trainer, model: torch.nn.Module, microbatches: list[dict], plan_options: dict):
+    def __init__(
+        self, trainer, model: torch.nn.Module, microbatches: Sequence[dict], plan_options: dict, *, entropy: bool = True
+    ):
         began = time.perf_counter()
         acc = self.accelerator = trainer.accelerator
-        self.microbatches = microbatches
-        local = [_rows(batch) for batch in microbatches]
-        mine = [row for rows in local for row in rows]
+        self.microbatches = list(microbatches)
+        rows = [batch_rows(batch) for batch in microbatches]
+        mine = [row for part in rows for row in part]
         everyone = gather_object([mine]) if acc.num_processes > 1 else [mine]  # per rank, its rows
-        first = sum(len(rows) for rows in everyone[: acc.process_index])
-        bounds = first + np.cumsum([0] + [len(rows) for rows in local])
+        first = sum(len(part) for part in everyone[: acc.process_index])
+        bounds = first + np.cumsum([0] + [len(part) for part in rows])
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.forest = RolloutForest.from_sequences([row for rows in everyone for row in rows])
+        self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
         self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
         self.engine = TreeEngine(
             acc.unwrap_model(model),
@@ -82,12 +94,21 @@ class HARTSStep:
             forward=lambda run: model(harts_call=run),
             no_sync=lambda: acc.no_sync(model),
         )
+        self.grad = torch.is_grad_enabled()
         with acc.autocast():
-            self._recording = self.engine.record(return_entropy=True)
-        values, entropies = self._recording.logprobs[0], self._recording.entropies[0]  # [B, L - 1], 0 where not owned
-        if acc.num_processes > 1:  # rows a rank does not own are 0 there
-            values, entropies = acc.reduce(values, "sum"), acc.reduce(entropies, "sum")
-        self.logprobs = values.requires_grad_(True)  # [B, L - 1]: every row, the leaf TRL's losses read
+            if self.grad:
+                self._recording = self.engine.record(return_entropy=entropy)
+                values, entropies = self._recording.logprobs, self._recording.entropies
+            else:
+                values, entropies = (
+                    self.engine.logprobs(return_entropy=True) if entropy else (self.engine.logprobs(), None)
+                )
+        values = values[0]  # [B, L - 1], 0 where this rank does not own the row
+        entropies = None if entropies is None else entropies[0]
+        if acc.num_processes > 1:
+            values = acc.reduce(values, "sum")
+            entropies = None if entropies is None else acc.reduce(entropies, "sum")
+        self.logprobs = values.requires_grad_(self.grad)  # [B, L - 1]: every row; TRL's losses read it
         self.entropies = entropies
         self.forward_seconds, self.backward_seconds = time.perf_counter() - began, 0.0
 
@@ -95,11 +116,13 @@ class HARTSStep:
         """The block's microbatch ``inputs`` is (by identity), None if it is none of them."""
         return next((j for j, batch in enumerate(self.microbatches) if batch is inputs), None)
 
-    def values(self, j: int, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Microbatch ``j``'s (log-probs, entropies) [b, C] in TRL's completion layout."""
+    def values(
+        self, j: int, attention_mask: torch.Tensor, logits_to_keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Microbatch ``j``'s (log-probs, entropies or None) [b, C] in TRL's completion layout."""
         rows = self._rows[j]
-        logps = to_completion_layout(self.logprobs[rows], attention_mask, logits_to_keep)
-        return logps, to_completion_layout(self.entropies[rows], attention_mask, logits_to_keep)
+        layout = lambda v: None if v is None else to_completion_layout(v[rows], attention_mask, logits_to_keep)
+        return layout(self.logprobs), layout(self.entropies)
 
     def backward(self) -> None:
         """Backpropagate the gradients the block's losses left on the log-probs (summed over
