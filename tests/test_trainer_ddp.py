@@ -68,6 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RESUME = "resume-mid-run"
 ON_THREE = ("dapo-one-tree", "bnpo-pieces-two-microbatches", "grpo-groups", "dapo-generation-over-two-steps-one-tree")
 
 
@@ -86,7 +87,7 @@ def ddp_run(request, tmp_path_factory) -> tuple[int, Path]:
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
     port = str(_free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port]
-    cases = ",".join(CASES if world == 2 else ON_THREE)
+    cases = ",".join([*CASES, RESUME] if world == 2 else ON_THREE)
     run = subprocess.run(
         [*cmd, __file__, str(out), cases],
         env=env,
@@ -125,6 +126,18 @@ def test_several_processes_match_stock(case, ddp_run):
         assert min(harts["metrics"]["harts/microbatches"]) >= 3
 
 
+@pytest.mark.slow
+def test_resume_from_a_mid_run_checkpoint(ddp_run):
+    """2 processes: resuming from the checkpoint after step 2 ends where the uninterrupted run does."""
+    world, ddp_run = ddp_run
+    if world != 2:
+        pytest.skip("run under 2 processes")
+    record = torch.load(ddp_run / f"{RESUME}.pt")
+    assert (record["whole"] - record["start"]).abs().max() > 1e-3  # the steps moved the weights
+    assert record["ran"] == [4, 2]  # the resumed trainer ran steps 3 and 4 only
+    assert (record["resumed"] - record["whole"]).abs().max().item() < TOL
+
+
 def _worker(out: Path, cases: list[str]) -> None:
     from datasets import Dataset
     from test_trainer_exactness import PROMPTS, branching_rollout, config_kwargs, id_reward
@@ -148,7 +161,7 @@ def _worker(out: Path, cases: list[str]) -> None:
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
 
-    for case in cases:
+    for case in [c for c in cases if c != RESUME]:
         overrides = dict(CASES[case])
         family, system = overrides.pop("model", "qwen3_5"), overrides.pop("system", True)
         for name, trainer_cls, config_cls in (
@@ -199,6 +212,46 @@ def _worker(out: Path, cases: list[str]) -> None:
                     },
                 }
                 torch.save(record, out / f"{name}-{case}.pt")
+    if RESUME in cases:
+        _resume(out, with_system)
+
+
+def _resume(out: Path, rollout) -> None:
+    """HARTS for 4 steps, checkpointed after step 2; a new trainer resumes there and runs to step 4."""
+    from datasets import Dataset
+    from test_trainer_exactness import PROMPTS, config_kwargs, id_reward
+    from transformers import TrainerCallback
+
+    from harts_hf.envs.tokenizer import build_tokenizer
+    from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
+
+    class Steps(TrainerCallback):
+        ran = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ran += 1
+
+    def trainer(name: str, **overrides) -> HARTSGRPOTrainer:
+        args = config_kwargs(str(out / name), loss_type="dapo", max_steps=4, num_iterations=2, **overrides)
+        return HARTSGRPOTrainer(
+            model=str(out / "qwen3_5"),
+            reward_funcs=id_reward,
+            args=HARTSGRPOConfig(**args),
+            processing_class=build_tokenizer(),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
+            rollout_func=rollout,
+            callbacks=[Steps()],
+        )
+
+    whole = trainer("resume-whole", save_strategy="steps", save_steps=2)
+    whole.train()
+    resumed = trainer("resume-second-half")
+    resumed.train(resume_from_checkpoint=str(out / "resume-whole" / "checkpoint-2"))
+    flat = lambda t: torch.cat([p.detach().flatten() for p in t.model.parameters()])
+    if whole.accelerator.is_main_process:
+        start = torch.cat([p.detach().flatten() for p in trainer("resume-start").model.parameters()])
+        ran = [next(c for c in t.callback_handler.callbacks if isinstance(c, Steps)).ran for t in (whole, resumed)]
+        torch.save({"whole": flat(whole), "resumed": flat(resumed), "start": start, "ran": ran}, out / f"{RESUME}.pt")
 
 
 if __name__ == "__main__":

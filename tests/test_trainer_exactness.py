@@ -85,7 +85,7 @@ def config_kwargs(output_dir: str, **overrides) -> dict:
     return args | overrides
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
+def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None, **overrides):
     args = config_kwargs(str(tmp_path / trainer_cls.__name__), **overrides)
     trainer = trainer_cls(
         model=model_dir,
@@ -94,6 +94,7 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
         processing_class=build_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
         rollout_func=branching_rollout,
+        peft_config=peft_config,
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -177,6 +178,30 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
             harts.args.gradient_accumulation_steps, harts.args.steps_per_generation
         )
         assert rows and min(rows) == step_rows, (rows, step_rows)
+
+
+@pytest.mark.parametrize("budget", [65_536, 48], ids=["one-unit", "pieces"])
+def test_lora_same_as_trl(budget, model_dir, tmp_path):
+    """LoRA adapters (the reference pass runs with the adapter disabled) through the HARTS step."""
+    from peft import LoraConfig
+
+    lora = lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkv"], lora_dropout=0.0)
+    overrides = dict(loss_type="dapo", beta=0.1, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, peft_config=lora(), **overrides)
+    harts, harts_losses = train(
+        HARTSGRPOTrainer,
+        HARTSGRPOConfig,
+        model_dir,
+        tmp_path,
+        peft_config=lora(),
+        harts_max_tokens_per_microbatch=budget,
+        **overrides,
+    )
+    lora_params = lambda m: [p for n, p in m.named_parameters() if "lora_" in n]
+    assert lora_params(stock.model) and max(p.abs().max().item() for p in lora_params(stock.model)) > 1e-3
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    diff = max((a - b).abs().max().item() for a, b in zip(lora_params(harts.model), lora_params(stock.model)))
+    assert diff < TOL
 
 
 def test_harts_disabled_is_stock(model_dir, tmp_path):

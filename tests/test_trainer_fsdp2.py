@@ -14,7 +14,8 @@ FSDP2 (``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the 
   backpropagated through the unsharded, unpatched model row by row, averaged over the ranks (FSDP2
   reduce-scatters with averaging);
 * with several units on a rank, every backward pass but the last ran with FSDP2 gradient sync off
-  (``set_requires_gradient_sync(False)``, then back on), and a one-unit plan never turns it off;
+  (``set_requires_gradient_sync(False)``, then back on) and left no sharded parameter a gradient
+  (no reduce-scatter before the last pass), and a one-unit plan never turns sync off;
 
 once under a budget every rank's share fits in one slot, once under one just above the longest
 trajectory (several slots per rank, trees cut into pieces joined by handoffs). The rows of both
@@ -82,11 +83,11 @@ def trl_batch(rows: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor
     """TRL's microbatch layout: prompts left-padded, completions right-padded, pad id 0."""
     width_p = max(len(p) for p, _ in rows)
     width_c = max(len(c) for _, c in rows)
-    batch = {k: torch.zeros(len(rows), w, dtype=torch.long) for k, w in
-             (("prompt_ids", width_p), ("prompt_mask", width_p), ("completion_ids", width_c), ("completion_mask", width_c))}
+    widths = {"prompt_ids": width_p, "prompt_mask": width_p, "completion_ids": width_c, "completion_mask": width_c}
+    batch = {key: torch.zeros(len(rows), width, dtype=torch.long) for key, width in widths.items()}
     for i, (p, c) in enumerate(rows):
-        batch["prompt_ids"][i, width_p - len(p):] = torch.tensor(p)
-        batch["prompt_mask"][i, width_p - len(p):] = 1
+        batch["prompt_ids"][i, width_p - len(p) :] = torch.tensor(p)
+        batch["prompt_mask"][i, width_p - len(p) :] = 1
         batch["completion_ids"][i, : len(c)] = torch.tensor(c)
         batch["completion_mask"][i, : len(c)] = 1
     return batch
@@ -142,6 +143,7 @@ def test_fsdp2_step_matches_stock(budget, fsdp2_run):
         # gradient sync off in every backward pass but the last one
         units, calls = got["units"], got["sync_calls"]
         assert calls == [False, True] * (units - 1), (units, calls)
+        assert len(got["unsynced"]) == units - 1 and all(got["unsynced"])  # only the last pass reduced
         if budget == "slots":
             assert units >= 2 and False in calls
     if budget == "fits":
@@ -186,11 +188,14 @@ def _worker(out: Path) -> None:
     fully_shard(model)
     assert acc.unwrap_model(model) is model  # FSDP2 shards in place: nothing to unwrap
 
-    sync_calls: list[bool] = []
+    sync_calls: list[bool] = []  # set_requires_gradient_sync's arguments, in order
+    unsynced: list[bool] = []  # per no_sync exit: no sharded parameter holds a gradient yet
     set_sync = model.set_requires_gradient_sync
 
     def recording_sync(requires_gradient_sync: bool, *args, **kwargs):
         sync_calls.append(bool(requires_gradient_sync))
+        if requires_gradient_sync:  # leaving no_sync: no reduce-scatter has filled a sharded grad yet
+            unsynced.append(all(p.grad is None for p in model.parameters()))
         return set_sync(requires_gradient_sync, *args, **kwargs)
 
     model.set_requires_gradient_sync = recording_sync
@@ -205,7 +210,8 @@ def _worker(out: Path) -> None:
     for name, budget in BUDGETS.items():
         model.zero_grad(set_to_none=True)
         sync_calls.clear()
-        options = dict(max_tokens_per_microbatch=budget or longest + 2, cost_model=None, chunk_size=64)
+        unsynced.clear()
+        options = {"max_tokens_per_microbatch": budget or longest + 2, "cost_model": None, "chunk_size": 64}
         step = HARTSStep(trainer, model, batches, options)  # with grad: a loss pass
         assert not sync_calls  # the recording pass runs no backward
         for j, batch in enumerate(batches):
@@ -221,8 +227,9 @@ def _worker(out: Path) -> None:
             "grads": {k: _full(p.grad, p) for k, p in model.named_parameters()},
             "units": len(step.engine.units),
             "num_slots": int(step.plan.num_slots),
-            "plan_ranks": int(len({int(r) for r in np.asarray(step.plan.traj_rank[0]).ravel()})),
+            "plan_ranks": len({int(r) for r in np.asarray(step.plan.traj_rank[0]).ravel()}),
             "sync_calls": list(sync_calls),
+            "unsynced": list(unsynced),
         }
 
     # the oracle: every rank's losses on the unpatched model, row by row; FSDP2 averages over ranks

@@ -251,8 +251,8 @@ class HARTSGRPOTrainer(GRPOTrainer):
     def _log_step(self, stats: torch.Tensor) -> None:
         """The optimizer step's figures over every rank, from ``stats`` [R, len(PASS_STATS)] summed over
         its microbatches: compression and tokens of what the ranks computed, trajectory tokens per
-        second of the slowest rank's forward + backward, and the rank imbalance measured and predicted
-        (max / mean of the ranks' seconds)."""
+        second of the slowest rank's forward + backward, the rank imbalance measured and predicted
+        (max / mean of the ranks' seconds) and the step time measured and predicted (slowest rank)."""
         tokens, compact, seconds, predicted = stats.unbind(1)
         if compact.sum() == 0:
             return
@@ -263,3 +263,5 @@ class HARTSGRPOTrainer(GRPOTrainer):
         metrics["harts/tokens_per_second"].append(float(tokens.sum() / seconds.max()))
         metrics["harts/rank_imbalance"].append(float(seconds.max() / seconds.mean()))
         metrics["harts/plan_imbalance"].append(float(predicted.max() / predicted.mean()))
+        metrics["harts/step_seconds"].append(float(seconds.max()))  # ranks run in lockstep: the slowest
+        metrics["harts/predicted_step_seconds"].append(float(predicted.max()))
