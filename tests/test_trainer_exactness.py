@@ -172,12 +172,11 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
     assert max_param_diff(harts.model, stock.model) < TOL
     compression = [h["harts/compression"] for h in harts.state.log_history if "harts/compression" in h]
     assert compression and min(compression) > 1.2  # the forests did share prefixes
-    if "entropy_coef" not in overrides:  # one plan per optimizer step (per generation batch where a step spans two)
-        rows = [h["harts/rows"] for h in harts.state.log_history if "harts/rows" in h]
-        step_rows = harts.args.per_device_train_batch_size * min(
-            harts.args.gradient_accumulation_steps, harts.args.steps_per_generation
-        )
-        assert rows and min(rows) == step_rows, (rows, step_rows)
+    rows = [h["harts/rows"] for h in harts.state.log_history if "harts/rows" in h]  # one plan per optimizer step
+    step_rows = harts.args.per_device_train_batch_size * min(  # (per generation batch where a step spans two)
+        harts.args.gradient_accumulation_steps, harts.args.steps_per_generation
+    )
+    assert rows and min(rows) == step_rows, (rows, step_rows)
 
 
 @pytest.mark.parametrize("budget", [65_536, 48], ids=["one-unit", "pieces"])
@@ -249,16 +248,15 @@ def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path):
     assert max_param_diff(harts.model, stock.model) < TOL
 
 
-def test_engine_refuses_the_entropy_bonus(model_dir, tmp_path):
-    """The engine's entropies carry no gradient: an entropy bonus on a split forest is refused, not
-    silently dropped from the update."""
-    with pytest.raises(ValueError, match="entropy bonus"):
-        train(
-            HARTSGRPOTrainer,
-            HARTSGRPOConfig,
-            model_dir,
-            tmp_path,
-            loss_type="grpo",
-            entropy_coef=0.1,
-            harts_max_tokens_per_microbatch=48,
-        )
+def test_entropy_bonus_on_pieces_same_as_trl(model_dir, tmp_path):
+    """The entropy bonus backpropagates through the entropies: the HARTS step replays the units
+    with the entropies' gradients too, on forests cut into pieces."""
+    overrides = dict(loss_type="grpo", entropy_coef=0.1, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    harts, harts_losses = train(
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=48, **overrides
+    )
+    microbatches = [h["harts/microbatches"] for h in harts.state.log_history if "harts/microbatches" in h]
+    assert microbatches and min(microbatches) >= 3
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    assert max_param_diff(harts.model, stock.model) < TOL

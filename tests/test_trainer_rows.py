@@ -3,7 +3,6 @@ HARTS step's blocks (``step.block_length``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

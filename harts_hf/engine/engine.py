@@ -121,7 +121,9 @@ class TreeEngine:
         self.device = self.hf.get_output_embeddings().weight.device
         self._forward: Forward = forward or (lambda run: run())
         self._no_sync = no_sync
-        self.units: list[Unit] = rank_units(self.forests, plan, rank, model_tables(self.hf, self.adapter), self.device)
+        with torch.no_grad():  # the probe runs as the wrapper's forward too (FSDP2 gathers the root's parameters)
+            tables = self._forward(lambda: model_tables(self.hf, self.adapter))
+        self.units: list[Unit] = rank_units(self.forests, plan, rank, tables, self.device)
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
         # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
         # the numbers of the pairs it produces.
@@ -232,13 +234,21 @@ class TreeEngine:
             self._replay_units(store, [torch.zeros_like(v) if v.grad is None else v.grad for v in values])
         return loss.detach()
 
-    def _replay_units(self, store: Store, grads: list[torch.Tensor]) -> None:
-        """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f])."""
+    def _replay_units(
+        self, store: Store, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None
+    ) -> None:
+        """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and, given,
+        ``entropy_grads`` (the same, w.r.t. the pairs' entropies)."""
         for done, unit in enumerate(reversed(self.units)):
             with self._sync_last(done):
                 handoff = Handoff(store, unit, grad=True)
-                lp, _ = self._run(unit, handoff, False)
-                self._send(store, handoff, [lp], [grads[unit.forest][self._pair_index[unit.index]]])
+                lp, ent = self._run(unit, handoff, entropy_grads is not None)
+                pairs = self._pair_index[unit.index]
+                tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
+                if ent is not None:
+                    tensors.append(ent)
+                    unit_grads.append(entropy_grads[unit.forest][pairs])
+                self._send(store, handoff, tensors, unit_grads)
 
     def _sync_last(self, done: int) -> AbstractContextManager:
         """``no_sync`` for every backward pass of a step but the last (``done`` passes so far)."""
@@ -313,22 +323,31 @@ class Recording:
         self.logprobs = engine._layout(values)
         self.entropies = None if ents is None else engine._layout(ents)
 
-    def backward(self, grads: list[torch.Tensor]) -> None:
+    def backward(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
         """Backpropagate ``grads`` (per forest [B_f, L_f - 1], w.r.t. ``logprobs``; rows this rank
-        does not own are ignored) through every unit, in reverse slot order, once."""
-        pairs = [torch.zeros_like(v, requires_grad=True) for v in self.values]
-        torch.autograd.backward(self.engine._layout(pairs), grads)
-        self.backward_pairs([torch.zeros_like(p) if p.grad is None else p.grad for p in pairs])
+        does not own are ignored) and, given, ``entropy_grads`` (the same, w.r.t. ``entropies``)
+        through every unit, in reverse slot order, once."""
+        to_pairs = lambda row_grads: self._pair_grads(row_grads) if row_grads is not None else None
+        self.backward_pairs(to_pairs(grads), to_pairs(entropy_grads))
 
-    def backward_pairs(self, grads: list[torch.Tensor]) -> None:
+    def _pair_grads(self, row_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients w.r.t. the layout's rows -> w.r.t. the pair values (a pair feeds every row
+        that shares it)."""
+        pairs = [torch.zeros_like(v, requires_grad=True) for v in self.values]
+        torch.autograd.backward(self.engine._layout(pairs), row_grads)
+        return [torch.zeros_like(p) if p.grad is None else p.grad for p in pairs]
+
+    def backward_pairs(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
         """:meth:`backward` from gradients w.r.t. the pair values (per forest [P_f])."""
         if self._store is None:
             raise RuntimeError(
                 "a recording replays its units once and then frees their records: record again (or call "
                 "attached_logprobs again) for another backward pass"
             )
+        if entropy_grads is not None and self.entropies is None:
+            raise ValueError("entropy gradients need a recording made with return_entropy=True")
         with torch.enable_grad():
-            self.engine._replay_units(self._store, grads)
+            self.engine._replay_units(self._store, grads, entropy_grads)
         self._store = None
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "hf_model",
     "load_balancing_loss",
     "mask_function",
+    "model_class",
     "modeling_module",
     "module_eager_attention",
     "parameters",
@@ -77,9 +78,17 @@ def hf_model(model: nn.Module) -> PreTrainedModel:
     raise TypeError(f"expected a transformers PreTrainedModel (or a PEFT model around one), got {type(model).__name__}")
 
 
+def model_class(model: PreTrainedModel) -> type:
+    """The transformers class of ``model``: FSDP2's ``fully_shard`` swaps an instance's class for a
+    generated ``FSDP<Name>(FSDPModule, <Name>)`` defined in torch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def family_name(model: PreTrainedModel) -> str:
     """``qwen3_5`` for a class defined in ``transformers.models.qwen3_5.modeling_qwen3_5``."""
-    module = type(model).__module__
+    module = model_class(model).__module__
     prefix, _, leaf = module.rpartition(".modeling_")
     return leaf if prefix.startswith("transformers.models.") else module
 
@@ -92,7 +101,7 @@ def parameters(fn: Callable) -> tuple[str, ...]:
 
 def modeling_module(model: PreTrainedModel) -> ModuleType:
     """The generated ``modeling_<family>.py`` module the model class lives in."""
-    return sys.modules[type(model).__module__]
+    return sys.modules[model_class(model).__module__]
 
 
 def forward_source(cls: type) -> str:

@@ -224,7 +224,7 @@ def adapter_for(model: PreTrainedModel) -> FamilyAdapter:
             f"{type(model).__name__} (family {family!r}) is not supported by harts-hf; "
             f"supported families: {supported_families()}"
         )
-    name = type(model).__name__
+    name = _compat.model_class(model).__name__
     if not name.endswith(("ForCausalLM", "Model")):
         raise UnsupportedModelError(
             f"{name}: harts-hf patches causal LMs and their base models (*ForCausalLM / *Model) only"

@@ -9,8 +9,9 @@
 2. ``GRPOTrainer._prepare_inputs`` keeps the generation batch's ``steps_per_generation``
    microbatches in ``_buffered_inputs`` and hands out ``_buffered_inputs[_step % steps_per_generation]``:
    a HARTS step reads the rest of its optimizer step's microbatches there (``step.py``).
-3. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus and
-   through the router logits for the aux loss (:func:`one_pass_options`).
+3. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
+   (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
+   (:func:`one_pass_options`).
 """
 
 from __future__ import annotations
@@ -64,12 +65,7 @@ def entropy_bonus_enabled(trainer) -> bool:
 
 def one_pass_options(trainer) -> list[str]:
     """The settings of a GRPOTrainer whose loss needs each microbatch's own forward with grad (trl
-    1.16 ``_compute_loss``): the entropy bonus backpropagates through the entropies, the MoE aux
-    loss through the microbatch's router logits. Every other term reads only per-token log-probs
-    (and entropies as values), which a HARTS step computes for the whole step at once."""
-    found = []
-    if entropy_bonus_enabled(trainer):
-        found.append("the entropy bonus (entropy_coef / use_adaptive_entropy)")
-    if trainer.aux_loss_enabled:
-        found.append("the router aux loss (router_aux_loss_coef)")
-    return found
+    1.16 ``_compute_loss``): the MoE aux loss backpropagates through the microbatch's router
+    logits. Every other term reads per-token log-probs and entropies, which a HARTS step computes
+    (with their gradients) for the whole step at once."""
+    return ["the router aux loss (router_aux_loss_coef)"] if trainer.aux_loss_enabled else []

@@ -167,7 +167,8 @@ class HARTSGRPOTrainer(GRPOTrainer):
             k, n = self._step % spg, block_length(self._step, self.current_gradient_accumulation_steps, spg)
             buffer = self._buffered_inputs
             block = buffer[k : k + n] if buffer is not None and buffer[k] is inputs else [inputs]
-            step = self._harts_step = HARTSStep(self, model, block, self._plan_options())
+            options = self._plan_options()
+            step = self._harts_step = HARTSStep(self, model, block, options, entropy_grad=entropy_bonus_enabled(self))
             j = 0
         self._served = j
         return step
@@ -175,19 +176,13 @@ class HARTSGRPOTrainer(GRPOTrainer):
     def _engine_pass(
         self, model, forest: RolloutForest, compute_entropy: bool, compute_aux_loss: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A microbatch forest above the budget outside a HARTS step (the one-pass options): the
-        engine runs the planned pieces; TRL's ``loss.backward()`` replays them (one process)."""
+        """A microbatch forest above the budget with grad outside a HARTS step: the engine runs the
+        planned pieces; TRL's ``loss.backward()`` replays them (one process)."""
         budget = self.args.harts_max_tokens_per_microbatch
         if compute_aux_loss:
             raise ValueError(
                 f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
                 f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
-            )
-        if entropy_bonus_enabled(self):
-            raise ValueError(
-                f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs entropy gradients, which the engine "
-                f"does not give to a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens: "
-                "raise the budget or lower per_device_train_batch_size"
             )
         if self.accelerator.num_processes > 1:
             raise ValueError(

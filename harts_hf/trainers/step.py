@@ -15,7 +15,8 @@ At the block's first loss pass:
 
 Each TRL microbatch's loss then runs, unchanged, on exactly the rows and grouping stock TRL gives
 it, reading its values from one leaf tensor; its backward accumulates the gradients w.r.t. the
-log-probs there. After the block's last microbatch those gradients are summed over the ranks and
+log-probs (and entropies, for the entropy bonus) there. After the block's last microbatch those
+gradients are summed over the ranks and
 every rank's engine backpropagates its units, in reverse slot order, one unit's graph alive at a
 time; gradient synchronisation runs once, in the last of these backward passes (the others run in
 accelerate's ``no_sync``), through the wrapper the trainer trains (DDP, FSDP2).
@@ -69,10 +70,18 @@ class HARTSStep:
             ``{"input_ids", "attention_mask"}`` batches: :func:`batch_rows`).
         plan_options: ``max_tokens_per_microbatch``, ``cost_model``, ``chunk_size`` for the plan.
         entropy: compute the entropies too.
+        entropy_grad: the losses backpropagate through the entropies (TRL's entropy bonus).
     """
 
     def __init__(
-        self, trainer, model: torch.nn.Module, microbatches: Sequence[dict], plan_options: dict, *, entropy: bool = True
+        self,
+        trainer,
+        model: torch.nn.Module,
+        microbatches: Sequence[dict],
+        plan_options: dict,
+        *,
+        entropy: bool = True,
+        entropy_grad: bool = False,
     ):
         began = time.perf_counter()
         acc = self.accelerator = trainer.accelerator
@@ -109,7 +118,8 @@ class HARTSStep:
             values = acc.reduce(values, "sum")
             entropies = None if entropies is None else acc.reduce(entropies, "sum")
         self.logprobs = values.requires_grad_(self.grad)  # [B, L - 1]: every row; TRL's losses read it
-        self.entropies = entropies
+        self.entropy_grad = entropy_grad and self.grad and entropies is not None
+        self.entropies = None if entropies is None else entropies.requires_grad_(self.entropy_grad)
         self.forward_seconds, self.backward_seconds = time.perf_counter() - began, 0.0
 
     def index(self, inputs: dict) -> int | None:
@@ -128,12 +138,16 @@ class HARTSStep:
         """Backpropagate the gradients the block's losses left on the log-probs (summed over
         ranks) through every unit of this rank."""
         began = time.perf_counter()
-        grad = self.logprobs.grad if self.logprobs.grad is not None else torch.zeros_like(self.logprobs)
-        if self.accelerator.num_processes > 1:
-            grad = self.accelerator.reduce(grad, "sum")
+        grads = [self._summed_grad(self.logprobs)]
+        entropy_grads = [self._summed_grad(self.entropies)] if self.entropy_grad else None
         with self.accelerator.autocast():
-            self._recording.backward([grad])
+            self._recording.backward(grads, entropy_grads)
         self.backward_seconds = time.perf_counter() - began
+
+    def _summed_grad(self, leaf: torch.Tensor) -> torch.Tensor:
+        """The gradient TRL's losses left on ``leaf``, summed over the ranks (every rank calls)."""
+        grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+        return self.accelerator.reduce(grad, "sum") if self.accelerator.num_processes > 1 else grad
 
     def stats(self) -> tuple[float, float, float, float]:
         """This rank's (trajectory tokens it trains, compact tokens it computes, seconds, predicted
