@@ -11,8 +11,9 @@ between the ranks and their slots, the log-probs are summed over the ranks, TRL'
 stock's rows and microbatches, and the engine backpropagates once per step through DDP (gradient
 sync in the last backward pass only). Most cases put one system prompt in front of every prompt, so
 the step's rows are ONE tree that the plan divides; every loss type of TRL 1.16 is a case, and
-forests several times the budget are cut into pieces. The entropy bonus and the router aux loss
-need each microbatch's own forward with grad: they run per microbatch and must match as well.
+forests several times the budget are cut into pieces; the entropy bonus backpropagates through
+the step's entropies. The router aux loss needs each microbatch's own forward with grad: it runs
+per microbatch and must match as well.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ CASES: dict[str, dict] = {
         harts_max_tokens_per_microbatch=64,
     ),
 }
-ONE_PASS = ("entropy-bonus-one-tree", "router-aux-moe")  # each microbatch its own forward with grad
+ONE_PASS = ("router-aux-moe",)  # each microbatch its own forward with grad
 
 
 def _free_port() -> int:
