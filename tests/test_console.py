@@ -47,7 +47,7 @@ def test_train_console_reads_as_a_run(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     opening, step, summary, saved = lines
     assert opening.startswith("HARTS GRPO (loss dapo): builtin:qwen3_5-quick on the built-in ledger tool environment")
-    assert "1 process on cpu" in opening and "budget 65,536 tokens per microbatch" in opening
+    assert "1 process on cpu" in opening and "one plan per step, 65,536 tokens per slot" in opening
     assert step.startswith("step   1/1") and "compression" in step
     assert summary.startswith("done: 1 steps") and "reward" in summary and "compression" in summary
     assert saved == f"model saved to {tmp_path / 'run'}"

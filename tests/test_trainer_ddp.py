@@ -18,15 +18,13 @@ per microbatch and must match as well.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from launch import torchrun
 
 TOL = 1e-5
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]  # one prompt prefix shared by every row
@@ -53,6 +51,10 @@ CASES: dict[str, dict] = {
     "grpo-groups": dict(loss_type="grpo", system=False),
     "router-aux-moe": dict(loss_type="grpo", model="qwen3_5_moe"),
     "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=64, num_iterations=2, beta=0.1),
+    "dapo-checkpointing-pieces-one-tree": dict(
+        loss_type="dapo", gradient_checkpointing=True, harts_max_tokens_per_microbatch=64
+    ),
+    "dapo-lora-beta-one-tree": dict(loss_type="dapo", beta=0.1, lora=True),
     "bnpo-pieces-two-microbatches": dict(
         loss_type="bnpo",
         gradient_accumulation_steps=2,
@@ -63,14 +65,14 @@ CASES: dict[str, dict] = {
 ONE_PASS = ("router-aux-moe",)  # each microbatch its own forward with grad
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RESUME = "resume-mid-run"
-ON_THREE = ("dapo-one-tree", "bnpo-pieces-two-microbatches", "grpo-groups", "dapo-generation-over-two-steps-one-tree")
+ON_THREE = (
+    "dapo-one-tree",
+    "bnpo-pieces-two-microbatches",
+    "grpo-groups",
+    "dapo-generation-over-two-steps-one-tree",
+    "entropy-bonus-one-tree",
+)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-processes")
@@ -85,20 +87,7 @@ def ddp_run(request, tmp_path_factory) -> tuple[int, Path]:
     for family in ("qwen3_5", "qwen3_5_moe"):
         tiny_model(family).save_pretrained(out / family)
         build_tokenizer().save_pretrained(out / family)
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
-    port = str(_free_port())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port]
-    cases = ",".join([*CASES, RESUME] if world == 2 else ON_THREE)
-    run = subprocess.run(
-        [*cmd, __file__, str(out), cases],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=Path(__file__).parent,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    torchrun(__file__, world, str(out), ",".join([*CASES, RESUME] if world == 2 else ON_THREE))
     return world, out
 
 
@@ -141,6 +130,7 @@ def test_resume_from_a_mid_run_checkpoint(ddp_run):
 
 def _worker(out: Path, cases: list[str]) -> None:
     from datasets import Dataset
+    from peft import LoraConfig
     from test_trainer_exactness import PROMPTS, branching_rollout, config_kwargs, id_reward
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -165,6 +155,7 @@ def _worker(out: Path, cases: list[str]) -> None:
     for case in [c for c in cases if c != RESUME]:
         overrides = dict(CASES[case])
         family, system = overrides.pop("model", "qwen3_5"), overrides.pop("system", True)
+        lora = overrides.pop("lora", False)
         for name, trainer_cls, config_cls in (
             ("stock", GRPOTrainer, GRPOConfig),
             ("harts", HARTSGRPOTrainer, HARTSGRPOConfig),
@@ -183,6 +174,9 @@ def _worker(out: Path, cases: list[str]) -> None:
                 train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
                 rollout_func=with_system if system else branching_rollout,
                 callbacks=[snaps],
+                peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkv"])
+                if lora
+                else None,
             )
             rows, real, compute = [], [], trainer._compute_loss
 

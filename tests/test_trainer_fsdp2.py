@@ -35,9 +35,6 @@ The test starts ``torchrun --nproc_per_node 2`` on this file; each worker saves 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from launch import torchrun
 
 TOL = 1e-5
 WORLD = 2
@@ -98,27 +96,10 @@ def loss_weights(rank: int, j: int, shape: tuple[int, int]) -> torch.Tensor:
     return torch.rand(*shape, generator=torch.Generator().manual_seed(1000 * rank + j)) - 0.5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-    run = subprocess.run(
-        [*cmd, "--master_port", str(_free_port()), __file__, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    torchrun(__file__, WORLD, str(out), timeout=600)
     return out
 
 

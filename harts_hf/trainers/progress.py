@@ -34,7 +34,7 @@ class StepLine(TrainerCallback):
         what = f"{'HARTS' if harts else 'stock'} GRPO (loss {getattr(args, 'loss_type', '?')})"
         params = f", {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params" if model is not None else ""
         devices = f"{args.world_size} process{'es' if args.world_size > 1 else ''} on {args.device.type}"
-        budget = f"; budget {args.harts_max_tokens_per_microbatch:,} tokens per microbatch" if harts else ""
+        budget = f"; one plan per step, {args.harts_max_tokens_per_microbatch:,} tokens per slot" if harts else ""
         rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
         tqdm.write(
             f"{what}: {self.title}{params}; {state.max_steps} steps of {rows} rows per device, {devices}{budget}"
@@ -56,6 +56,10 @@ class StepLine(TrainerCallback):
         if "harts/compression" in logs:
             parts.append(f"compression {logs['harts/compression']:.2f}x")
             parts.append(f"{logs['harts/tokens_per_second']:,.0f} traj tok/s in fwd+bwd")
+            if "harts/microbatches" in logs:
+                parts.append(f"{logs['harts/microbatches']:.0f} slot(s)")
+            if args.world_size > 1:
+                parts.append(f"rank imbalance {logs['harts/rank_imbalance']:.2f}")
         parts.append(f"step {logs.get('step_time', float('nan')):.1f} s (incl. rollout)")
         tqdm.write("  ".join(parts))
 
