@@ -31,7 +31,6 @@ mid-chunk states.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -137,11 +136,6 @@ class _Streams:
     skip: np.ndarray  # [P] by rank: replayed slots dropped from the path's first chunk
 
 
-def _visits(ranks: np.ndarray, stream: np.ndarray, base: int) -> list[tuple[int, np.ndarray]]:
-    """Group ``ranks`` (ascending) by stream: (stream, ranks - base)."""
-    return [(int(s), ranks[stream == s] - base) for s in np.unique(stream)]
-
-
 def _streams(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Streams:
     """Streams and visiting order of one round whose paths drop their first ``skip`` slots (by rank)."""
     device = rnd.gather.device
@@ -153,35 +147,40 @@ def _streams(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Streams:
     length = np.where(valid.any(1), C - np.argmax(valid[:, ::-1], axis=1), 1)  # last valid slot + 1
     chunk_len = np.minimum(-(-length // bucket) * bucket, C)  # [Tc]
     lengths = sorted(set(chunk_len.tolist()) | {C}, reverse=True)
-    stream_of = {L: s for s, L in enumerate(lengths)}
-    stream = np.asarray([stream_of[L] for L in chunk_len.tolist()], dtype=np.int64)  # [Tc]
-    counts = rnd.step_counts
+    stream = np.searchsorted(-np.asarray(lengths), -chunk_len)  # [Tc] stream of each chunk (lengths descend)
+    counts = np.asarray(rnd.step_counts, dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(counts)))
-
-    members: list[list[np.ndarray]] = [[] for _ in lengths]
-    sections: list[list[int]] = [[] for _ in lengths]
     as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)
-    steps, final_ranks, visit_rank = [], [], []
-    for m, n in enumerate(counts):
-        n_next = counts[m + 1] if m + 1 < len(counts) else 0
-        visits = []
-        for part, base in ((np.arange(n_next), 0), (np.arange(n_next, n), n_next)):
-            for s, rel in _visits(part, stream[offsets[m] + part], base):
-                members[s].append(offsets[m] + base + rel)
-                sections[s].append(int(rel.size))
-                visits.append((s, base + rel))
-        following = sum(ranks[0] < n_next for _, ranks in visits)
-        final_ranks += [ranks for _, ranks in visits[following:]]
-        visit_rank.append(np.concatenate([ranks for _, ranks in visits]))
-        steps.append(([(s, int(ranks.size)) for s, ranks in visits], int(following)))
-    # The next step's visiting order as rows of this step's continuing end states.
-    orders = [np.argsort(prev[: ranks.size])[ranks] for prev, ranks in pairwise(visit_rank)] + [None]
-    steps = [
-        ScanStep(visits, following, None if o is None or np.array_equal(o, np.arange(o.size)) else as_t(o))
-        for (visits, following), o in zip(steps, orders)
-    ]
 
-    chunks = [np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in members]
+    # Visiting order: per step, the paths going on (ranks < n_{m+1}) before the ending ones, each part
+    # grouped by stream, ranks ascending in a group; a visit is one (step, part, stream) group.
+    tc, num_streams = rows.shape[0], len(lengths)
+    step = np.repeat(np.arange(counts.size), counts)  # [Tc]
+    rank = np.arange(tc) - offsets[step]
+    ends = rank >= np.append(counts[1:], 0)[step]
+    order = np.lexsort((rank, stream, ends, step))  # [Tc] chunks in visiting order (step-major)
+    group = (step * 2 + ends)[order] * num_streams + stream[order]
+    first = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # each visit's first position
+    size = np.diff(np.r_[first, tc])
+    visit_step, visit_ends, visit_stream = step[order][first], ends[order][first], stream[order][first]
+    members = [order[stream[order] == s] for s in range(num_streams)]
+    sections = [size[visit_stream == s].tolist() for s in range(num_streams)]
+    visit_rank = np.split(rank[order], offsets[1:-1]) if counts.size else []
+    position = np.empty(tc, dtype=np.int64)
+    position[order] = np.arange(tc) - offsets[step[order]]  # each chunk's place in its step's visits
+    bounds = np.searchsorted(visit_step, np.arange(counts.size + 1)).tolist()
+    pairs, going = list(zip(visit_stream.tolist(), size.tolist())), (~visit_ends).tolist()
+    steps = []
+    for m in range(counts.size):
+        # The next step's visiting order as rows of this step's continuing end states.
+        o = position[offsets[m] + visit_rank[m + 1]] if m + 1 < counts.size else None
+        keep = o is None or np.array_equal(o, np.arange(o.size))
+        steps.append(
+            ScanStep(pairs[bounds[m] : bounds[m + 1]], sum(going[bounds[m] : bounds[m + 1]]), None if keep else as_t(o))
+        )
+    final_ranks = rank[order][ends[order]]
+
+    chunks = members
     where = np.empty(rows.shape[0], dtype=np.int64)
     for s, c in enumerate(chunks):
         where[c] = s * rows.shape[0] + np.arange(c.size)
@@ -200,7 +199,7 @@ def _streams(rnd: Round, skip: np.ndarray, C: int, bucket: int) -> _Streams:
         sections=sections,
         steps=steps,
         visit_rank=visit_rank,
-        final_order=np.argsort(np.concatenate(final_ranks), kind="stable"),
+        final_order=np.argsort(final_ranks, kind="stable"),
         own_slot=own,
         skip=skip,
     )
