@@ -143,13 +143,20 @@ class TreeEngine:
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
-    def record(self, return_entropy: bool = False) -> Recording:
+    def record(self, return_entropy: bool = False, *, keep_graph: bool = False) -> Recording:
         """The recording pass alone: the :class:`Recording` of every unit, whose values are
         :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
         through the units later (a caller that owns the loss and gathers its gradients first: the
-        trainer's HARTS step)."""
+        trainer's HARTS step). ``keep_graph``: a plan of one unit runs it with grad and keeps its
+        graph for that backward instead of replaying it (one graph, as :meth:`backward` holds; only
+        where the backward runs in the gradient-sync context of this forward)."""
         _check_no_dropout(self.hf)
         store = Store()
+        if keep_graph and len(self.units) == 1:
+            unit = self.units[0]
+            with self._sync_last(0):
+                lp, ent = self._run(unit, Handoff(store, unit, grad=True), return_entropy)
+            return Recording(self, None, self._scatter([lp]), self._scatter([ent]) if return_entropy else None)
         with torch.no_grad():
             values, ents = self._record(store, return_entropy)
         return Recording(self, store, values, ents)
@@ -315,11 +322,14 @@ class TreeEngine:
 class Recording:
     """The recorded units of one pass (:meth:`TreeEngine.record`): ``logprobs`` (and
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
-    does not own are 0), and the boundary values the replay reads."""
+    does not own are 0), and the boundary values the replay reads (``store``; None: the values
+    carry the graph of the pass itself)."""
 
-    def __init__(self, engine: TreeEngine, store: Store, values: list[torch.Tensor], ents: list[torch.Tensor] | None):
-        self.engine, self._store = engine, store
-        self.values = values  # per forest [P_f] pair values
+    def __init__(
+        self, engine: TreeEngine, store: Store | None, values: list[torch.Tensor], ents: list[torch.Tensor] | None
+    ):
+        self.engine, self._store, self._pending = engine, store, True
+        self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.logprobs = engine._layout(values)
         self.entropies = None if ents is None else engine._layout(ents)
 
@@ -339,16 +349,22 @@ class Recording:
 
     def backward_pairs(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
         """:meth:`backward` from gradients w.r.t. the pair values (per forest [P_f])."""
-        if self._store is None:
+        if not self._pending:
             raise RuntimeError(
                 "a recording replays its units once and then frees their records: record again (or call "
                 "attached_logprobs again) for another backward pass"
             )
         if entropy_grads is not None and self.entropies is None:
             raise ValueError("entropy gradients need a recording made with return_entropy=True")
-        with torch.enable_grad():
-            self.engine._replay_units(self._store, grads, entropy_grads)
-        self._store = None
+        if self._store is None:  # the pass kept its graph
+            tensors = [*self.values, *(self._ents if entropy_grads is not None else [])]
+            live = [(t, g) for t, g in zip(tensors, [*grads, *(entropy_grads or [])]) if t.requires_grad]
+            if live:
+                torch.autograd.backward(*zip(*live))
+        else:
+            with torch.enable_grad():
+                self.engine._replay_units(self._store, grads, entropy_grads)
+        self._store, self._pending = None, False
 
 
 class _Replay(torch.autograd.Function):

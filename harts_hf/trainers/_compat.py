@@ -9,7 +9,9 @@
 2. ``GRPOTrainer._prepare_inputs`` keeps the generation batch's ``steps_per_generation``
    microbatches in ``_buffered_inputs`` and hands out ``_buffered_inputs[_step % steps_per_generation]``:
    a HARTS step reads the rest of its optimizer step's microbatches there (``step.py``).
-3. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
+3. ``GRPOTrainer.training_step`` times each microbatch into ``step_time`` before the HARTS step's
+   backward runs, which :func:`add_step_time` adds.
+4. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
    (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
    (:func:`one_pass_options`).
 """
@@ -27,6 +29,7 @@ from ..modeling import tree_forward
 __all__ = [
     "CHECKED_TRL",
     "FOREST_KWARG",
+    "add_step_time",
     "add_tree_forward",
     "entropy_bonus_enabled",
     "one_pass_options",
@@ -55,6 +58,17 @@ def add_tree_forward(model: torch.nn.Module) -> None:
         return tree_forward(self, harts_forest, **(harts_options or {}))  # PEFT's None input kwargs are dropped
 
     model.forward = types.MethodType(forward, model)
+
+
+def add_step_time(trainer, seconds: float) -> None:
+    """Count ``seconds`` of work done after ``GRPOTrainer.training_step`` timed the microbatch (the
+    HARTS step's backward) into TRL's ``step_time``: GRPO adds each microbatch's time to
+    ``_current_train_step_time`` and, once ``_step`` reaches the end of an optimizer step, appends
+    it to ``_metrics["train"]["step_time"]`` and resets it."""
+    if trainer._step % trainer.current_gradient_accumulation_steps == 0:
+        trainer._metrics["train"]["step_time"][-1] += seconds
+    else:
+        trainer._current_train_step_time += seconds
 
 
 def entropy_bonus_enabled(trainer) -> bool:

@@ -30,7 +30,7 @@ from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import Plan, plan
-from ._compat import FOREST_KWARG, add_tree_forward, entropy_bonus_enabled, one_pass_options
+from ._compat import FOREST_KWARG, add_step_time, add_tree_forward, entropy_bonus_enabled, one_pass_options
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
 from .step import HARTSStep, block_length
@@ -224,6 +224,7 @@ class HARTSGRPOTrainer(GRPOTrainer):
         step = self._harts_step
         if step is not None and (self._served == len(step.microbatches) - 1 or self.accelerator.sync_gradients):
             step.backward()
+            add_step_time(self, step.backward_seconds)
             self._harts_step = None
             self._pass = step.stats()
             metrics["harts/rounds"].append(float(step.plan.rounds.sum()))

@@ -104,16 +104,18 @@ class HARTSStep:
             no_sync=lambda: acc.no_sync(model),
         )
         self.grad = torch.is_grad_enabled()
+        # One unit keeps its graph (no replay) where its backward runs in this forward's sync context.
+        keep_graph = acc.num_processes == 1 or len(self.microbatches) == 1
         with acc.autocast():
             if self.grad:
-                self._recording = self.engine.record(return_entropy=entropy)
+                self._recording = self.engine.record(return_entropy=entropy, keep_graph=keep_graph)
                 values, entropies = self._recording.logprobs, self._recording.entropies
             else:
                 values, entropies = (
                     self.engine.logprobs(return_entropy=True) if entropy else (self.engine.logprobs(), None)
                 )
-        values = values[0]  # [B, L - 1], 0 where this rank does not own the row
-        entropies = None if entropies is None else entropies[0]
+        values = values[0].detach()  # [B, L - 1], 0 where this rank does not own the row
+        entropies = None if entropies is None else entropies[0].detach()
         if acc.num_processes > 1:
             values = acc.reduce(values, "sum")
             entropies = None if entropies is None else acc.reduce(entropies, "sum")
