@@ -30,6 +30,7 @@ from .linear_attention import (
     chunk_scan,
     expand_heads,
     linear_inputs_check,
+    masked_exp,
     prefix_state,
     run_tree_kind,
 )
@@ -104,16 +105,14 @@ def channel_decay_scores(queries: Sequence[torch.Tensor], k: torch.Tensor, g: to
     a = blocks(torch.stack(tuple(queries)))  # [A, ..., n, sub, K]
     gb = blocks(g)
     first, last = gb[..., 0, :], gb[..., -1, :]  # [..., n, K]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)  # [I, J]: J before I
-    between = (first.unsqueeze(-2) - last.unsqueeze(-3)).masked_fill(~earlier[..., None], float("-inf")).exp()
+    earlier = torch.ones(n, n, dtype=g.dtype, device=k.device).tril(-1)  # [I, J]: J before I
+    between = masked_exp(first.unsqueeze(-2) - last.unsqueeze(-3), earlier[..., None])
     k_last = blocks(k) * (last.unsqueeze(-2) - gb).exp()  # [..., n, sub, K]
     keys = (between.unsqueeze(-2) * k_last.unsqueeze(-4)).flatten(-3, -2)  # [..., n, C, K]
     before = (a * (gb - first.unsqueeze(-2)).exp()) @ keys.transpose(-1, -2)  # [A, ..., n, sub, C]
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
-    inner = (gb.unsqueeze(-2) - gb.unsqueeze(-3)).masked_fill(
-        ~causal[..., None], float("-inf")
-    )  # [..., n, sub, sub, K]
-    diag = (a.unsqueeze(-2) * (blocks(k).unsqueeze(-3) * inner.exp())).sum(-1)  # [A, ..., n, sub, sub]
+    causal = torch.ones(sub, sub, dtype=g.dtype, device=k.device).tril()
+    inner = masked_exp(gb.unsqueeze(-2) - gb.unsqueeze(-3), causal[..., None])  # [..., n, sub, sub, K]
+    diag = (a.unsqueeze(-2) * (blocks(k).unsqueeze(-3) * inner)).sum(-1)  # [A, ..., n, sub, sub]
     eye = torch.eye(n, dtype=k.dtype, device=k.device)[:, None, :, None]  # [n, 1, n, 1]
     scores = (before.unflatten(-1, (n, sub)) + diag.unsqueeze(-2) * eye).flatten(-2).flatten(-3, -2)
     return scores.unbind(0)  # A x [..., C, C]
@@ -354,7 +353,9 @@ def tree_mamba2_ssd(
     """
     heads = x.shape[1]
     if A.shape != (heads,) or (D is not None and D.shape != (heads,)):
-        raise ValueError(f"A {tuple(A.shape)}{'' if D is None else f', D {tuple(D.shape)}'}: need one value per head ({heads})")
+        raise ValueError(
+            f"A {tuple(A.shape)}{'' if D is None else f', D {tuple(D.shape)}'}: need one value per head ({heads})"
+        )
 
     def discretize(inputs: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(v = x * dt [n, H, P], g = A * dt [n, H]) with dt prepared as ``mamba2_chunk_scan`` does."""

@@ -44,7 +44,7 @@ Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -215,16 +215,15 @@ def scan_ragged(
     h0: torch.Tensor,
     rnd: RaggedRound,
     plan: RoundPlan,
-    per_stream: Sequence[Sequence[torch.Tensor]],
+    rows: Sequence[Iterator[tuple[torch.Tensor, ...]]],
     kernel: ChunkKernel,
-) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
-    """:func:`scan_steps` on a ragged round (``tail_chunks.py``): ``per_stream[s]`` are the per-chunk
-    tensors of stream s; h0 [P, H, K, V] in step 0's visiting order. Only the states ``plan`` keeps are
-    materialised, and the paths' end states only if ``plan.finals`` (else the ending visits compute their
-    outputs alone). Returns (per stream its outputs [T_s, H, L_s, V] (None without chunks), per stream the
-    ``step`` values of its visits (empty where None), the kept chunk-start states [Ks, H, K, V] or None,
-    h_final [P, H, K, V] by rank or None)."""
-    rows = [iter(list(zip(*(x.split(sec) for x in xs)))) for xs, sec in zip(per_stream, rnd.sections)]
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
+    """:func:`scan_steps` on a ragged round (``tail_chunks.py``): ``rows[s]`` yields the per-chunk tensors
+    of stream s visit by visit (``rnd.sections[s]`` chunks each); h0 [P, H, K, V] in step 0's visiting order.
+    Only the states ``plan`` keeps are materialised, and the paths' end states only if ``plan.finals`` (else
+    the ending visits compute their outputs alone). Returns (per stream the outputs [n, H, L_s, V] of its
+    visits, per stream the ``step`` values of its visits (empty where None), the kept chunk-start states
+    [Ks, H, K, V] or None, h_final [P, H, K, V] by rank or None)."""
     state = h0  # [n_m, H, K, V] in visiting order
     outs: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
     values: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
@@ -247,7 +246,7 @@ def scan_ragged(
             state = state if visit.order is None else take_rows(state, visit.order)
     h_start = torch.cat(kept) if kept else None
     h_final = take_rows(torch.cat(finals), rnd.final_order) if plan.finals else None
-    return [torch.cat(o) if o else None for o in outs], values, h_start, h_final
+    return outs, values, h_start, h_final
 
 
 def _combined(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
@@ -293,22 +292,22 @@ def run_tree_linear_attention(
     layout = ragged_rounds_of(batch, chunk_size)
     sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]
     split = {name: take_rows(t, plan.gather).split(sizes) for name, t in tables.items()}
-    inputs, rows = [], []  # per length: prepared inputs {name: [T, L, H, ...]}; per round, the intra rows
+    inputs, rows = [], []  # per length: prepared inputs {name: [T, L, H, ...]}; the intra rows, visit by visit
     for j, (length, counts) in enumerate(zip(plan.lengths, plan.counts)):
         x = {name: parts[j].unflatten(0, (sum(counts), length)) for name, parts in split.items()}
         per_chunk = kernel.intra(x["q"], x["k"], x["v"], x["g"], x.get("beta"), scale=scale) if sum(counts) else ()
         inputs.append(x)
-        rows.append(list(zip(*(t.split(counts) for t in per_chunk))) if per_chunk else [()] * len(counts))
+        rows.append(iter(list(zip(*(t.split(plan.sections[j]) for t in per_chunk)))))
 
-    outs: list[list[torch.Tensor]] = [[] for _ in plan.lengths]  # per length, per round [T, H, L, V]
+    outs: list[list[torch.Tensor]] = [[] for _ in plan.lengths]  # per length, every visit's [n, H, L, V]
     picked = []
     for r, (ragged, rplan) in enumerate(zip(layout, plan.rounds)):
         streams = [plan.lengths.index(length) for length in ragged.lengths]
-        per_stream = [rows[j][r] for j in streams]
-        o, values, h_start, h_final = scan_ragged(take_rows(h_in, rplan.h0), ragged, rplan, per_stream, kernel)
+        o, values, h_start, h_final = scan_ragged(
+            take_rows(h_in, rplan.h0), ragged, rplan, [rows[j] for j in streams], kernel
+        )
         for j, out in zip(streams, o):
-            if out is not None:
-                outs[j].append(out)
+            outs[j] += out
         mids = [  # [R_s, H, K, V] states after rows of this round's chunks, for the next round's paths
             kernel.state_at(
                 take_rows(h_start, start),

@@ -61,6 +61,9 @@ class ScanPlan:
         rounds: one :class:`RoundPlan` per round.
         lengths: the chunk lengths of every round, descending.
         counts: per length, the chunks of each round (0 where the round has no stream of that length).
+        sections: per length, the chunks of each visit, round after round (a round's visits of that
+            length in visiting order): ONE split of each intra output per length serves every round,
+            and its backward is one concatenation.
         gather: [slots] combined index of every slot (``RaggedRound.gather`` reordered by length, then
             round; padding -1 becomes Nc + N, the zero row after the combined tokens): one gather per input
             for the whole run.
@@ -71,6 +74,7 @@ class ScanPlan:
     rounds: list[RoundPlan]
     lengths: list[int]
     counts: list[list[int]]
+    sections: list[list[int]]
     gather: torch.Tensor
     output: torch.Tensor
     pick_order: torch.Tensor | None
@@ -141,6 +145,10 @@ def build_scan_plan(batch: TreeBatch, chunk_size: int, state_out: np.ndarray | N
         rounds=plans,
         lengths=lengths,
         counts=counts,
+        sections=[
+            [n for rag in layout for size, sec in zip(rag.lengths, rag.sections) if size == length for n in sec]
+            for length in lengths
+        ],
         gather=as_t(gather % (batch.position.numel() + 1)),
         output=as_t(output[rounds.restore.cpu().numpy()]),
         pick_order=None if state_out is None else as_t(np.argsort(by_round)),
