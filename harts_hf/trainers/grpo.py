@@ -125,7 +125,8 @@ class HARTSGRPOTrainer(GRPOTrainer):
             )
         if not compute_aux_loss:
             if torch.is_grad_enabled():
-                step, j = self._step_of_loss_pass(input_ids), self._served
+                step = self._step_of_loss_pass(input_ids)
+                j = self._served  # the block's microbatch this pass computes
             else:  # old policy, reference, evaluation: the rows of every rank under one plan
                 batch = {"input_ids": input_ids, "attention_mask": attention_mask}
                 step, j = HARTSStep(self, model, [batch], self._plan_options(), entropy=compute_entropy), 0
