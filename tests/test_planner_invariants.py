@@ -71,9 +71,9 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
     assert (p.piece_rank[p.dep_piece] == p.dep_rank).all() and (p.piece_slot[p.dep_piece] < p.dep_slot).all()
     entries = 0
     for r in range(R):
-        entries += check_states(
-            forests, rank_units(forests, p, r, {(ROUNDS_KEY, C): partial(build_rounds, chunk_size=C)}, "cpu"), C
-        )
+        units = rank_units(forests, p, r, {(ROUNDS_KEY, C): partial(build_rounds, chunk_size=C)}, "cpu")
+        assert len(units) == p.unit_counts[r]
+        entries += check_states(forests, units, C)
     assert 0 <= p.replay_tokens <= (C - 1) * entries
     for r in range(R):
         for s in range(S):

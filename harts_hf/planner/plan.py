@@ -124,6 +124,13 @@ class Plan:
         return (self.replicated_tokens + self.replay_tokens) / self.num_compact_tokens
 
     @property
+    def unit_counts(self) -> np.ndarray:
+        """[R] model calls each rank makes: one per slot and forest it holds tokens of."""
+        num_forests = int(self.piece_forest.max()) + 1 if self.num_pieces else 1
+        calls = np.unique((self.piece_rank * self.num_slots + self.piece_slot) * num_forests + self.piece_forest)
+        return np.bincount(calls // (self.num_slots * num_forests), minlength=self.world_size)
+
+    @property
     def step_seconds(self) -> float:
         """Predicted lockstep step time: per slot, the slowest rank."""
         return step_seconds(self.cost)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from accelerate.utils import gather_object
+from torch.distributed.fsdp import FSDPModule
 
 from ..engine import TreeEngine
 from ..forest import RolloutForest
@@ -94,6 +95,16 @@ class HARTSStep:
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
         self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
         self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
+        calls = self.plan.unit_counts  # [R] model calls per rank
+        # DDP syncs in each rank's last backward pass, so every rank needs a call; FSDP2 gathers the
+        # parameters in every call, so every rank needs as many.
+        sharded = isinstance(acc.unwrap_model(model), FSDPModule)
+        if acc.num_processes > 1 and (calls.min() == 0 or (sharded and (calls != calls[0]).any())):
+            raise ValueError(
+                f"the plan gives the ranks {calls.tolist()} model calls, which a data-parallel wrapper cannot run "
+                "(every rank needs one; under FSDP2, as many): give each optimizer step more rows per rank "
+                "(per_device_train_batch_size)"
+            )
         self.engine = TreeEngine(
             acc.unwrap_model(model),
             self.forest,
@@ -104,8 +115,9 @@ class HARTSStep:
             no_sync=lambda: acc.no_sync(model),
         )
         self.grad = torch.is_grad_enabled()
-        # One unit keeps its graph (no replay) where its backward runs in this forward's sync context.
-        keep_graph = acc.num_processes == 1 or len(self.microbatches) == 1
+        # One unit per rank keeps its graph (no replay) where its backward runs in this forward's sync
+        # context; the same decision on every rank (each forward of the wrapper is collective).
+        keep_graph = (calls == 1).all() and (acc.num_processes == 1 or len(self.microbatches) == 1)
         with acc.autocast():
             if self.grad:
                 self._recording = self.engine.record(return_entropy=entropy, keep_graph=keep_graph)
