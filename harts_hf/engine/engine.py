@@ -154,8 +154,7 @@ class TreeEngine:
         store = Store()
         if keep_graph and len(self.units) == 1:
             unit = self.units[0]
-            with self._sync_last(0):
-                lp, ent = self._run(unit, Handoff(store, unit, grad=True), return_entropy)
+            lp, ent = self._run(unit, Handoff(store, unit, grad=True), return_entropy)
             return Recording(self, None, self._scatter([lp]), self._scatter([ent]) if return_entropy else None)
         with torch.no_grad():
             values, ents = self._record(store, return_entropy)

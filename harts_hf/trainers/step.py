@@ -16,10 +16,10 @@ At the block's first loss pass:
 Each TRL microbatch's loss then runs, unchanged, on exactly the rows and grouping stock TRL gives
 it, reading its values from one leaf tensor; its backward accumulates the gradients w.r.t. the
 log-probs (and entropies, for the entropy bonus) there. After the block's last microbatch those
-gradients are summed over the ranks and
-every rank's engine backpropagates its units, in reverse slot order, one unit's graph alive at a
-time; gradient synchronisation runs once, in the last of these backward passes (the others run in
-accelerate's ``no_sync``), through the wrapper the trainer trains (DDP, FSDP2).
+gradients are summed over the ranks and every rank's engine backpropagates its units, in reverse
+slot order, one unit's graph alive at a time; gradient synchronisation runs once, in the last of
+these backward passes (the others run in accelerate's ``no_sync``), through the wrapper the trainer
+trains (DDP, FSDP2).
 
 Legend: B rows of the block on all ranks, L their longest row, b a microbatch's rows.
 """
@@ -98,7 +98,8 @@ class HARTSStep:
         calls = self.plan.unit_counts  # [R] model calls per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a call; FSDP2 gathers the
         # parameters in every call, so every rank needs as many.
-        sharded = isinstance(acc.unwrap_model(model), FSDPModule)
+        unwrapped = acc.unwrap_model(model)
+        sharded = isinstance(unwrapped, FSDPModule)
         if acc.num_processes > 1 and (calls.min() == 0 or (sharded and (calls != calls[0]).any())):
             raise ValueError(
                 f"the plan gives the ranks {calls.tolist()} model calls, which a data-parallel wrapper cannot run "
@@ -106,7 +107,7 @@ class HARTSStep:
                 "(per_device_train_batch_size)"
             )
         self.engine = TreeEngine(
-            acc.unwrap_model(model),
+            unwrapped,
             self.forest,
             self.plan,
             rank=acc.process_index,
