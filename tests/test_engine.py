@@ -17,6 +17,7 @@ from harts_hf import RolloutForest, patch_model, plan, tree_logprobs
 from harts_hf.engine import TreeEngine
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.memory import TOKEN_MEMORY, Budget
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import build_plan
 
@@ -31,7 +32,8 @@ def dfs_cut_plan(forest: RolloutForest, cuts: np.ndarray):
     zeros = np.zeros(k, dtype=np.int64)
     pieces = Pieces(zeros, np.arange(k), bounds[:-1], bounds[1:], zeros, np.zeros(k, dtype=bool), k)
     geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    return build_plan(geo, [forest], pieces, DEFAULT_COST_MODEL, forest.num_compact_tokens, 64, time.perf_counter(), 1)
+    budget = Budget(forest.num_compact_tokens)
+    return build_plan(geo, [forest], pieces, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), 1)
 
 
 def per_token_loss(weights: torch.Tensor):

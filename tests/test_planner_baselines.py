@@ -12,7 +12,7 @@ import pytest
 from test_planner_invariants import check_plan
 
 from harts_hf.cli import main
-from harts_hf.planner import DEFAULT_COST_MODEL, plan, plan_record
+from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan, plan_record
 from harts_hf.planner.baselines import dfs_kcut, exact, per_trajectory, trie_packing
 from harts_hf.workloads import caterpillar, grpo_group, random_tree
 
@@ -27,8 +27,8 @@ def forests():
     return out + [random_tree(50, roots=2, seed=s).forest() for s in range(2)]
 
 
-def _budget(forests) -> int:
-    return max(f.max_length for f in forests) + 64
+def _budget(forests) -> Budget:
+    return Budget(max(f.max_length for f in forests) + 64)
 
 
 def test_per_trajectory_computes_every_trajectory_token(forests):
@@ -40,7 +40,7 @@ def test_per_trajectory_computes_every_trajectory_token(forests):
 
 
 def test_trie_packing_shares_within_tries_only(forests):
-    whole = trie_packing(forests, 1, sum(f.num_compact_tokens for f in forests), DEFAULT_COST_MODEL)
+    whole = trie_packing(forests, 1, Budget(sum(f.num_compact_tokens for f in forests)), DEFAULT_COST_MODEL)
     assert whole.redundancy == 0 and whole.cost.shape == (1, 1)  # one trie holds everything
     tight = trie_packing(forests, 2, _budget(forests), DEFAULT_COST_MODEL)
     unshared = per_trajectory(forests, 2, _budget(forests), DEFAULT_COST_MODEL)
@@ -50,8 +50,8 @@ def test_trie_packing_shares_within_tries_only(forests):
 @pytest.mark.parametrize("world", [1, 3])
 def test_dfs_kcut_is_a_valid_plan(forests, world):
     budget = _budget(forests)
-    b = dfs_kcut(forests, world, budget, DEFAULT_COST_MODEL, 16)
-    check_plan(forests, b.plan, budget)
+    b = dfs_kcut(forests, world, budget, DEFAULT_COST_MODEL, 16, TOKEN_MEMORY)
+    check_plan(forests, b.plan, budget.tokens)
     assert b.redundancy == b.plan.redundancy
 
 
@@ -61,9 +61,9 @@ def test_exact_solver_certifies_our_rank_balance():
     forest = caterpillar(3, 5, 2).forest()
     forests = [grpo_group(prompt_len=20, G=int(3 + s % 4), seed=s).forest() for s in range(9)] + [forest]
     budget = _budget(forests)
-    ours = plan(forests, world_size=3, max_tokens_per_microbatch=budget)
-    b = exact(forests, 3, budget, DEFAULT_COST_MODEL, 64, seconds=20)
-    check_plan(forests, b.plan, budget)
+    ours = plan(forests, world_size=3, max_tokens_per_microbatch=budget.tokens)
+    b = exact(forests, 3, budget, DEFAULT_COST_MODEL, 64, TOKEN_MEMORY, seconds=20)
+    check_plan(forests, b.plan, budget.tokens)
     assert b.extra["optimal"]
     cm = DEFAULT_COST_MODEL
     ours_max = (ours.cost - cm.round * ours.rounds - cm.microbatch * (ours.tokens > 0)).sum(axis=1).max()
@@ -73,12 +73,12 @@ def test_exact_solver_certifies_our_rank_balance():
 def test_exact_is_skipped_without_ortools(forests, monkeypatch):
     for name in [m for m in sys.modules if m == "ortools" or m.startswith("ortools.")] + ["ortools"]:
         monkeypatch.setitem(sys.modules, name, None)  # a None entry makes the import fail
-    record = exact(forests, 2, _budget(forests), DEFAULT_COST_MODEL, 64).record()
+    record = exact(forests, 2, _budget(forests), DEFAULT_COST_MODEL, 64, TOKEN_MEMORY).record()
     assert record["imbalance"] is None and "ortools is not installed" in record["skipped"]
 
 
 def test_record_holds_every_baseline(forests):
-    ours = plan(forests, world_size=2, max_tokens_per_microbatch=4 * _budget(forests))
+    ours = plan(forests, world_size=2, max_tokens_per_microbatch=4 * _budget(forests).tokens)
     record = plan_record(forests, ours, exact_seconds=5)
     assert set(record) == FIELDS
     assert set(record["baselines"]) == {"per_trajectory", "trie_packing", "dfs_kcut", "exact"}

@@ -6,7 +6,7 @@ schedule hands between units).
 Invariants: every compact token owned exactly once (copies on other ranks are replicas of
 ancestors their rank needs, counted as redundancy; replays bounded by the chunk); a rank's tokens
 closed under ancestors with every parent in the same or an earlier slot of that rank; equal slot
-counts; every microbatch within the budget (tokens + context, as TreeBatch sees it); dependencies
+counts; every microbatch within the budget (tokens + weighted context, as TreeBatch sees it); dependencies
 and boundary states from earlier slots; every trajectory whole on its loss rank.
 """
 
@@ -23,7 +23,7 @@ from trees import nasty_tree_params
 from harts_hf.forest import RolloutForest
 from harts_hf.ops.rounds import ROUNDS_KEY, build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
-from harts_hf.planner import CostModel, Plan, plan
+from harts_hf.planner import CostModel, MemoryModel, Plan, plan
 from harts_hf.schedule import Unit, rank_units
 from harts_hf.workloads import caterpillar, deep_chain, grpo_group, random_tree
 
@@ -81,17 +81,17 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
             if not parts:
                 assert p.tokens[r, s] == 0 and p.cost[r, s] == 0
                 continue
-            footprint = context = rounds = 0
+            own = context = rounds = 0
             for f, idx in parts:
                 batch = TreeBatch.from_forest(forests[f], tokens=idx)
                 nc = batch.num_context
-                footprint += batch.position.numel()
+                own += batch.position.numel() - nc
                 context += nc
                 ctx = batch.global_index[:nc].numpy()
                 assert (slots[r][f][ctx] >= 0).all() and (slots[r][f][ctx] < s).all(), "context not from earlier slots"
                 rounds = max(rounds, build_rounds(batch, C).num_rounds)
-            assert footprint <= max_tokens, "microbatch over budget"
-            assert footprint == p.tokens[r, s] + p.context[r, s]
+            assert p.budget.footprint(own, context) <= max_tokens, "microbatch over budget"
+            assert own == p.tokens[r, s]
             assert context == p.context[r, s] == p.dep_tokens[dep_dst == r * S + s].sum()
             assert rounds == p.rounds[r, s]
 
@@ -136,10 +136,11 @@ def _owned_on(p: Plan, f: int, r: int, forest: RolloutForest) -> np.ndarray:
 
 
 @st.composite
-def cases(draw) -> tuple[list[RolloutForest], int, int, int, CostModel]:
+def cases(draw) -> tuple[list[RolloutForest], int, int, int, CostModel, MemoryModel]:
     """1-3 forests of the workload shapes (random recursive trees with several roots, strict
     prefixes and duplicates; caterpillars; deep branch chains; GRPO groups), a world size, chunk,
-    budget just above the longest trajectory or roomier, and cost coefficients (zeros included)."""
+    memory model (context from full price to free), budget just above what the longest trajectory
+    needs or roomier, and cost coefficients (zeros included)."""
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     forests = []
@@ -159,17 +160,26 @@ def cases(draw) -> tuple[list[RolloutForest], int, int, int, CostModel]:
     world = draw(st.integers(1, 5))
     chunk = draw(st.sampled_from([4, 8, 64]))
     deepest = max(f.max_length for f in forests)
-    budget = deepest + draw(st.sampled_from([0, 1, 17, deepest, 5 * deepest]))
+    memory = MemoryModel(token=4.0, context=4.0 * draw(st.sampled_from([1.0, 0.25, 0.03, 0.0])))
+    need = int(np.ceil(memory.context / memory.token * (deepest - 1))) + 1
+    budget = need + draw(st.sampled_from([0, 1, 17, deepest, 5 * deepest]))
     token, pair = draw(st.sampled_from([(1.0, 0.0), (0.0, 1.0), (1.0, 1e-3), (2e-5, 1e-9)]))
     cost = CostModel(token, pair, draw(st.sampled_from([0.0, 10.0])), draw(st.sampled_from([0.0, 5.0])))
-    return forests, world, budget, chunk, cost
+    return forests, world, budget, chunk, cost, memory
 
 
 @settings(max_examples=60)
 @given(cases())
 def test_plan_invariants_hold_on_random_forests(case):
-    forests, world, budget, chunk, cost = case
-    p = plan(forests, world_size=world, max_tokens_per_microbatch=budget, cost_model=cost, chunk_size=chunk)
+    forests, world, budget, chunk, cost, memory = case
+    p = plan(
+        forests,
+        world_size=world,
+        max_tokens_per_microbatch=budget,
+        memory_model=memory,
+        cost_model=cost,
+        chunk_size=chunk,
+    )
     check_plan(forests, p, budget)
 
 

@@ -25,11 +25,11 @@ def test_targets_at_scale_one(swe, world):
     assert p.slot_imbalance <= 1.05 and p.rank_imbalance <= 1.03
     assert p.redundancy <= 0.02 and p.plan_seconds <= 1.0
     assert (p.tokens + p.context).max() <= DEFAULT_MAX_TOKENS
-    args = (swe, world, DEFAULT_MAX_TOKENS, DEFAULT_COST_MODEL)
+    args = (swe, world, p.budget, DEFAULT_COST_MODEL)
     for name, b in {
         "per_trajectory": per_trajectory(*args),
         "trie_packing": trie_packing(*args),
-        "dfs_kcut": dfs_kcut(*args, p.chunk_size),
+        "dfs_kcut": dfs_kcut(*args, p.chunk_size, p.memory_model),
     }.items():
         record = b.record()
         assert p.redundancy <= record["redundancy"], name
@@ -41,7 +41,7 @@ def test_targets_at_scale_one(swe, world):
 def test_rank_balance_is_near_the_proven_optimum(swe):
     """Two ranks: CP-SAT proves its assignment optimal; ours is within 0.01% of it."""
     p = plan(swe, world_size=2, max_tokens_per_microbatch=DEFAULT_MAX_TOKENS)
-    b = exact(swe, 2, DEFAULT_MAX_TOKENS, DEFAULT_COST_MODEL, p.chunk_size, seconds=30)
+    b = exact(swe, 2, p.budget, DEFAULT_COST_MODEL, p.chunk_size, p.memory_model, seconds=30)
     assert b.extra["optimal"]
     cm = p.cost_model
     ours = (p.cost - cm.round * p.rounds - cm.microbatch * (p.tokens > 0)).sum(axis=1).max()

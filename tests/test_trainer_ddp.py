@@ -52,14 +52,14 @@ CASES: dict[str, dict] = {
     "router-aux-moe": dict(loss_type="grpo", model="qwen3_5_moe"),
     "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=64, num_iterations=2, beta=0.1),
     "dapo-checkpointing-pieces-one-tree": dict(
-        loss_type="dapo", gradient_checkpointing=True, harts_max_tokens_per_microbatch=64
+        loss_type="dapo", gradient_checkpointing=True, harts_max_tokens_per_microbatch=48
     ),
     "dapo-lora-beta-one-tree": dict(loss_type="dapo", beta=0.1, lora=True),
     "bnpo-pieces-two-microbatches": dict(
         loss_type="bnpo",
         gradient_accumulation_steps=2,
         per_device_train_batch_size=4,
-        harts_max_tokens_per_microbatch=64,
+        harts_max_tokens_per_microbatch=40,
     ),
 }
 ONE_PASS = ("router-aux-moe",)  # each microbatch its own forward with grad

@@ -179,6 +179,28 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
     assert rows and min(rows) == step_rows, (rows, step_rows)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path):
+    """A budget below the longest row: every trajectory runs in pieces that read their ancestors
+    as priced context, and the step still equals stock (a budget in bytes alike)."""
+    overrides = dict(loss_type="dapo", beta=0.1, gradient_checkpointing=checkpointing)
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    harts, harts_losses = train(
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=16, **overrides
+    )
+    rows = branching_rollout([p for p in PROMPTS for _ in range(GROUP)], harts)
+    assert max(len(a) + len(b) for a, b in zip(rows["prompt_ids"], rows["completion_ids"])) > 16
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    assert max_param_diff(harts.model, stock.model) < TOL
+    nbytes = float(harts._memory_model()(16))
+    by_bytes, bytes_losses = train(
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_bytes_per_microbatch=nbytes, **overrides
+    )
+    np.testing.assert_allclose(bytes_losses, stock_losses, rtol=TOL, atol=TOL)
+    slots = lambda t: [h["harts/microbatches"] for h in t.state.log_history if "harts/microbatches" in h]
+    assert slots(by_bytes) == slots(harts) and min(slots(harts)) > 1
+
+
 @pytest.mark.parametrize("budget", [65_536, 48], ids=["one-unit", "pieces"])
 def test_lora_same_as_trl(budget, model_dir, tmp_path):
     """LoRA adapters (the reference pass runs with the adapter disabled) through the HARTS step."""

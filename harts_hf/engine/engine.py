@@ -76,10 +76,12 @@ class TreeEngine:
     Args:
         model: a model patched with :func:`harts_hf.patch_model` (unwrapped: no DDP/FSDP wrapper).
         forests: the forests ``plan`` was made for (one, or one per group).
-        plan: the plan; None plans one rank under ``max_tokens_per_microbatch``.
+        plan: the plan; None plans one rank under ``max_tokens_per_microbatch`` or
+            ``max_bytes_per_microbatch``, context priced by the model's :func:`~.memory.memory_model`.
         rank: the row of the plan this process runs.
         max_tokens_per_microbatch: the budget when ``plan`` is None (default
-            :data:`~harts_hf.planner.DEFAULT_MAX_TOKENS`).
+            :data:`~harts_hf.planner.DEFAULT_MAX_TOKENS`): the memory of that many own tokens.
+        max_bytes_per_microbatch: the budget in bytes instead (``plan`` None).
         temperature: divides the logits before the log-softmax (as TRL does).
         head_chunk_tokens: pairs per checkpointed LM-head chunk (default: 64 MiB of logits).
         forward: runs a closure as the forward of the wrapper being trained, e.g.
@@ -96,6 +98,7 @@ class TreeEngine:
         *,
         rank: int = 0,
         max_tokens_per_microbatch: int | None = None,
+        max_bytes_per_microbatch: float | None = None,
         temperature: float = 1.0,
         head_chunk_tokens: int | None = None,
         forward: Forward | None = None,
@@ -107,8 +110,17 @@ class TreeEngine:
         for forest in self.forests:
             validate_forest(self.hf, forest)
         if plan is None:
-            budget = DEFAULT_MAX_TOKENS if max_tokens_per_microbatch is None else max_tokens_per_microbatch
-            plan = make_plan(self.forests, world_size=1, max_tokens_per_microbatch=budget)
+            from .memory import memory_model  # it probes the model with engines of its own
+
+            if max_bytes_per_microbatch is None and max_tokens_per_microbatch is None:
+                max_tokens_per_microbatch = DEFAULT_MAX_TOKENS
+            plan = make_plan(
+                self.forests,
+                world_size=1,
+                max_tokens_per_microbatch=max_tokens_per_microbatch,
+                max_bytes_per_microbatch=max_bytes_per_microbatch,
+                memory_model=memory_model(self.hf, head_chunk_tokens=head_chunk_tokens),
+            )
         if plan.forest_digests != tuple(forest.shape_digest for forest in self.forests):
             raise ValueError(
                 "the plan was made for other forests (their shapes differ): plan these forests, "
@@ -331,6 +343,11 @@ class Recording:
         self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.logprobs = engine._layout(values)
         self.entropies = None if ents is None else engine._layout(ents)
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes of the boundary values kept for the replay (what later units read as context)."""
+        return 0 if self._store is None else sum(v.nbytes for v in self._store.values.values())
 
     def backward(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
         """Backpropagate ``grads`` (per forest [B_f, L_f - 1], w.r.t. ``logprobs``; rows this rank

@@ -9,6 +9,7 @@ from ..chunking import CHUNK_SIZE
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .baselines import BASELINES, run_baselines
 from .cost import DEFAULT_COST_MODEL, CostModel, fit_cost_model
+from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .plan import DEFAULT_MAX_TOKENS, Plan, plan
 from .plot import plot_plan
 from .report import plan_record, record_table
@@ -18,7 +19,10 @@ __all__ = [
     "CHUNK_SIZE",
     "DEFAULT_COST_MODEL",
     "DEFAULT_MAX_TOKENS",
+    "TOKEN_MEMORY",
+    "Budget",
     "CostModel",
+    "MemoryModel",
     "Plan",
     "fit_cost_model",
     "plan",

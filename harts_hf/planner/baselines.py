@@ -30,6 +30,7 @@ from .assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_pat
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import CostModel
 from .geometry import Geometry
+from .memory import Budget, MemoryModel
 from .node_parts import node_parts_of
 from .plan import Plan, build_plan
 from .slots import slot_pieces
@@ -104,7 +105,7 @@ def _ends(geo: Geometry, forests: Sequence[RolloutForest]) -> np.ndarray:
     return np.concatenate([f.restore[f.traj_offsets[1:] - 1] + geo.forest_tokens[i] for i, f in enumerate(forests)])
 
 
-def per_trajectory(forests: Sequence[RolloutForest], world_size: int, max_tokens: int, cost: CostModel) -> Baseline:
+def per_trajectory(forests: Sequence[RolloutForest], world_size: int, budget: Budget, cost: CostModel) -> Baseline:
     began = time.perf_counter()
     length = np.concatenate([f.lengths for f in forests]).astype(np.float64)
     traj_cost = cost.token * length + cost.pair * length * (length + 1) / 2
@@ -113,7 +114,7 @@ def per_trajectory(forests: Sequence[RolloutForest], world_size: int, max_tokens
     for r in range(world_size):
         mine = np.flatnonzero(rank == r)
         mine = mine[np.argsort(-length[mine], kind="stable")]
-        bins = _first_fit(length[mine].astype(np.int64), max_tokens)
+        bins = _first_fit(length[mine].astype(np.int64), budget.tokens)
         n = int(bins.max()) + 1 if bins.size else 0
         mb_rank.append(np.full(n, r))
         mb_cost.append(np.bincount(bins, weights=traj_cost[mine], minlength=n) + cost.round + cost.microbatch)
@@ -122,7 +123,7 @@ def per_trajectory(forests: Sequence[RolloutForest], world_size: int, max_tokens
     return Baseline(table, float(length.sum() / compact - 1), time.perf_counter() - began)
 
 
-def trie_packing(forests: Sequence[RolloutForest], world_size: int, max_tokens: int, cost: CostModel) -> Baseline:
+def trie_packing(forests: Sequence[RolloutForest], world_size: int, budget: Budget, cost: CostModel) -> Baseline:
     began = time.perf_counter()
     geo = Geometry.of(forests, cost)
     ends = _ends(geo, forests)
@@ -146,7 +147,7 @@ def trie_packing(forests: Sequence[RolloutForest], world_size: int, max_tokens: 
     for i in np.argsort(-length, kind="stable"):
         p = pos[i]
         new = length[i] - shared[p, :used]
-        fit = np.flatnonzero(size[:used] + new <= max_tokens)
+        fit = np.flatnonzero(size[:used] + new <= budget.tokens)
         m = int(fit[0]) if fit.size else used
         used = max(used, m + 1)
         size[m] += length[i] - shared[p, m]
@@ -166,7 +167,7 @@ def trie_packing(forests: Sequence[RolloutForest], world_size: int, max_tokens: 
 
 
 def dfs_kcut(
-    forests: Sequence[RolloutForest], world_size: int, max_tokens: int, cost: CostModel, chunk: int
+    forests: Sequence[RolloutForest], world_size: int, budget: Budget, cost: CostModel, chunk: int, memory: MemoryModel
 ) -> Baseline:
     began = time.perf_counter()
     geo = Geometry.of(forests, cost)
@@ -206,17 +207,18 @@ def dfs_kcut(
         replica[order],
         np.zeros(rank.size, dtype=bool),
     )
-    pieces = budget_cuts(geo, iv, world_size, max_tokens)
-    p = build_plan(geo, list(forests), pieces, cost, max_tokens, chunk, began, world_size)
+    pieces = budget_cuts(geo, iv, world_size, budget)
+    p = build_plan(geo, list(forests), pieces, cost, budget, memory, chunk, began, world_size)
     return Baseline(p.cost, p.redundancy, p.plan_seconds, plan=p)
 
 
 def exact(
     forests: Sequence[RolloutForest],
     world_size: int,
-    max_tokens: int,
+    budget: Budget,
     cost: CostModel,
     chunk: int,
+    memory: MemoryModel,
     seconds: float = EXACT_SECONDS,
 ) -> Baseline:
     try:
@@ -226,7 +228,7 @@ def exact(
     began = time.perf_counter()
     geo = Geometry.of(forests, cost)
     # the finest units any rule of the planner makes: the solver's optimum bounds every rule's plan
-    unit_node, unit_group, group_node = find_units(geo, world_size, max_tokens, UNIT_RULES[-1])
+    unit_node, unit_group, group_node = find_units(geo, world_size, budget.tokens, UNIT_RULES[-1])
     if unit_node.size > EXACT_MAX_UNITS:
         too_big = f"{unit_node.size} units > {EXACT_MAX_UNITS}: not a small instance"
         return Baseline(None, None, None, {"skipped": too_big})
@@ -262,9 +264,9 @@ def exact(
         return Baseline(None, None, None, {"skipped": f"CP-SAT found no solution in {seconds:g} s"})
     unit_rank = np.array([[solver.Value(v) for v in row].index(1) for row in x], dtype=np.int64)
     asg = Assignment(unit_node, unit_cost, unit_group, paths, unit_rank)
-    iv = rank_intervals(geo, asg, world_size, max_tokens)
-    pieces = slot_pieces(geo, iv, world_size, max_tokens, chunk, cost)
-    p = build_plan(geo, list(forests), pieces, cost, max_tokens, chunk, began, world_size)
+    iv = rank_intervals(geo, asg, world_size, budget.tokens)
+    pieces = slot_pieces(geo, iv, world_size, budget, chunk, cost)
+    p = build_plan(geo, list(forests), pieces, cost, budget, memory, chunk, began, world_size)
     extra = {"optimal": status == cp_model.OPTIMAL, "rank_cost_bound": solver.BestObjectiveBound() / scale}
     return Baseline(p.cost, p.redundancy, p.plan_seconds, extra, p)
 
@@ -277,12 +279,12 @@ def run_baselines(
 ) -> dict[str, dict]:
     """Every baseline's record on ``ours``'s forests, world size, budget and cost model; the exact
     solver's entry adds ``gap``: our largest rank token cost over its proven lower bound, minus 1."""
-    args = (list(forests), ours.world_size, ours.max_tokens, ours.cost_model)
+    args = (list(forests), ours.world_size, ours.budget, ours.cost_model)
     runs = {
         "per_trajectory": per_trajectory(*args),
         "trie_packing": trie_packing(*args),
-        "dfs_kcut": dfs_kcut(*args, ours.chunk_size),
-        "exact": exact(*args, ours.chunk_size, exact_seconds),
+        "dfs_kcut": dfs_kcut(*args, ours.chunk_size, ours.memory_model),
+        "exact": exact(*args, ours.chunk_size, ours.memory_model, exact_seconds),
     }
     out = {name: run.record() for name, run in runs.items()}
     bound = out["exact"].get("rank_cost_bound")

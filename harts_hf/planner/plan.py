@@ -15,7 +15,7 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
 3. Dependencies (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in
    an earlier slot of the same rank), the replay they add and the pieces holding their attention
-   context (counted against the budget). The handoff addresses themselves (which unit keeps each
+   context (counted against the budget at the weight the memory model gives it: ``memory.py``). The handoff addresses themselves (which unit keeps each
    context row and boundary state) are compiled from the plan by ``harts_hf.schedule``.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
@@ -37,6 +37,7 @@ from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel
 from .geometry import Geometry
+from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in, node_parts_of
 from .pieces import Pieces
 from .slots import slot_pieces
@@ -44,9 +45,9 @@ from .slots import slot_pieces
 __all__ = ["DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
 
 DEFAULT_MAX_TOKENS = 65_536
-"""Default microbatch budget (compact tokens + ancestor context): one 64K-token sequence, what a
-1-8B hybrid model trains per H100/H200-class GPU with activation checkpointing; it holds the
-deepest SWE-like context (32K) with room for as many own tokens."""
+"""Default microbatch budget: the memory of one 64K-token sequence, what a 1-8B hybrid model
+trains per H100/H200-class GPU with activation checkpointing; even with context priced as full
+tokens it holds the deepest SWE-like context (32K) with room for as many own tokens."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,8 +62,9 @@ class Plan:
     ``piece_unit``: the balancing unit (subtree) of the piece, -1 for a shared chain.
 
     Microbatches [R, S] (slot s of rank r): predicted ``cost`` (seconds), own ``tokens``,
-    ``context`` tokens (ancestors in earlier slots its attention reads; tokens + context <=
-    ``max_tokens``) and linear-attention ``rounds``. Empty microbatches cost 0.
+    ``context`` tokens (ancestors in earlier slots its attention reads; ``budget.footprint(tokens,
+    context) <= budget.tokens``) and linear-attention ``rounds``. Empty microbatches cost 0;
+    ``peak_bytes`` is what ``memory_model`` predicts they hold.
 
     Dependencies [D]: microbatch (``dep_rank``, ``dep_slot``) reads ``dep_tokens`` context tokens
     held by piece ``dep_piece`` (always the same rank, an earlier slot). Ranks never exchange
@@ -78,7 +80,8 @@ class Plan:
 
     world_size: int
     num_slots: int
-    max_tokens: int
+    budget: Budget
+    memory_model: MemoryModel
     chunk_size: int
     cost_model: CostModel
     piece_rank: np.ndarray
@@ -129,6 +132,11 @@ class Plan:
         num_forests = int(self.piece_forest.max()) + 1 if self.num_pieces else 1
         calls = np.unique((self.piece_rank * self.num_slots + self.piece_slot) * num_forests + self.piece_forest)
         return np.bincount(calls // (self.num_slots * num_forests), minlength=self.world_size)
+
+    @property
+    def peak_bytes(self) -> np.ndarray:
+        """[R, S] bytes the memory model predicts each microbatch holds (0 when empty)."""
+        return np.where(self.tokens > 0, self.memory_model(self.tokens, self.context), 0.0)
 
     @property
     def step_seconds(self) -> float:
@@ -217,40 +225,58 @@ def plan(
     forests: RolloutForest | Sequence[RolloutForest],
     *,
     world_size: int,
-    max_tokens_per_microbatch: int,
+    max_tokens_per_microbatch: int | None = None,
+    max_bytes_per_microbatch: float | None = None,
+    memory_model: MemoryModel | None = None,
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
     on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
 
-    Each microbatch holds at most ``max_tokens_per_microbatch`` compact tokens plus the ancestor
-    context its attention reads. ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`.
+    The microbatch budget is ``max_tokens_per_microbatch`` (the memory of that many own tokens)
+    or ``max_bytes_per_microbatch`` (which needs ``memory_model``), not both. ``memory_model``
+    prices the ancestor context a microbatch reads against its own tokens; the default,
+    :data:`~.memory.TOKEN_MEMORY`, prices a context token as an own token (safe for any model:
+    pass the model's, ``harts_hf.modeling.memory_model(model)``, to train trajectories longer
+    than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`.
     """
     began = time.perf_counter()
     forests = as_forests(forests)
-    require_positive_ints(
-        "plan", world_size=world_size, max_tokens_per_microbatch=max_tokens_per_microbatch, chunk_size=chunk_size
-    )
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    require_positive_ints("plan", world_size=world_size, chunk_size=chunk_size)
+    if max_tokens_per_microbatch is not None:
+        require_positive_ints("plan", max_tokens_per_microbatch=max_tokens_per_microbatch)
+    if max_bytes_per_microbatch is not None and memory_model is None:
+        raise ValueError("max_bytes_per_microbatch needs the model's memory model (harts_hf.modeling.memory_model)")
+    for name, value, kind in (("cost_model", cost_model, CostModel), ("memory_model", memory_model, MemoryModel)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     cost = cost_model or DEFAULT_COST_MODEL
+    memory = memory_model or TOKEN_MEMORY
+    budget = memory.budget(max_tokens=max_tokens_per_microbatch, max_bytes=max_bytes_per_microbatch)
     geo = Geometry.of(forests, cost)
-    deepest = int((geo.depth + geo.length).max())
-    if deepest > max_tokens_per_microbatch:
+    longest = int((geo.depth + geo.length).max())
+    if budget.room(longest - 1) < 1:
+        given = (
+            f"max_tokens_per_microbatch={budget.tokens}"
+            if max_bytes_per_microbatch is None
+            else f"max_bytes_per_microbatch={max_bytes_per_microbatch:,.0f} ({budget.tokens} own tokens)"
+        )
         raise ValueError(
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch} is below the longest trajectory "
-            f"({deepest} tokens): a microbatch holds each of its tokens' whole root path"
+            f"{given} is below the longest trajectory's need ({longest} tokens: its last token reads "
+            f"{longest - 1} ancestors as context, {budget.context_weight:.3g} own-token equivalents each under "
+            f"this memory model): raise the budget"
+            + ("" if memory_model is not None else ", or plan with the model's memory model (context priced as K/V)")
         )
     best, tried = None, []
     for rule in UNIT_RULES if world_size > 1 else UNIT_RULES[:1]:
-        units = find_units(geo, world_size, max_tokens_per_microbatch, rule)
+        units = find_units(geo, world_size, budget.tokens, rule)
         if any(np.array_equal(units[0], seen) for seen in tried):
             continue
         tried.append(units[0])
-        iv = rank_intervals(geo, assign_ranks(geo, world_size, units), world_size, max_tokens_per_microbatch)
-        pieces = slot_pieces(geo, iv, world_size, max_tokens_per_microbatch, chunk_size, cost)
-        candidate = build_plan(geo, forests, pieces, cost, max_tokens_per_microbatch, chunk_size, began, world_size)
+        iv = rank_intervals(geo, assign_ranks(geo, world_size, units), world_size, budget.tokens)
+        pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost)
+        candidate = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
         if best is None or candidate.step_seconds < best.step_seconds:
             best = candidate
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
@@ -261,7 +287,8 @@ def build_plan(
     forests: list[RolloutForest],
     pieces: Pieces,
     cost: CostModel,
-    max_tokens: int,
+    budget: Budget,
+    memory: MemoryModel,
     chunk_size: int,
     began: float,
     world_size: int,
@@ -287,7 +314,8 @@ def build_plan(
     return Plan(
         world_size=world_size,
         num_slots=pieces.num_slots,
-        max_tokens=max_tokens,
+        budget=budget,
+        memory_model=memory,
         chunk_size=chunk_size,
         cost_model=cost,
         piece_rank=pieces.rank,

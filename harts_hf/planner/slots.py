@@ -12,6 +12,7 @@ import numpy as np
 from .assign import RankIntervals
 from .cost import CostModel
 from .geometry import Geometry
+from .memory import Budget
 from .node_parts import node_parts_of
 from .pack import pack_whole_trees
 from .pieces import Pieces, merge
@@ -31,17 +32,17 @@ def _packed(
 
 
 def slot_pieces(
-    geo: Geometry, iv: RankIntervals, world_size: int, max_tokens: int, chunk: int, cost: CostModel
+    geo: Geometry, iv: RankIntervals, world_size: int, budget: Budget, chunk: int, cost: CostModel
 ) -> Pieces:
     """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
     the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
     rounds and launch overhead; when quantile cuts never fit, budget-capped cuts in the greedy
     count of slots, or the greedy cuts themselves (they always fit)."""
-    greedy = budget_cuts(geo, iv, world_size, max_tokens)
+    greedy = budget_cuts(geo, iv, world_size, budget)
     fewest = greedy.num_slots
 
     def fits(pieces: Pieces) -> bool:
-        return bool((footprint(geo, pieces, world_size) <= max_tokens).all())
+        return bool((footprint(geo, pieces, world_size, budget) <= budget.tokens).all())
 
     for slots in range(fewest, 2 * fewest + 1):
         pieces = _packed(geo, iv, world_size, slots, chunk, None)
@@ -52,7 +53,7 @@ def slot_pieces(
             overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
             tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
             return _without_idle_slots(tuned if fits(tuned) else pieces)
-    capped = capped_cuts(geo, iv, world_size, fewest, chunk, max_tokens)
+    capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
     return _without_idle_slots(capped if fits(capped) else greedy)
 
 
@@ -65,11 +66,12 @@ def _without_idle_slots(pieces: Pieces) -> Pieces:
     return dataclasses.replace(pieces, slot=np.searchsorted(used, pieces.slot), num_slots=int(used.size))
 
 
-def footprint(geo: Geometry, pieces: Pieces, world_size: int) -> np.ndarray:
-    """[R * S] tokens + depth of the first token of every microbatch (0 when empty)."""
+def footprint(geo: Geometry, pieces: Pieces, world_size: int, budget: Budget) -> np.ndarray:
+    """[R * S] own-token equivalents of every microbatch (0 when empty): its tokens plus the
+    weighted depth of its first token (a microbatch's first piece carries its context)."""
     mb = pieces.microbatch
     tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=world_size * pieces.num_slots)
-    first_mb, first = np.unique(mb, return_index=True)  # a microbatch's first piece has its context
-    out = tokens.copy()
-    out[first_mb] += geo.token_depth(pieces.lo[first])
-    return out
+    context = np.zeros_like(tokens)
+    first_mb, first = np.unique(mb, return_index=True)
+    context[first_mb] = geo.token_depth(pieces.lo[first])
+    return budget.footprint(tokens, context)

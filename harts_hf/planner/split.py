@@ -2,7 +2,7 @@
 
 A rank's sequence (its intervals, in DFS order) is a pre-order of the tokens it computes, so any
 contiguous range of it is a valid microbatch whose context is exactly the root path of its first
-token: footprint = tokens + depth of the first token. Later ranges only depend on earlier ones,
+token: footprint = tokens + the weighted depth of the first token (``memory.Budget``). Later ranges only depend on earlier ones,
 so slot order is dependency order.
 
 :func:`equal_cost_cuts` puts the cuts of every rank at the quantiles ``k / S`` of the rank's cost
@@ -22,6 +22,7 @@ import numpy as np
 
 from .assign import RankIntervals
 from .geometry import Geometry
+from .memory import Budget
 from .pieces import Pieces, pieces_of, sequence
 
 __all__ = ["budget_cuts", "capped_cuts", "equal_cost_cuts"]
@@ -44,8 +45,9 @@ def _snap(geo: Geometry, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, atomic: 
     return np.where(atomic, np.where(x - lo < hi - x, lo, hi), best)
 
 
-def equal_cost_cuts(geo: Geometry, iv: RankIntervals, world_size: int, num_slots: int, chunk: int,
-                    overhead: np.ndarray | None = None) -> Pieces:
+def equal_cost_cuts(
+    geo: Geometry, iv: RankIntervals, world_size: int, num_slots: int, chunk: int, overhead: np.ndarray | None = None
+) -> Pieces:
     """Cuts at the cost quantiles of every rank, snapped (module docstring). ``overhead`` [R, S]
     (per-microbatch costs beyond the tokens: rounds, launches) shifts the quantiles so that token
     cost plus overhead is the same in every slot of a rank."""
@@ -69,7 +71,7 @@ def equal_cost_cuts(geo: Geometry, iv: RankIntervals, world_size: int, num_slots
 
 
 def capped_cuts(
-    geo: Geometry, iv: RankIntervals, world_size: int, num_slots: int, chunk: int, max_tokens: int
+    geo: Geometry, iv: RankIntervals, world_size: int, num_slots: int, chunk: int, budget: Budget
 ) -> Pieces:
     """Quantile cuts, one slot at a time, each moved back to the last candidate the budget allows
     from the previous cut (a mid-chunk cut when none fits): where depth drops sharply, a
@@ -90,7 +92,7 @@ def capped_cuts(
         x = np.clip(geo.token_at(geo.prefix(iv.lo[i]) + target - cum[i]), iv.lo[i], iv.hi[i])
         want = iv_start[i] + _snap(geo, x, iv.lo[i], iv.hi[i], iv.atomic[i], chunk) - iv.lo[i]
         j = np.searchsorted(iv_start, start, side="right") - 1
-        room = max_tokens - geo.token_depth(np.minimum(iv.lo[j] + start - iv_start[j], geo.num_tokens - 1))
+        room = budget.room(geo.token_depth(np.minimum(iv.lo[j] + start - iv_start[j], geo.num_tokens - 1)))
         cap = np.minimum(start + room, rank_start[ranks + 1])
         over = want > cap
         c = np.where(over, _last_fit(geo, iv, iv_start, cap, start, chunk), np.maximum(want, start))
@@ -116,16 +118,17 @@ def _last_fit(
     return np.where(pos > start, pos, cap)
 
 
-def budget_cuts(geo: Geometry, iv: RankIntervals, world_size: int, max_tokens: int) -> Pieces:
-    """Greedy microbatches: each takes as many tokens as its budget allows (tokens + depth of the
-    first token <= max_tokens), ranks padded with empty slots to the largest count."""
+def budget_cuts(geo: Geometry, iv: RankIntervals, world_size: int, budget: Budget) -> Pieces:
+    """Greedy microbatches: each takes as many tokens as its budget allows (at least one: tokens +
+    weighted depth of the first token <= budget.tokens), ranks padded with empty slots to the
+    largest count."""
     iv_start, rank_start = sequence(iv, world_size)
     pos, end = rank_start[:-1].copy(), rank_start[1:]
     cuts, ranks = [], []
     while (live := pos < end).any():
         i = np.searchsorted(iv_start, pos[live], side="right") - 1
         depth = geo.token_depth(iv.lo[i] + pos[live] - iv_start[i])
-        pos[live] = np.minimum(pos[live] + np.maximum(max_tokens - depth, 1), end[live])
+        pos[live] = np.minimum(pos[live] + np.maximum(budget.room(depth), 1), end[live])
         more = pos[live] < end[live]
         cuts.append(pos[live][more])
         ranks.append(np.flatnonzero(live)[more])

@@ -22,9 +22,13 @@ class HARTSGRPOConfig(GRPOConfig):
             Compute every per-token log-prob / entropy (policy, old policy, reference) on the prefix forest of the
             rows: each shared prefix once, same values and gradients. `False` is stock `GRPOTrainer` behaviour.
         harts_max_tokens_per_microbatch (`int`, *optional*, defaults to `65536`):
-            Planner budget: compact tokens plus the ancestor context a microbatch's attention reads. Each
-            optimizer step's rows, from every rank, are planned at once over the ranks and their microbatch
-            slots under this budget (trees above it are cut into pieces joined exactly).
+            Microbatch budget: the memory of this many tokens. Each optimizer step's rows, from every rank, are
+            planned at once over the ranks and their microbatch slots under this budget; trees and trajectories
+            above it are cut into pieces joined exactly, each reading its ancestors (computed in earlier slots)
+            as context, priced by the policy's memory model at a fraction of a token (their K/V and inputs).
+        harts_max_bytes_per_microbatch (`float`, *optional*):
+            The same budget in bytes of activations per microbatch (`harts_hf.engine.memory_model` prices tokens
+            and context for the policy); replaces `harts_max_tokens_per_microbatch` when set.
         harts_chunk_size (`int`, *optional*, defaults to `64`):
             Chunk grid of the model's linear-attention kernels, where the planner prefers its cuts.
         harts_cost_model (`dict[str, float]`, *optional*):
@@ -38,7 +42,11 @@ class HARTSGRPOConfig(GRPOConfig):
     )
     harts_max_tokens_per_microbatch: int = field(
         default=DEFAULT_MAX_TOKENS,
-        metadata={"help": "Planner budget per microbatch: compact tokens plus ancestor context."},
+        metadata={"help": "Microbatch budget: the memory of this many tokens (context priced by the memory model)."},
+    )
+    harts_max_bytes_per_microbatch: float | None = field(
+        default=None,
+        metadata={"help": "Microbatch budget in bytes of activations (replaces harts_max_tokens_per_microbatch)."},
     )
     harts_chunk_size: int = field(
         default=CHUNK_SIZE,
@@ -55,6 +63,10 @@ class HARTSGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"harts_max_tokens_per_microbatch must be positive, got {self.harts_max_tokens_per_microbatch}"
             )
+        if self.harts_max_bytes_per_microbatch is not None and not self.harts_max_bytes_per_microbatch > 0:
+            raise ValueError(
+                f"harts_max_bytes_per_microbatch must be positive, got {self.harts_max_bytes_per_microbatch}"
+            )
         if self.harts_chunk_size <= 0:
             raise ValueError(f"harts_chunk_size must be positive, got {self.harts_chunk_size}")
         if isinstance(self.harts_cost_model, str):  # the command line gives JSON
@@ -65,6 +77,13 @@ class HARTSGRPOConfig(GRPOConfig):
                 raise ValueError(
                     f"unknown harts_cost_model keys {sorted(unknown)}; valid: {sorted(DEFAULT_COST_MODEL.as_dict())}"
                 )
+
+    @property
+    def harts_budget(self) -> dict[str, float]:
+        """The planner's budget keyword: ``max_bytes_per_microbatch`` if set, else ``max_tokens_per_microbatch``."""
+        if self.harts_max_bytes_per_microbatch is not None:
+            return {"max_bytes_per_microbatch": self.harts_max_bytes_per_microbatch}
+        return {"max_tokens_per_microbatch": self.harts_max_tokens_per_microbatch}
 
     @property
     def harts_planner_cost_model(self) -> CostModel:

@@ -10,8 +10,8 @@ TRL's:
 - ``_get_per_token_logps_and_entropies``: the loss passes read the step's values; the other passes
   (old policy, reference) and losses that need a microbatch's own forward with grad (the entropy
   bonus, the router aux loss) make the microbatch's rows a :class:`~harts_hf.RolloutForest`, one
-  tree pass computing each shared prefix once (a forest above ``harts_max_tokens_per_microbatch``
-  runs as planned pieces through :class:`~harts_hf.engine.TreeEngine`); the result is mapped back
+  tree pass computing each shared prefix once (a forest above the microbatch budget runs as
+  planned pieces through :class:`~harts_hf.engine.TreeEngine`); the result is mapped back
   to TRL's ``[B, C]`` completion layout (``rows.py``).
 
 Multimodal rows (pixel values and friends) take TRL's own path.
@@ -26,10 +26,10 @@ from accelerate.utils import DistributedType, is_peft_model
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ..engine import TreeEngine
+from ..engine import TreeEngine, memory_model
 from ..forest import RolloutForest
 from ..modeling import patch_model
-from ..planner import Plan, plan
+from ..planner import MemoryModel, Plan, plan
 from ._compat import FOREST_KWARG, add_step_time, add_tree_forward, entropy_bonus_enabled, one_pass_options
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
@@ -66,6 +66,7 @@ class HARTSGRPOTrainer(GRPOTrainer):
         self._harts_step: HARTSStep | None = None
         self._loss_call: tuple | None = None  # (model, inputs) of the loss pass that is running
         self._served = -1  # the HARTS step's microbatch the last loss pass read
+        self._memory: MemoryModel | None = None  # the policy's, probed in its first pass
         if not self._harts_enabled:
             return
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -92,15 +93,28 @@ class HARTSGRPOTrainer(GRPOTrainer):
         return isinstance(self.args, HARTSGRPOConfig) and self.args.harts_enable
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, forest: RolloutForest, world_size: int = 1) -> Plan:
-        return plan(forest, world_size=world_size, **self._plan_options())
+    def _plan(self, forest: RolloutForest) -> Plan:
+        """This rank's own forest, planned alone (the per-microbatch path)."""
+        return plan(forest, world_size=1, **self._plan_options())
 
     def _plan_options(self) -> dict:
         return dict(
-            max_tokens_per_microbatch=self.args.harts_max_tokens_per_microbatch,
+            **self.args.harts_budget,
+            memory_model=self._memory_model(),
             cost_model=self.args.harts_planner_cost_model,
             chunk_size=self.args.harts_chunk_size,
         )
+
+    def _memory_model(self) -> MemoryModel:
+        """The policy's memory model, probed through its training wrapper in the first pass that
+        plans (every rank at once: under FSDP2 the probe gathers parameters), without gradient sync."""
+        if self._memory is None:
+            acc, wrapped = self.accelerator, self.model_wrapped
+            unwrapped = acc.unwrap_model(wrapped)
+            base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+            with acc.no_sync(wrapped), acc.autocast():
+                self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
+        return self._memory
 
     # ------------------------------------------------------------------ the forward seam
     def _get_per_token_logps_and_entropies(
@@ -135,7 +149,8 @@ class HARTSGRPOTrainer(GRPOTrainer):
                 return logps, entropies if compute_entropy else None, None
         forest = rows_forest(input_ids, attention_mask)
         start = time.perf_counter()
-        if forest.num_compact_tokens <= self.args.harts_max_tokens_per_microbatch:
+        pieces = self._plan(forest)
+        if pieces.num_slots == 1:
             options = {
                 "temperature": self.temperature,
                 "return_entropy": compute_entropy,
@@ -145,10 +160,10 @@ class HARTSGRPOTrainer(GRPOTrainer):
                 out = model(**{FOREST_KWARG: forest, "harts_options": options})
             logprobs, entropy, aux_loss = out.logprobs, out.entropy, out.aux_loss
         else:
-            logprobs, entropy = self._engine_pass(model, forest, compute_entropy, compute_aux_loss)
+            logprobs, entropy = self._engine_pass(model, forest, pieces, compute_entropy, compute_aux_loss)
             aux_loss = None
         if torch.is_grad_enabled():
-            self._record_train_pass(forest, time.perf_counter() - start)
+            self._record_train_pass(forest, pieces, time.perf_counter() - start)
         logps = to_completion_layout(logprobs, attention_mask, logits_to_keep)
         entropies = to_completion_layout(entropy, attention_mask, logits_to_keep) if compute_entropy else None
         return logps, entropies, aux_loss if compute_aux_loss else None
@@ -175,31 +190,28 @@ class HARTSGRPOTrainer(GRPOTrainer):
         return step
 
     def _engine_pass(
-        self, model, forest: RolloutForest, compute_entropy: bool, compute_aux_loss: bool
+        self, model, forest: RolloutForest, pieces: Plan, compute_entropy: bool, compute_aux_loss: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A microbatch forest above the budget with grad outside a HARTS step: the engine runs the
         planned pieces; TRL's ``loss.backward()`` replays them (one process)."""
-        budget = self.args.harts_max_tokens_per_microbatch
+        ((name, budget),) = self.args.harts_budget.items()
         if compute_aux_loss:
             raise ValueError(
-                f"the router aux loss needs the microbatch's forest in one pass, but it has more than "
-                f"harts_max_tokens_per_microbatch={budget} compact tokens: raise it or lower per_device_train_batch_size"
+                f"the router aux loss needs the microbatch's forest in one pass, but it does not fit harts_{name}="
+                f"{budget}: raise it or lower per_device_train_batch_size"
             )
         if self.accelerator.num_processes > 1:
             raise ValueError(
-                f"a microbatch forest above harts_max_tokens_per_microbatch={budget} compact tokens with grad outside "
-                "an optimizer step's loss pass runs in one process only: raise the budget"
+                f"a microbatch forest above harts_{name}={budget} with grad outside an optimizer step's loss pass "
+                "runs in one process only: raise the budget"
             )
-        engine = TreeEngine(
-            self.accelerator.unwrap_model(model), forest, self._plan(forest), temperature=self.temperature
-        )
+        engine = TreeEngine(self.accelerator.unwrap_model(model), forest, pieces, temperature=self.temperature)
         with self.accelerator.autocast():
             lps, ents = engine.attached_logprobs(return_entropy=True)
         return lps[0], ents[0] if compute_entropy else None
 
-    def _record_train_pass(self, forest: RolloutForest, seconds: float) -> None:
-        """This microbatch's forest, for the step's metrics (``training_step``)."""
-        p = self._plan(forest)
+    def _record_train_pass(self, forest: RolloutForest, p: Plan, seconds: float) -> None:
+        """This microbatch's forest and its plan, for the step's metrics (``training_step``)."""
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["harts/rounds"].append(float(p.rounds.sum()))
         metrics["harts/microbatches"].append(float(p.num_slots))

@@ -34,7 +34,12 @@ class StepLine(TrainerCallback):
         what = f"{'HARTS' if harts else 'stock'} GRPO (loss {getattr(args, 'loss_type', '?')})"
         params = f", {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params" if model is not None else ""
         devices = f"{args.world_size} process{'es' if args.world_size > 1 else ''} on {args.device.type}"
-        budget = f"; one plan per step, {args.harts_max_tokens_per_microbatch:,} tokens per slot" if harts else ""
+        size = (
+            f"{args.harts_max_tokens_per_microbatch:,} tokens"
+            if args.harts_max_bytes_per_microbatch is None
+            else f"{args.harts_max_bytes_per_microbatch / 2**20:,.0f} MiB"
+        )
+        budget = f"; one plan per step, {size} per slot" if harts else ""
         rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
         tqdm.write(
             f"{what}: {self.title}{params}; {state.max_steps} steps of {rows} rows per device, {devices}{budget}"
