@@ -20,9 +20,12 @@ from harts_hf.planner import TOKEN_MEMORY, Budget, MemoryModel
 BUDGET = 96  # own-token equivalents; the longest trajectory is 3x longer
 
 
-def fitting_budget(memory: MemoryModel, forest: RolloutForest, own: int = 32) -> int:
-    """The budget whose deepest piece still takes ``own`` tokens (3x below the longest trajectory
-    without checkpointing, 1.7x with it: checkpointing makes own tokens cheap, not context)."""
+LIGHT_CONTEXT = MemoryModel(token=10.0, context=2.0)
+
+
+def fitting_budget(memory: MemoryModel, forest: RolloutForest, own: int = 24) -> int:
+    """The budget whose deepest piece still takes ``own`` tokens (2-3x below the longest trajectory
+    at the tiny models' context weights, 0.2 to 0.35)."""
     return int(np.ceil(memory.budget(max_tokens=own).context_weight * (forest.max_length - 1))) + own
 
 
@@ -54,10 +57,13 @@ def test_pieces_of_long_trajectories_equal_trajectory_wise(family, checkpointing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = patch_model(model)
     seqs, forest = long_forest()
-    memory = memory_model(model)
+    # Checkpointed own tokens are cheap, context (every tree layer's inputs at the row) is not: the
+    # model's memory model then cannot cut this forest; the engine's exactness does not depend on
+    # the pricing, so the checkpointed runs take a light one.
+    memory = LIGHT_CONTEXT if checkpointing else memory_model(model)
     budget = fitting_budget(memory, forest)
     the_plan = plan(forest, world_size=1, max_tokens_per_microbatch=budget, memory_model=memory)
-    assert forest.max_length >= 1.5 * budget and the_plan.num_slots >= 4
+    assert forest.max_length >= 2 * budget and the_plan.num_slots >= 4
     assert (the_plan.budget.footprint(the_plan.tokens, the_plan.context) <= budget).all()
     assert (the_plan.context > budget).any()  # pieces read more ancestors than a budget of tokens holds
     loss_fn = sequence_loss(forest)
@@ -77,14 +83,16 @@ def test_two_ranks_split_long_trajectories():
 
 def test_memory_model_prices_context_below_a_token():
     """Derived from what the engine keeps: a context token costs a fraction of an own token, the
-    same on every call (deterministic: every rank plans alike), and checkpointing lowers a token."""
+    same on every call (deterministic: every rank plans alike); checkpointing lowers a token's
+    cost, not a context token's (the engine keeps every tree layer's inputs at a context row)."""
     model = patch_model(tiny_model("qwen3_5"))
     memory = memory_model(model)
     assert 0 < memory.context < 0.5 * memory.token and memory.head > 0 and memory.head_chunk > 0
     assert memory_model(patch_model(tiny_model("qwen3_5", seed=1))) == memory  # weights do not matter
     ckpt = tiny_model("qwen3_5").train()
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert memory_model(patch_model(ckpt)).token < memory.token
+    checkpointed = memory_model(patch_model(ckpt))
+    assert checkpointed.token < memory.token and checkpointed.context == memory.context
 
 
 def test_a_token_budget_refuses_what_the_memory_model_plans():
@@ -126,11 +134,10 @@ def test_a_budget_in_bytes_is_the_token_budget_it_holds():
             lambda f: plan(f, world_size=1, max_bytes_per_microbatch=10.0, memory_model=MemoryModel(100.0, 1.0)),
             "holds no token",
         ),
-        (lambda f: MemoryModel(token=1.0, context=2.0), "cannot cost more than an own token"),
         (lambda f: MemoryModel(token=0.0, context=0.0), "positive token cost"),
         (lambda f: MemoryModel(token=1.0, context=float("nan")), "finite"),
         (lambda f: Budget(0), "positive whole number"),
-        (lambda f: Budget(10, 1.5), "between 0 and 1"),
+        (lambda f: Budget(10, -0.5), "finite number >= 0"),
     ],
 )
 def test_bad_budgets_are_refused(call, message):

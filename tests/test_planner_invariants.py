@@ -160,7 +160,7 @@ def cases(draw) -> tuple[list[RolloutForest], int, int, int, CostModel, MemoryMo
     world = draw(st.integers(1, 5))
     chunk = draw(st.sampled_from([4, 8, 64]))
     deepest = max(f.max_length for f in forests)
-    memory = MemoryModel(token=4.0, context=4.0 * draw(st.sampled_from([1.0, 0.25, 0.03, 0.0])))
+    memory = MemoryModel(token=4.0, context=4.0 * draw(st.sampled_from([1.0, 0.25, 0.03, 0.0, 2.5])))
     need = int(np.ceil(memory.context / memory.token * (deepest - 1))) + 1
     budget = need + draw(st.sampled_from([0, 1, 17, deepest, 5 * deepest]))
     token, pair = draw(st.sampled_from([(1.0, 0.0), (0.0, 1.0), (1.0, 1e-3), (2e-5, 1e-9)]))

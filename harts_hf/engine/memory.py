@@ -111,7 +111,7 @@ def _probe(hf: nn.Module, head_chunk_tokens: int | None, forward: Forward | None
     slope = (saved[1] - saved[0]) / (n2 - n1)
     layers = max(int(getattr(hf.config, "num_hidden_layers", 1) or 1), 1)
     token = max(slope, 1.0) * (1 + 1 / layers) + 2 * head.shape[1] * head.element_size()
-    context = min(CONTEXT_COPIES * _boundary_bytes_per_row(hf, n2, head_chunk_tokens, forward), token)
+    context = CONTEXT_COPIES * _boundary_bytes_per_row(hf, n2, head_chunk_tokens, forward)
     chunk = model_head(hf, adapter, head_chunk_tokens).chunk
     logits = 3 * head.shape[0] * 4  # fp32 logits, their log-softmax and gradient, per row
     return MemoryModel(token=float(token), context=float(context), head=float(logits), head_chunk=chunk)

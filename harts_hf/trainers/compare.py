@@ -72,7 +72,11 @@ def compare(script_args: AgenticArguments, training_args: HARTSGRPOConfig) -> di
         "model": script_args.model_name_or_path,
         "env_mode": script_args.env_mode,
         "max_turns": script_args.max_turns,
-        "rows_per_step": training_args.per_device_train_batch_size,
+        "rows_per_step": training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size,
+        "stock_microbatch_rows": training_args.per_device_train_batch_size,
+        "harts_budget": next(iter(training_args.harts_budget.values())),
         "steps_timed": len(logs),
         "compression": statistics.mean(h["harts/compression"] for h in logs),
         "trajectory_tokens": statistics.mean(h["harts/trajectory_tokens"] for h in logs),
