@@ -244,7 +244,15 @@ def test_config_accepts_every_grpo_field():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(harts_max_tokens_per_microbatch=0), dict(harts_chunk_size=-1), dict(harts_cost_model={"flops": 1.0})]
+    "bad",
+    [
+        dict(harts_max_tokens_per_microbatch=0),
+        dict(harts_chunk_size=-1),
+        dict(harts_cost_model={"flops": 1.0}),
+        dict(harts_max_bytes_per_microbatch=-1.0),
+        dict(harts_memory_model={"tokens": 1.0}),
+        dict(harts_memory_model={"token": 1.0, "context": -1.0}),
+    ],
 )
 def test_config_validation(bad):
     with pytest.raises(ValueError, match="harts_"):

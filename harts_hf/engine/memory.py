@@ -8,8 +8,10 @@ passes over short synthetic chains.
   transients: the gradients of one layer's saved values at a time and of the hidden state;
 - per context token: the boundary values an earlier unit keeps for it (every tree call's inputs
   at the row: K/V, conv and linear-attention inputs), times the copies a reading unit makes of
-  them with grad (the gathered rows, their gradient, attention's joined keys and their gradient);
-- the LM head: one checkpointed chunk of rows (logits, log-softmax and their gradient, fp32).
+  them with grad (``CONTEXT_COPIES``: gathered, given a gradient, joined with its own rows in
+  the ops, ...);
+- the LM head: one checkpointed chunk of rows (logits, log-softmax and their gradient, fp32);
+- fixed: attention's score buffers of one block group (``ops.attention.GROUP_ELEMENTS``).
 
 ``harts-hf calibrate`` measures peaks instead, on the machine, for the figures that matter there.
 """
@@ -22,6 +24,7 @@ from torch import nn
 from ..forest import RolloutForest
 from ..modeling.logprobs import model_head, stochastic_parts
 from ..modeling.registry import patched_adapter
+from ..ops.attention import GROUP_ELEMENTS
 from ..planner.memory import TOKEN_MEMORY, MemoryModel
 from ..planner.plan import plan
 from .engine import Forward, TreeEngine
@@ -29,7 +32,9 @@ from .engine import Forward, TreeEngine
 __all__ = ["memory_model"]
 
 PROBE_TOKENS = (128, 256)  # two chain lengths on the chunk grid
-CONTEXT_COPIES = 5  # kept, gathered, its gradient, joined with the unit's own keys, their gradient
+CONTEXT_COPIES = 7  # kept, gathered, its gradient, joined with own rows in the op (saved) and its gradient, the
+# linear-attention tables (and gradients) built over the joined rows; 7.7 to 15 measured (`harts-hf calibrate --memory`)
+SCORE_TEMPORARIES = 4  # attention's live score-sized buffers per group (logits, probabilities, their gradients)
 FREE_CONTEXT = MemoryModel(token=1.0, context=0.0)  # cuts a probe chain in two wherever asked
 _CACHE: dict[tuple, MemoryModel] = {}
 
@@ -68,7 +73,8 @@ def checkpointing(hf: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in hf.modules())
 
 
-def _chain(hf: nn.Module, n: int) -> RolloutForest:
+def chain(hf: nn.Module, n: int) -> RolloutForest:
+    """One trajectory of ``n`` token ids within the model's vocabulary (the probes' workload)."""
     vocab = hf.get_output_embeddings().weight.shape[0]
     return RolloutForest.from_sequences([[(7 * i + 3) % vocab for i in range(n)]])
 
@@ -83,7 +89,7 @@ def _saved_bytes(hf: nn.Module, n: int, head_chunk_tokens: int | None, forward: 
             seen[ptr] = t.untyped_storage().nbytes()
         return t
 
-    forest = _chain(hf, n)
+    forest = chain(hf, n)
     whole = plan(forest, world_size=1, max_tokens_per_microbatch=n)
     engine = TreeEngine(hf, forest, whole, head_chunk_tokens=head_chunk_tokens, forward=forward)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
@@ -94,7 +100,7 @@ def _saved_bytes(hf: nn.Module, n: int, head_chunk_tokens: int | None, forward: 
 
 def _boundary_bytes_per_row(hf: nn.Module, n: int, head_chunk_tokens: int | None, forward: Forward | None) -> float:
     """Bytes an earlier unit keeps per row a later unit reads (an ``n``-token chain in two units)."""
-    forest = _chain(hf, n)
+    forest = chain(hf, n)
     halves = plan(forest, world_size=1, max_tokens_per_microbatch=n // 2, memory_model=FREE_CONTEXT)
     engine = TreeEngine(hf, forest, halves, head_chunk_tokens=head_chunk_tokens, forward=forward)
     with torch.no_grad():
@@ -114,4 +120,5 @@ def _probe(hf: nn.Module, head_chunk_tokens: int | None, forward: Forward | None
     context = CONTEXT_COPIES * _boundary_bytes_per_row(hf, n2, head_chunk_tokens, forward)
     chunk = model_head(hf, adapter, head_chunk_tokens).chunk
     logits = 3 * head.shape[0] * 4  # fp32 logits, their log-softmax and gradient, per row
-    return MemoryModel(token=float(token), context=float(context), head=float(logits), head_chunk=chunk)
+    fixed = SCORE_TEMPORARIES * GROUP_ELEMENTS * 4
+    return MemoryModel(token=float(token), context=float(context), head=float(logits), head_chunk=chunk, fixed=fixed)

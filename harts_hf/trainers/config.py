@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..planner import CHUNK_SIZE, DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, CostModel
+from ..planner import CHUNK_SIZE, DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, CostModel, MemoryModel
 
 __all__ = ["HARTSGRPOConfig"]
 
@@ -34,6 +34,9 @@ class HARTSGRPOConfig(GRPOConfig):
         harts_cost_model (`dict[str, float]`, *optional*):
             Planner cost model coefficients `token`, `pair`, `round`, `microbatch` (seconds); defaults to the
             planner's built-in model.
+        harts_memory_model (`dict[str, float]`, *optional*):
+            Memory model coefficients `token`, `context`, `head`, `head_chunk`, `fixed` (bytes), e.g. what
+            `harts-hf calibrate --memory` measured; defaults to the one derived from the policy at its first pass.
     """
 
     harts_enable: bool = field(
@@ -57,6 +60,11 @@ class HARTSGRPOConfig(GRPOConfig):
         metadata={"help": "Planner cost model {token, pair, round, microbatch} in seconds (default: built-in)."},
     )
 
+    harts_memory_model: dict[str, float] | str | None = field(
+        default=None,
+        metadata={"help": "Memory model {token, context, head, head_chunk, fixed} in bytes (default: derived)."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.harts_max_tokens_per_microbatch <= 0:
@@ -71,6 +79,14 @@ class HARTSGRPOConfig(GRPOConfig):
             raise ValueError(f"harts_chunk_size must be positive, got {self.harts_chunk_size}")
         if isinstance(self.harts_cost_model, str):  # the command line gives JSON
             self.harts_cost_model = json.loads(self.harts_cost_model)
+        if isinstance(self.harts_memory_model, str):
+            self.harts_memory_model = json.loads(self.harts_memory_model)
+        if self.harts_memory_model is not None:
+            try:
+                MemoryModel(**self.harts_memory_model)  # refused at config time, not at the first step
+            except (TypeError, ValueError) as err:
+                valid = ", ".join(MemoryModel.__dataclass_fields__)
+                raise ValueError(f"harts_memory_model: {err} (its keys: {valid})") from err
         if self.harts_cost_model is not None:
             unknown = set(self.harts_cost_model) - set(DEFAULT_COST_MODEL.as_dict())
             if unknown:

@@ -106,8 +106,11 @@ class HARTSGRPOTrainer(GRPOTrainer):
         )
 
     def _memory_model(self) -> MemoryModel:
-        """The policy's memory model, probed through its training wrapper in the first pass that
-        plans (every rank at once: under FSDP2 the probe gathers parameters), without gradient sync."""
+        """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
+        the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
+        without gradient sync."""
+        if self._memory is None and self.args.harts_memory_model is not None:
+            self._memory = MemoryModel(**self.args.harts_memory_model)
         if self._memory is None:
             acc, wrapped = self.accelerator, self.model_wrapped
             unwrapped = acc.unwrap_model(wrapped)
