@@ -17,7 +17,6 @@ each run, so a peak includes allocating them once, as a training step does.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import nn
 
 from ..engine import TreeEngine, memory_model
