@@ -177,13 +177,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="fit the planner's cost model to a model's tree steps on this machine")
+    p = sub.add_parser(
+        "calibrate", help="fit the planner's cost model (--memory: memory model) to a model on this machine"
+    )
     p.add_argument("--model", metavar="FAMILY", default="qwen3_5", help="model family (default qwen3_5)")
     p.add_argument("--size", default="quick", help="model size from harts_hf.bench.SIZES (default quick)")
     p.add_argument(
         "--repeats", type=_positive_int, default=3, help="timed runs per forest; the fastest counts (default 3)"
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the coefficients here (for `plan --cost-model`)")
+    p.add_argument(
+        "--memory", action="store_true", help="fit the memory model (bytes) to measured peaks instead of the cost model"
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        help="write the coefficients here (for `plan --cost-model`; with --memory, for harts_memory_model)",
+    )
     p.set_defaults(run=cmd_calibrate)
 
 
@@ -197,6 +207,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         model = build_model(args.model, args.size).model
     except (KeyError, ValueError) as err:
         raise SystemExit(f"harts-hf calibrate: {err}") from err
+    if args.memory:
+        from .bench.calibrate_memory import calibrate_memory, format_memory_model
+        from .engine import memory_model
+        from .modeling import patch_model
+
+        try:
+            measured = calibrate_memory(patch_model(model))
+        except ValueError as err:
+            raise SystemExit(f"harts-hf calibrate: {err}") from err
+        title = f"memory model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:"
+        print(format_memory_model(measured, memory_model(model), title))
+        _write_json(args.json, measured.as_dict())
+        return 0
     fitted = calibrate(model, repeats=args.repeats)
     print(
         format_cost_model(fitted, f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
@@ -291,7 +314,64 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = (_workload_parser, _plan_parser, _calibrate_parser, _bench_parser, _bench_ops_parser, add_train_parsers)
+def _memory_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="peak memory and step time vs trajectory length at one microbatch budget")
+    p.add_argument(
+        "--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)"
+    )
+    p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default quick)")
+    p.add_argument(
+        "--lengths",
+        type=_positive_int,
+        nargs="+",
+        metavar="L",
+        help="longest-trajectory lengths: a prompt of L/2 and 2 completions of L/2 (default 2048 ... 32768)",
+    )
+    p.add_argument("--budget", type=_positive_int, metavar="T", help="harts' tokens per microbatch (default 8192)")
+    p.add_argument(
+        "--one-unit-max-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="also run harts as one unit where the trajectories' 2L tokens are at most N (default 16384)",
+    )
+    p.add_argument(
+        "--stock-max-tokens", type=_positive_int, metavar="N", help="run stock where L is at most N (default 8192)"
+    )
+    p.add_argument("--repeats", type=_positive_int, help="runs per mode and length; the fastest counts (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="draw peak MB and step seconds against length")
+    p.set_defaults(run=cmd_memory)
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """Sweep trajectory lengths at one budget (imported here: it loads torch), print and save the record."""
+    from .bench import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
+
+    names = ("model", "size", "lengths", "budget", "one_unit_max_tokens", "stock_max_tokens", "repeats", "device")
+    options = {name: getattr(args, name) for name in (*names, "dtype") if getattr(args, name) is not None}
+    try:
+        record = memory_sweep(MemorySweepConfig(**options))
+    except ValueError as err:
+        raise SystemExit(f"harts-hf memory: {err}") from err
+    print(memory_table(record))
+    _write_json(args.json, record)
+    if args.plot is not None:
+        plot_memory_sweep(record, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+_COMMANDS = (
+    _workload_parser,
+    _plan_parser,
+    _calibrate_parser,
+    _bench_parser,
+    _bench_ops_parser,
+    _memory_parser,
+    add_train_parsers,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

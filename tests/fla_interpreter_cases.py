@@ -32,7 +32,7 @@ from triton.runtime import autotuner
 from harts_hf.bench.fla_report import fallback_note, sequential_calls
 from harts_hf.forest import RolloutForest
 from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
-from harts_hf.ops.conv import tree_causal_conv1d_torch
+from harts_hf.ops.conv import conv_halo, tree_causal_conv1d_torch
 from harts_hf.ops.fla import backend, delta, diagonal
 from harts_hf.ops.fla import conv as fla_conv
 from harts_hf.ops.fla.delta_state_grad import delta_state_grad
@@ -206,9 +206,10 @@ def test_conv_pieces_with_context(tree: str, partition: str, conv_kernel) -> Non
     for tokens in pieces:
         batch = TreeBatch.from_forest(forest, tokens=tokens)
         ids = batch.global_index.numpy()
-        ctx, own = ids[: batch.num_context], ids[batch.num_context :]
-        halos += ctx.size
-        context_x = x[ctx] if ctx.size else None
+        own = ids[batch.num_context :]
+        halo = ids[conv_halo(batch, weight.shape[1]).numpy()] if batch.num_context else ids[:0]
+        halos += halo.size
+        context_x = x[halo] if halo.size else None
         out = fla_conv.tree_causal_conv1d_fla(x[own], weight, bias, batch, activation="silu", context_x=context_x)
         assert_close("piece out", ref[own].detach(), out.detach())
         loss = loss + (out * cot[own]).sum()

@@ -78,6 +78,19 @@ def test_calibrate_writes_a_cost_model_plan_reads(tmp_path):
     assert json.loads(out.read_text())["world_size"] == 2
 
 
+def test_calibrate_memory_writes_a_memory_model_the_trainer_reads(tmp_path, capsys):
+    from harts_hf.planner import MemoryModel
+    from harts_hf.trainers import HARTSGRPOConfig
+
+    path = tmp_path / "memory.json"
+    assert main(["calibrate", "--memory", "--size", "tiny", "--json", str(path)]) == 0
+    assert "measured" in capsys.readouterr().out
+    fitted = MemoryModel(**json.loads(path.read_text()))
+    assert fitted.token > 0 and fitted.context >= 0 and fitted.head > 0
+    args = HARTSGRPOConfig(str(tmp_path / "out"), use_cpu=True, harts_memory_model=str(path.read_text()))
+    assert MemoryModel(**args.harts_memory_model) == fitted
+
+
 def test_readme_test_command_is_what_ci_runs():
     from pathlib import Path
 

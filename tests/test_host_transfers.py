@@ -26,7 +26,7 @@ import torch
 from tiny_models import FAMILIES, family_forest, loss_weights, tiny_model
 
 import harts_hf
-from harts_hf import RolloutForest, patch_model, tree_logprobs
+from harts_hf import RolloutForest, patch_model, plan, tree_logprobs
 from harts_hf.engine import TreeEngine
 from harts_hf.modeling import logprobs
 from harts_hf.modeling.logprobs import stochastic_parts
@@ -35,7 +35,7 @@ TRAPPED = ("cpu", "numpy", "item", "tolist", "__bool__", "__int__", "__float__",
 UPLOADS = ("as_tensor", "tensor", "from_numpy")
 ENGINE_FAMILIES = ["qwen3_next", "nemotron_h", "kimi_linear", "lfm2"]  # GDN, Mamba2, KDA, conv-only
 CHECKPOINT_FAMILIES = ["qwen3_5", "falcon_h1"]  # GDN, Mamba2
-ENGINE_BUDGET = 71  # the longest trajectory: 3 units per forest, cut at tokens 63-67, with handoffs
+ENGINE_BUDGET = 71  # the longest trajectory (context at full price): 3 units per forest, cut at tokens 63-67
 
 # Libraries that convert on their caller's behalf (np.asarray(t) -> Tensor.__array__ -> .numpy()):
 # a call is attributed to the first frame outside them.
@@ -188,7 +188,7 @@ def check_engine(family: str, *, per_token: bool, checkpointing: bool) -> None:
     model = patched(family, checkpointing=checkpointing)
     forests = [small_forest(0), small_forest(1)]
     weights = [loss_weights(forest, seed) for seed, forest in enumerate(forests)]
-    engine = TreeEngine(model, forests, max_tokens_per_microbatch=ENGINE_BUDGET)
+    engine = TreeEngine(model, forests, plan(forests, world_size=1, max_tokens_per_microbatch=ENGINE_BUDGET))
     assert len(engine.units) > len(forests) and any(unit.exports.size for unit in engine.units)
 
     def loss_fn(lps: list[torch.Tensor]) -> torch.Tensor:

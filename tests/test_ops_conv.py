@@ -11,7 +11,7 @@ from trees import NASTY_TREES, nasty_tree_params
 
 from harts_hf import RolloutForest
 from harts_hf.ops.backends import implementation, registered
-from harts_hf.ops.conv import tree_causal_conv1d, tree_causal_conv1d_torch
+from harts_hf.ops.conv import conv_halo, tree_causal_conv1d, tree_causal_conv1d_torch
 from harts_hf.ops.tree_batch import TreeBatch
 
 # The undecorated torch function: on a machine without the causal-conv1d package the decorator
@@ -84,8 +84,10 @@ def test_pieces_equal_unsplit(build):
         for tokens in pieces:
             batch = TreeBatch.from_forest(forest, tokens=tokens)
             ids = batch.global_index.numpy()
-            ctx, own = ids[: batch.num_context], ids[batch.num_context :]
-            context_x = x[ctx] if ctx.size else None
+            own = ids[batch.num_context :]
+            halo = ids[conv_halo(batch, weight.shape[1]).numpy()] if batch.num_context else ids[:0]
+            assert set(halo) <= set(ids[: batch.num_context])
+            context_x = x[halo] if halo.size else None
             out = tree_causal_conv1d(x[own], weight, bias, batch, activation=activation, context_x=context_x)
             assert_close(f"{cut}: out", full[own].detach(), out.detach())
             loss = loss + (out * cot[own]).sum()
@@ -121,7 +123,7 @@ def test_refuses_mismatched_context():
     with pytest.raises(ValueError, match="context"):
         tree_causal_conv1d(x, weight, bias, batch)
     with pytest.raises(ValueError, match="context_x"):
-        tree_causal_conv1d(x, weight, bias, batch, context_x=x[: batch.num_context - 1])
+        tree_causal_conv1d(x, weight, bias, batch, context_x=x[: conv_halo(batch, weight.shape[1]).numel() - 1])
 
 
 def test_bf16_weights_accumulate_in_fp32():

@@ -27,6 +27,7 @@ import torch
 from launch import torchrun
 
 TOL = 1e-5
+LIGHT_CONTEXT = {"token": 1000.0, "context": 200.0}  # a memory model (bytes) where context costs 0.2 tokens
 SYSTEM = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]  # one prompt prefix shared by every row
 
 CASES: dict[str, dict] = {
@@ -52,7 +53,10 @@ CASES: dict[str, dict] = {
     "router-aux-moe": dict(loss_type="grpo", model="qwen3_5_moe"),
     "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=64, num_iterations=2, beta=0.1),
     "dapo-checkpointing-pieces-one-tree": dict(
-        loss_type="dapo", gradient_checkpointing=True, harts_max_tokens_per_microbatch=48
+        loss_type="dapo",
+        gradient_checkpointing=True,
+        harts_max_tokens_per_microbatch=32,
+        harts_memory_model=LIGHT_CONTEXT,  # the derived one prices a context row at 1.8 checkpointed tokens
     ),
     "dapo-lora-beta-one-tree": dict(loss_type="dapo", beta=0.1, lora=True),
     "bnpo-pieces-two-microbatches": dict(

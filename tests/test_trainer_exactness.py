@@ -183,10 +183,13 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
 def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path):
     """A budget below the longest row: every trajectory runs in pieces that read their ancestors
     as priced context, and the step still equals stock (a budget in bytes alike)."""
+    # Checkpointed tokens are cheap and context rows (every tree layer's inputs) are not: the derived
+    # memory model prices a context token at 1.8 own tokens there, so that run takes a lighter one.
+    light = {"harts_memory_model": {"token": 1000.0, "context": 200.0}} if checkpointing else {}
     overrides = dict(loss_type="dapo", beta=0.1, gradient_checkpointing=checkpointing)
     stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
     harts, harts_losses = train(
-        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=16, **overrides
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=16, **light, **overrides
     )
     rows = branching_rollout([p for p in PROMPTS for _ in range(GROUP)], harts)
     assert max(len(a) + len(b) for a, b in zip(rows["prompt_ids"], rows["completion_ids"])) > 16
@@ -194,7 +197,13 @@ def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path)
     assert max_param_diff(harts.model, stock.model) < TOL
     nbytes = float(harts._memory_model()(16))
     by_bytes, bytes_losses = train(
-        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_bytes_per_microbatch=nbytes, **overrides
+        HARTSGRPOTrainer,
+        HARTSGRPOConfig,
+        model_dir,
+        tmp_path,
+        harts_max_bytes_per_microbatch=nbytes,
+        **light,
+        **overrides,
     )
     np.testing.assert_allclose(bytes_losses, stock_losses, rtol=TOL, atol=TOL)
     slots = lambda t: [h["harts/microbatches"] for h in t.state.log_history if "harts/microbatches" in h]

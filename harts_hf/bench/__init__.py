@@ -3,10 +3,14 @@
 Times forward, backward and the whole step of each mode (interleaved repetitions, medians),
 measures peak memory and the numerics (log-probs and gradients against the stock model), and
 compares the measured speedup with the ideal one from an analytic FLOP count.
+
+``harts-hf memory`` (``memory_sweep.py``): peak memory and step time against trajectory length at
+one microbatch budget, the memory model's predicted peak beside the measured one.
 """
 
 from .config import BenchConfig, default_config
 from .flops import FlopModel, Work, compact_work, ideal_speedup, trajectory_work
+from .memory_sweep import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
 from .models import BENCH_FAMILIES, SIZES, Arch, BenchModel, ModelSize, build_model
 from .plot import plot_bench
 from .report import bench_record, table
@@ -22,6 +26,7 @@ __all__ = [
     "BenchModel",
     "BenchRun",
     "FlopModel",
+    "MemorySweepConfig",
     "ModelSize",
     "Work",
     "bench_record",
@@ -29,7 +34,10 @@ __all__ = [
     "compact_work",
     "default_config",
     "ideal_speedup",
+    "memory_sweep",
+    "memory_table",
     "plot_bench",
+    "plot_memory_sweep",
     "run_bench",
     "table",
     "trajectory_work",

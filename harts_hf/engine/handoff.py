@@ -82,14 +82,19 @@ class Handoff(LayerHandoff):
         self._calls[kind] += 1
         return (self.module, kind, n)
 
-    def context(self, call: Hashable, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Keep ``values`` ([N, ...] each) at the export rows; return their context rows [Nc, ...]."""
-        if self.unit.exports.size:
+    def context(
+        self, call: Hashable, values: Mapping[str, torch.Tensor], rows: Hashable = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Keep ``values`` ([N, ...] each) at the rows later units read for ``rows`` (all context,
+        or a table's subset such as a conv halo); return this unit's such context rows."""
+        keep = self.unit.export_rows.get(rows)
+        if keep is not None:
             for field, value in values.items():
-                self._keep((self.unit.index, call, field), value.index_select(0, self.unit.export_rows))
-        if self.unit.context is None:
+                self._keep((self.unit.index, call, field), value.index_select(0, keep))
+        source = self.unit.context.get(rows)
+        if source is None:
             return None
-        return {field: self._gather(call, field, self.unit.context) for field in values}
+        return {field: self._gather(call, field, source) for field in values}
 
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] states after ``rounds_of(batch, chunk_size).external_tokens``, None if E = 0."""

@@ -32,8 +32,11 @@ class LayerHandoff(Protocol):
     def call(self, kind: str) -> Hashable:
         """The name of this module's next ``kind`` call."""
 
-    def context(self, call: Hashable, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Keep ``values`` ([N, ...] each) where later units read them; their context rows [Nc, ...]."""
+    def context(
+        self, call: Hashable, values: Mapping[str, torch.Tensor], rows: Hashable = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Keep ``values`` ([N, ...] each) where later units read them; their context rows: all Nc
+        (``rows`` None), or the subset the batch table ``rows`` names (e.g. a conv's halo)."""
 
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] the states the unit's external paths start from (None: E = 0)."""
@@ -47,11 +50,14 @@ def called_by(batch: TreeBatch, module: nn.Module) -> TreeBatch:
     return batch if batch.handoff is None else batch.with_handoff(batch.handoff.at(module))
 
 
-def context_of(batch: TreeBatch, kind: str, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def context_of(
+    batch: TreeBatch, kind: str, values: Mapping[str, torch.Tensor], rows: Hashable = None
+) -> dict[str, torch.Tensor] | None:
     """The context rows of this call's inputs ``values`` ([N, ...] each) for a unit run by the
-    engine (which also keeps the rows later units read); None for a whole forest."""
+    engine (which also keeps the rows later units read): all of them, or the subset the table
+    key ``rows`` names; None for a whole forest."""
     handoff = batch.handoff
-    return None if handoff is None else handoff.context(handoff.call(kind), values)
+    return None if handoff is None else handoff.context(handoff.call(kind), values, rows)
 
 
 def linear_call(

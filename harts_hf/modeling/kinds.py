@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..chunking import CHUNK_SIZE
-from ..ops.conv import tree_causal_conv1d
+from ..ops.conv import CONV_HALO_KEY, tree_causal_conv1d
 from ..ops.gated_delta import tree_gated_delta_rule
 from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
@@ -69,9 +69,9 @@ def _tree_conv(
     batch: TreeBatch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
     """transformers' ``causal_conv1d_fn`` on the tree, token-major: x [N, D] -> [N, D] in x's dtype,
-    computed in weight's dtype, the context tokens' inputs taken from the piece's handoff."""
+    computed in weight's dtype, the halo tokens' inputs taken from the piece's handoff."""
     xw = x.to(weight.dtype)
-    context = context_of(batch, "conv", {"x": xw})
+    context = context_of(batch, "conv", {"x": xw}, rows=(CONV_HALO_KEY, weight.shape[1]))
     out = tree_causal_conv1d(
         xw,
         weight,

@@ -4,9 +4,13 @@ LFM2 mixers).
 On a trajectory ``out[t] = act(bias + sum_j weight[:, W-1-j] * x[t-j])``; on a tree ``t - j``
 becomes ``prev^j(t)``, the j-th ancestor, and the input is zero past a root, exactly as the
 zero padding of every trajectory's conv. A per-batch gather table [N, W] of ancestor indices
-turns it into W gathers; context tokens (ancestors from an earlier microbatch) provide the halo.
+turns it into W gathers; context tokens (ancestors from an earlier microbatch) provide the halo:
+only the context tokens some piece token reaches within W - 1 steps (:func:`conv_halo`), which is
+all a piece holds of its context for a conv layer, and the table indexes the *local* rows
+``[halo, piece tokens, zero row]``.
 
-Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), D channels, W width.
+Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), H halo tokens (<= Nc),
+D channels, W width.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from transformers.activations import ACT2FN
 from .backends import dispatch, register
 from .tree_batch import TreeBatch
 
-__all__ = ["tree_causal_conv1d", "tree_causal_conv1d_torch"]
+__all__ = ["CONV_HALO_KEY", "conv_halo", "local_rows", "tree_causal_conv1d", "tree_causal_conv1d_torch"]
+
+CONV_HALO_KEY = "conv_halo"  # the table key of a batch's halo: (CONV_HALO_KEY, width)
 
 
-def _gather_table(batch: TreeBatch, width: int) -> torch.Tensor:
+def _combined_table(batch: TreeBatch, width: int) -> torch.Tensor:
     """[N, W] combined index of ``prev^(W-1-c)(t)`` in column c; Nk (a zero row) past a root."""
     nk = batch.prev.numel()
     up = torch.where(batch.prev >= 0, batch.prev, nk)
@@ -33,6 +39,28 @@ def _gather_table(batch: TreeBatch, width: int) -> torch.Tensor:
         cur = up[cur]
         table[:, c] = cur
     return table
+
+
+def conv_halo(batch: TreeBatch, width: int) -> torch.Tensor:
+    """[H] combined indices (ascending) of the context tokens a width-``width`` conv reads: the
+    ancestors within ``width - 1`` steps of a piece token that lie in the context."""
+
+    def build(b: TreeBatch) -> torch.Tensor:
+        table = _combined_table(b, width)
+        return torch.unique(table[table < b.num_context])
+
+    return batch.cached((CONV_HALO_KEY, width), build)
+
+
+def local_rows(batch: TreeBatch, width: int, combined: torch.Tensor) -> torch.Tensor:
+    """``combined`` indices (context, piece or Nk) as rows of ``[halo, piece tokens, zero row]``."""
+    halo, nc = conv_halo(batch, width), batch.num_context
+    return torch.where(combined < nc, torch.searchsorted(halo, combined), combined - nc + halo.numel())
+
+
+def _gather_table(batch: TreeBatch, width: int) -> torch.Tensor:
+    """[N, W] local row (``local_rows``) of ``prev^(W-1-c)(t)`` in column c."""
+    return local_rows(batch, width, _combined_table(batch, width))
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -58,7 +86,7 @@ class _Conv(torch.autograd.Function):
         xa, weight, table = ctx.saved_tensors
         acc = _acc(xa)
         grad = grad.to(acc)
-        dxa = torch.zeros_like(xa, dtype=acc)  # [Nk + 1, D]
+        dxa = torch.zeros_like(xa, dtype=acc)  # [H + N + 1, D]
         dweight = torch.empty_like(weight, dtype=acc)  # [D, W]
         for c in range(table.shape[1]):
             dxa.index_add_(0, table[:, c], grad * weight[:, c].to(acc))
@@ -75,10 +103,13 @@ def check_conv_args(x, weight, bias, batch, context_x, activation=None) -> None:
         raise ValueError(f"bias must have shape ({x.shape[1]},), got {tuple(bias.shape)}")
     if x.shape[0] != batch.num_tokens:
         raise ValueError(f"x has {x.shape[0]} tokens but the batch has {batch.num_tokens}")
-    if (context_x is None) != (batch.num_context == 0):
-        raise ValueError(f"the batch has {batch.num_context} context tokens: pass context_x iff it has any")
-    if context_x is not None and context_x.shape != (batch.num_context, x.shape[1]):
-        raise ValueError(f"context_x must have shape ({batch.num_context}, {x.shape[1]}), got {tuple(context_x.shape)}")
+    halo = conv_halo(batch, weight.shape[1]).numel() if batch.num_context else 0
+    if (context_x is None) != (halo == 0):
+        raise ValueError(
+            f"the batch's conv reads {halo} context tokens (conv_halo): pass their inputs as context_x iff it has any"
+        )
+    if context_x is not None and context_x.shape != (halo, x.shape[1]):
+        raise ValueError(f"context_x must have shape ({halo}, {x.shape[1]}) (conv_halo), got {tuple(context_x.shape)}")
 
 
 @register("conv", "torch")
@@ -94,7 +125,7 @@ def tree_causal_conv1d_torch(
     """Pure-PyTorch tree causal conv (see :func:`tree_causal_conv1d`)."""
     check_conv_args(x, weight, bias, batch, context_x, activation)
     parts = (x,) if context_x is None else (context_x, x)
-    xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [Nk + 1, D]
+    xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [H + N + 1, D]
     width = weight.shape[1]
     table = batch.cached(("conv", width), lambda b: _gather_table(b, width))
     out = _Conv.apply(xa, weight, table)
@@ -124,8 +155,8 @@ def tree_causal_conv1d(
         bias: [D] or None.
         batch: the microbatch's tree metadata.
         activation: an ``ACT2FN`` name ("silu") or None.
-        context_x: [Nc, D] inputs of the context tokens (the halo from an earlier microbatch);
-            gradients flow into it.
+        context_x: [H, D] inputs of the halo tokens (``conv_halo(batch, W)``: the context tokens
+            within W - 1 steps of a piece token, from an earlier microbatch); gradients flow into it.
 
     Returns:
         [N, D] in x's dtype (computed in weight's dtype, like ``causal_conv1d_fn``).

@@ -13,10 +13,11 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
+from ..ops.conv import CONV_HALO_KEY
 from ..ops.rounds import ROUNDS_KEY
 from ..ops.tree_batch import TreeBatch
 
-__all__ = ["Builders", "build_tables", "chunk_sizes"]
+__all__ = ["Builders", "build_tables", "chunk_sizes", "halo_keys"]
 
 Builders = Mapping[Hashable, Callable[[TreeBatch], object]]
 
@@ -24,6 +25,11 @@ Builders = Mapping[Hashable, Callable[[TreeBatch], object]]
 def chunk_sizes(builders: Builders) -> list[int]:
     """The chunk sizes of the model's linear-attention layers (the grids their states live on)."""
     return sorted({key[1] for key in builders if isinstance(key, tuple) and key[0] == ROUNDS_KEY})
+
+
+def halo_keys(builders: Builders) -> list[tuple[str, int]]:
+    """The conv halo tables of the model's conv layers (one per width): the context subsets they read."""
+    return sorted(key for key in builders if isinstance(key, tuple) and key[0] == CONV_HALO_KEY)
 
 
 def build_tables(batch: TreeBatch, builders: Builders, device: torch.device | str) -> TreeBatch:

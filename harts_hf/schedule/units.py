@@ -14,6 +14,7 @@ X export rows, E external states, C a linear-attention chunk size.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from ..forest import RolloutForest
 from ..ops.rounds import ROUNDS_KEY, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .tables import Builders, build_tables, chunk_sizes
+from .tables import Builders, build_tables, chunk_sizes, halo_keys
 
 __all__ = ["Gather", "Unit", "forest_unit", "handoff_rows", "rank_units"]
 
@@ -59,12 +60,14 @@ class Unit:
         batch: its tree metadata and tables (device; context = the ancestors that ran in earlier
             units; ``state_out`` = its states later units start from).
         exports: [X] own compact indices that later units read as context (sorted).
-        export_rows: [X] their rows among the unit's own tokens (device).
+        export_rows: per context subset (None: all context rows; a table key such as a conv's
+            halo, ``(CONV_HALO_KEY, W)``), the rows among its own tokens later units read for it
+            (device; absent: none).
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
             j is computed on this rank: the (predictor, target) log-probs this call produces.
         pair_rows: [p] row of each predictor in the call's own hidden states (device).
         targets: [p] the pairs' target token ids (device).
-        context: where its Nc context rows are kept (None: no context).
+        context: per context subset, where its rows are kept (absent: none).
         states: per chunk size C, where its E external states are kept (absent: E = 0).
     """
 
@@ -75,11 +78,11 @@ class Unit:
     input_ids: torch.Tensor
     batch: TreeBatch
     exports: np.ndarray
-    export_rows: torch.Tensor
+    export_rows: dict[Hashable, torch.Tensor]
     pairs: np.ndarray
     pair_rows: torch.Tensor
     targets: torch.Tensor
-    context: Gather | None
+    context: dict[Hashable, Gather]
     states: dict[int, Gather]
 
 
@@ -112,8 +115,8 @@ def _unit(
     batch: TreeBatch,
     tokens: np.ndarray,
     pairs: np.ndarray,
-    exports: np.ndarray,
-    context: Gather | None,
+    exports: dict[Hashable, np.ndarray],
+    context: dict[Hashable, Gather],
     states: dict[int, Gather],
     builders: Builders,
     device: torch.device,
@@ -126,8 +129,8 @@ def _unit(
         tokens=tokens,
         input_ids=as_t(forest.tokens[tokens]),
         batch=build_tables(batch, builders, device),
-        exports=exports,
-        export_rows=as_t(np.searchsorted(tokens, exports)),
+        exports=exports[None],
+        export_rows={key: as_t(np.searchsorted(tokens, rows)) for key, rows in exports.items() if rows.size},
         pairs=pairs,
         pair_rows=as_t(np.searchsorted(tokens, forest.prev[pairs])),
         targets=as_t(forest.tokens[pairs]),
@@ -139,10 +142,10 @@ def _unit(
 def forest_unit(forest: RolloutForest, builders: Builders, device: torch.device | str) -> Unit:
     """The one unit of a whole forest (every token, every pair, no handoff)."""
     tokens = np.arange(forest.num_compact_tokens)
-    none = np.zeros(0, dtype=np.int64)
     batch = TreeBatch.from_forest(forest)
     pairs = np.flatnonzero(forest.prev >= 0)
-    return _unit(0, 0, 0, forest, batch, tokens, pairs, none, None, {}, builders, torch.device(device))
+    exports = {None: np.zeros(0, dtype=np.int64)}
+    return _unit(0, 0, 0, forest, batch, tokens, pairs, exports, {}, {}, builders, torch.device(device))
 
 
 def rank_units(
@@ -178,8 +181,19 @@ def rank_units(
                 f"{plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these forests"
             )
     own = [(f, tokens) for _, f, tokens, _, _ in calls]
-    exports, sources = handoff_rows(forests, own, [c[4] for c in calls])
-    kept = [e.size for e in exports]
+    # Context rows, per subset a layer reads: all (attention, linear attention) or a conv's halo.
+    exports: list[dict[Hashable, np.ndarray]] = [{} for _ in calls]
+    contexts: list[dict[Hashable, Gather]] = [{} for _ in calls]
+    for key in [None, *halo_keys(builders)]:
+        reads = [
+            context if key is None else batch.global_index[batch.cached(key, builders[key])].numpy()
+            for _, _, _, batch, context in calls
+        ]
+        kept, sources = handoff_rows(forests, own, reads)
+        for i, read in enumerate(reads):
+            exports[i][key] = kept[i]
+            if read.size:
+                contexts[i][key] = Gather.of(sources[i], [k.size for k in kept], device)
 
     # Boundary states, per chunk grid: a unit's external paths start from states after context
     # tokens (``Rounds.external_tokens``), which their producers return (``TreeBatch.state_out``).
@@ -215,7 +229,7 @@ def rank_units(
             tokens,
             pairs_of[i],
             exports[i],
-            Gather.of(sources[i], kept, device) if batch.num_context else None,
+            contexts[i],
             states[i],
             builders,
             device,

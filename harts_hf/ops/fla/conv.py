@@ -4,8 +4,9 @@ In DFS order a token's first child is the next token, so a piece splits into *ch
 runs of tokens each the child of the one before (a chain starts at the piece's first token and
 at every token whose parent is not the previous token: roots, second and later children). ONE
 varlen fla call convolves every chain (``cu_seqlens`` = chain bounds), x passed as it is (a
-piece with context concatenates ``context_x`` and x once, for the halo gather). A chain's conv state is the input of its first token's W-1 nearest ancestors (zero past
-a root; context tokens supply the halo of a piece), gathered as fla's ``initial_state``
+piece with context concatenates ``context_x``, its halo rows, and x once, for the gather). A
+chain's conv state is the input of its first token's W-1 nearest ancestors (zero past a root;
+halo tokens of the context supply them in a piece), gathered as fla's ``initial_state``
 [S, D, W] (slot 0 unused, slot c = the (W-c)-th ancestor); fla's backward returns its gradient
 (dh0), which autograd scatters into the ancestors' rows of x and ``context_x``.
 
@@ -16,8 +17,8 @@ gather's W index passes do not depend on the tree's shape. Agentic and GRPO tree
 of tokens and take the fla kernel; 16 is an estimate, timed by ``scripts/gpu_check.py``.
 Activations other than silu run after the kernel.
 
-Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), S chains, D channels,
-W conv width.
+Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), H halo tokens
+(``conv_halo``), S chains, D channels, W conv width.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from ..backends import register
-from ..conv import check_conv_args, tree_causal_conv1d_torch
+from ..conv import check_conv_args, local_rows, tree_causal_conv1d_torch
 from ..tree_batch import TreeBatch
 from .backend import fla_available, runs_on
 
@@ -45,7 +46,8 @@ class Chains:
     Args:
         cu_seqlens: [S + 1] int32 chain bounds in the piece's token order, on the batch's device.
         cu_seqlens_cpu: the same on the CPU (fla reads it without a device sync).
-        halo: [S, W - 1] combined index of each chain's (W-1-c)-th ancestor in column c; Nk past a root.
+        halo: [S, W - 1] row of each chain's (W-1-c)-th ancestor in column c among ``[halo tokens,
+            piece tokens]`` (``conv.local_rows``); H + N past a root.
     """
 
     cu_seqlens: torch.Tensor
@@ -76,7 +78,7 @@ def _build(batch: TreeBatch, width: int) -> Chains:
     for c in range(width - 2, -1, -1):  # one vectorised pointer jump per tap
         cur = up[cur]
         halo[:, c] = cur
-    return Chains(cu, cu.cpu(), halo)
+    return Chains(cu, cu.cpu(), local_rows(batch, width, halo))
 
 
 def chains_of(batch: TreeBatch, width: int) -> Chains:
@@ -95,7 +97,7 @@ def uses_gather(batch: TreeBatch) -> bool:
 
 
 def _initial_states(src: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
-    """[S, D, W] fla initial states: slot 0 zero, slots 1.. the halo rows of ``src`` [Nk, D]."""
+    """[S, D, W] fla initial states: slot 0 zero, slots 1.. the halo rows of ``src`` [H + N, D]."""
     past_root = halo >= src.shape[0]
     rows = src[halo.clamp(max=src.shape[0] - 1)].masked_fill(past_root[..., None], 0)  # [S, W-1, D]
     return torch.cat((rows.new_zeros(rows.shape[0], 1, rows.shape[2]), rows), dim=1).transpose(1, 2).contiguous()
@@ -119,7 +121,7 @@ def tree_causal_conv1d_fla(
 
     chains = chains_of(batch, weight.shape[1])
     xw = x.to(weight.dtype)  # [N, D], computed in weight's dtype like the torch backend
-    src = xw if context_x is None else torch.cat((context_x.to(weight.dtype), xw))  # [Nk, D]
+    src = xw if context_x is None else torch.cat((context_x.to(weight.dtype), xw))  # [H + N, D]
     in_kernel = activation if activation in _FLA_ACTIVATIONS else None
     y, _ = causal_conv1d(
         xw.unsqueeze(0),
