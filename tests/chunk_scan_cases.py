@@ -167,7 +167,8 @@ def check_piece(
     """A piece run after the whole forest handed it its boundary states == the whole-forest run.
 
     ``run(batch, own_rows, context_rows, initial_states)`` calls the tree op with the leaves' rows
-    ``own_rows`` as inputs and ``context_rows`` as context (None: no context) and returns (o, the
+    ``own_rows`` as inputs and ``context_rows`` (the replayed context tokens) as context (None: no
+    context) and returns (o, the
     states after ``batch.state_out``). The piece's gradients flow back through the handed-over states, so the
     piece-plus-rest loss must give the whole-forest gradients.
     """
@@ -179,7 +180,7 @@ def check_piece(
     assert rounds.context_replay.numel() and external.numel(), "the piece must need context replay and boundary states"
     o_whole, states = run(whole.with_state_out({chunk: external.numpy()}), whole.global_index, None, None)
     own = piece.global_index[nc:]
-    o_piece, _ = run(piece, own, piece.global_index[:nc], states)
+    o_piece, _ = run(piece, own, piece.global_index[rounds.context_replay], states)
     assert_close("piece o", o_whole[own], o_piece)
 
     weight = torch.randn(o_whole.shape, generator=torch.Generator().manual_seed(5))

@@ -401,7 +401,7 @@ def test_rounds_piece_matches_torch_backend(kind: str, state_refs) -> None:
     x = rounds_inputs(kind, forest.num_compact_tokens, 2, key_heads=H if kind in DELTA_RULES else 1)
     ids, nc = piece.global_index, piece.num_context
     own = {name: t[ids[nc:]] for name, t in x.items()}
-    context = {name: t[ids[:nc]] for name, t in x.items() if name != "q"}
+    context = {name: t[ids[rounds.context_replay]] for name, t in x.items() if name != "q"}
     gen = torch.Generator().manual_seed(3)
     states = torch.randn(rounds.external_tokens.numel(), H, K, V, generator=gen).requires_grad_()
     leaves = {**x, "initial_states": states}

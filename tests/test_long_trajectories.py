@@ -24,8 +24,8 @@ LIGHT_CONTEXT = MemoryModel(token=10.0, context=2.0)
 
 
 def fitting_budget(memory: MemoryModel, forest: RolloutForest, own: int = 24) -> int:
-    """The budget whose deepest piece still takes ``own`` tokens (2-3x below the longest trajectory
-    at the tiny models' context weights, 0.25 to 0.45)."""
+    """The budget whose deepest piece still takes ``own`` tokens (5-9x below the longest trajectory
+    at the tiny models' context weights, 0.05 to 0.16)."""
     return int(np.ceil(memory.budget(max_tokens=own).context_weight * (forest.max_length - 1))) + own
 
 
@@ -57,7 +57,7 @@ def test_pieces_of_long_trajectories_equal_trajectory_wise(family, checkpointing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = patch_model(model)
     seqs, forest = long_forest()
-    # Checkpointed own tokens are cheap, context (every tree layer's inputs at the row) is not: the
+    # Checkpointed own tokens are cheap (the tiny models: 32 hidden units), context K/V is not: the
     # model's memory model then cannot cut this forest; the engine's exactness does not depend on
     # the pricing, so the checkpointed runs take a light one.
     memory = LIGHT_CONTEXT if checkpointing else memory_model(model)
@@ -84,7 +84,7 @@ def test_two_ranks_split_long_trajectories():
 def test_memory_model_prices_context_below_a_token():
     """Derived from what the engine keeps: a context token costs a fraction of an own token, the
     same on every call (deterministic: every rank plans alike); checkpointing lowers a token's
-    cost, not a context token's (the engine keeps every tree layer's inputs at a context row)."""
+    cost, not a context token's (its K/V in every attention layer)."""
     model = patch_model(tiny_model("qwen3_5"))
     memory = memory_model(model)
     assert 0 < memory.context < 0.5 * memory.token and memory.head > 0 and memory.head_chunk > 0

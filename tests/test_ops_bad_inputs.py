@@ -19,6 +19,7 @@ from harts_hf.ops import (
     tree_mamba2_ssd,
     tree_simple_gla,
 )
+from harts_hf.ops.rounds import rounds_of
 
 FOREST = RolloutForest.from_sequences([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9], [5, 6]])
 BATCH = TreeBatch.from_forest(FOREST)
@@ -76,7 +77,7 @@ def test_refused_with_a_clear_error(call, message):
 def test_piece_context_must_match_the_piece_inputs():
     """A piece's context inputs carry the same per-token shape as its own (here v has V + 1 columns)."""
     piece = TreeBatch.from_forest(FOREST, tokens=np.array([3, 4, 5, 6]))
-    n, nc = piece.num_tokens, piece.num_context
+    n, nc = piece.num_tokens, rounds_of(piece, 2).context_replay.numel()  # the replayed context tokens
     context = {"k": k[:nc], "v": torch.randn(nc, H, V + 1), "g": g_head[:nc], "beta": beta[:nc]}
     with pytest.raises(ValueError, match="context v is"):
         tree_gated_delta_rule(

@@ -64,7 +64,7 @@ def run_pieces(forest, inputs, pieces, chunk):
         ext = gi[rs.external_tokens.numpy()]
         init = torch.stack([states[t] for t in ext]).requires_grad_() if ext.size else None
         nc = batch.num_context
-        context = {n: inputs[n][gi[:nc]] for n in ("k", "v", "g", "beta")}
+        context = {n: inputs[n][gi[rs.context_replay.numpy()]] for n in ("k", "v", "g", "beta")}
         boundary = nc + np.flatnonzero((forest.position[gi[nc:]] + 1) % chunk == 0)
         o, st = tree_gated_delta_rule(
             *(inputs[n][gi[nc:]] for n in ("q", "k", "v", "g", "beta")),
@@ -142,7 +142,7 @@ def test_inputs_that_do_not_fit_the_piece_are_refused() -> None:
     forest = RolloutForest.from_sequences(NASTY_TREES["grpo_group"](np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest, np.flatnonzero(forest.position >= 37))
     gen = torch.Generator().manual_seed(0)
-    x, ctx = gdn_inputs(batch.num_tokens, gen), gdn_inputs(batch.num_context, gen)
+    x, ctx = gdn_inputs(batch.num_tokens, gen), gdn_inputs(rounds_of(batch, 16).context_replay.numel(), gen)
     context = {n: ctx[n] for n in ("k", "v", "g", "beta")}
     fits = {"context": context, "initial_states": torch.zeros(rounds_of(batch, 16).external_tokens.numel(), H, K, V)}
     run = lambda x, **kw: tree_gated_delta_rule(*x.values(), batch, chunk_size=16, **(fits | kw))

@@ -183,8 +183,8 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
 def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path):
     """A budget below the longest row: every trajectory runs in pieces that read their ancestors
     as priced context, and the step still equals stock (a budget in bytes alike)."""
-    # Checkpointed tokens are cheap and context rows (every tree layer's inputs) are not: the derived
-    # memory model prices a context token at 1.8 own tokens there, so that run takes a lighter one.
+    # Checkpointed tokens of a 32-wide model are cheap and its context K/V is not: the derived memory
+    # model prices a context token at 0.7 own tokens there, so that run takes a lighter one.
     light = {"harts_memory_model": {"token": 1000.0, "context": 200.0}} if checkpointing else {}
     overrides = dict(loss_type="dapo", beta=0.1, gradient_checkpointing=checkpointing)
     stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)

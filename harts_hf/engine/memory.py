@@ -6,8 +6,9 @@ passes over short synthetic chains.
 - per own token: the bytes autograd saves for the backward pass (``saved_tensors_hooks``, each
   storage once, parameters excluded), the slope between two chain lengths; plus the backward's
   transients: the gradients of one layer's saved values at a time and of the hidden state;
-- per context token: the boundary values an earlier unit keeps for it (every tree call's inputs
-  at the row: K/V, conv and linear-attention inputs), times the copies a reading unit makes of
+- per context token: the boundary values an earlier unit keeps for it (attention's K/V at every
+  context row; conv halos and linear-attention replay rows are per path start, a few rows
+  each, and fall out of the slope), times the copies a reading unit makes of
   them with grad (``CONTEXT_COPIES``: gathered, given a gradient, joined with its own rows in
   the ops, ...);
 - the LM head: one checkpointed chunk of rows (logits, log-softmax and their gradient, fp32);

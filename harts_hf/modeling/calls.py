@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..ops.rounds import REPLAY_KEY
 from ..ops.tree_batch import TreeBatch
 
 __all__ = ["LayerHandoff", "called_by", "context_of", "linear_call"]
@@ -73,6 +74,7 @@ def linear_call(
     if handoff is None:
         return run(None, None)[0]
     call = handoff.call(kind)
-    o, states = run(handoff.context(call, values), handoff.initial_states(call, chunk_size))
+    context = handoff.context(call, values, (REPLAY_KEY, chunk_size))  # the context tokens its paths replay
+    o, states = run(context, handoff.initial_states(call, chunk_size))
     handoff.keep_states(call, states)
     return o

@@ -33,9 +33,10 @@ Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gl
                                  # q/k heads already expanded to the value-head count H
                                  # q, k [N, H, K]; v [N, H, V]; g [N, H] or [N, H, K]; beta [N, H] or None
         scale: float,
-        context=None,            # {"k", "v", "g", "beta"} [Nc, ...] of the context tokens, prepared like
-                                 # the own inputs ("beta" only for delta-rule kinds; other keys ignored);
-                                 # needed iff rounds_of(batch, chunk_size).context_replay is non-empty
+        context=None,            # {"k", "v", "g", "beta"} [R, ...] of the R context tokens the paths replay
+                                 # (rounds_of(batch, chunk_size).context_replay, in that order), prepared
+                                 # like the own inputs ("beta" only for delta-rule kinds; others ignored);
+                                 # needed iff R > 0
         initial_states=None,     # [E, H, K, V] fp32, the state after each of
                                  # rounds_of(batch, chunk_size).external_tokens (E of them, in that order)
     ) -> tuple[o, states_out]    # o [N, H, V] fp32; states_out [S, H, K, V] fp32 after each of
@@ -49,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from .rounds import rounds_of
+from .rounds import context_replay_of, input_table, rounds_of
 from .scan_plan import RoundPlan, scan_plan_of
 from .tail_chunks import RaggedRound, ragged_rounds_of
 from .take_rows import take_rows
@@ -249,15 +250,6 @@ def scan_ragged(
     return outs, values, h_start, h_final
 
 
-def _combined(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
-    """[Nc + N + 1, ...] context rows, own rows, and a zero row that packed index -1 selects
-    (neutral padding). Without ``ctx`` the context rows are zeros: the q of replayed tokens (their
-    outputs are dropped), or every input of a piece that replays no context token."""
-    if ctx is None:
-        ctx = own.new_zeros((num_context, *own.shape[1:]))
-    return torch.cat((ctx.to(own), own, own.new_zeros((1, *own.shape[1:]))))
-
-
 def run_tree_linear_attention(
     kernel: ChunkKernel,
     batch: TreeBatch,
@@ -278,16 +270,17 @@ def run_tree_linear_attention(
     its gradient is the sum of theirs.
     """
     rounds = rounds_of(batch, chunk_size)
-    nc = batch.num_context
     own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
-    rounds.check_inputs(own, context, nc, initial_states)
+    rounds.check_inputs(own, context, initial_states)
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))
     plan = scan_plan_of(batch, chunk_size)
 
+    replayed = context_replay_of(batch, chunk_size).numel()
     tables = {
-        name: _combined(x, None if context is None or name == "q" else context[name], nc) for name, x in own.items()
+        name: input_table(x, None if context is None or name == "q" else context[name], replayed)
+        for name, x in own.items()
     }
     layout = ragged_rounds_of(batch, chunk_size)
     sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]

@@ -18,7 +18,9 @@ path starts exactly at d from its parent's mid-chunk state (no replay of piece t
 In a piece (``batch.num_context > 0``), tokens whose parent is a context token start *external*
 root paths: their state at boundary a is the state after the context token at depth a - 1, which
 the caller passes (``external_tokens``); replayed context tokens need the caller's inputs
-(``context_replay``).
+(``context_replay``: fewer than C per external path, all a linear layer holds of the context).
+The kernels' input tables hold the rows ``[replayed context tokens, piece tokens, zero row]``
+(:meth:`Rounds.input_rows`).
 
 Legend: Nc context tokens, N piece tokens, M piece nodes, P paths, C chunk size,
 Tc chunks of a round.
@@ -35,9 +37,19 @@ import torch
 from ..forest import chain_starts, tree_levels
 from .tree_batch import TreeBatch
 
-__all__ = ["ROUNDS_KEY", "Round", "Rounds", "build_rounds", "rounds_of"]
+__all__ = [
+    "REPLAY_KEY",
+    "ROUNDS_KEY",
+    "Round",
+    "Rounds",
+    "build_rounds",
+    "context_replay_of",
+    "input_table",
+    "rounds_of",
+]
 
 ROUNDS_KEY = "rounds"  # the table key of a batch's rounds: (ROUNDS_KEY, chunk_size)
+REPLAY_KEY = "context_replay"  # the table key of the context tokens its paths replay: (REPLAY_KEY, chunk_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +82,8 @@ class Rounds:
             token's output.
         external_tokens: [E] combined indices of the context tokens after which the caller
             provides the boundary state (``initial_states``), in that order.
-        context_replay: [R] combined indices of the context tokens replayed by external paths.
+        context_replay: [R] combined indices (ascending) of the context tokens replayed by
+            external paths: the context rows the inputs take (``context``).
         num_context: Nc; position: [Nc + N] absolute depth of every combined token.
         token_path, path_round, path_rank, path_start, path_chunks: numpy arrays locating every
             piece token's path (its round, rank within the round, aligned start depth, chunks),
@@ -108,12 +121,11 @@ class Rounds:
         self,
         own: Mapping[str, torch.Tensor],
         context: Mapping[str, torch.Tensor] | None,
-        num_context: int,
         initial_states: torch.Tensor | None,
     ) -> None:
         """Refuse a piece's inputs that do not fit it (every backend calls this first): ``own`` the
         per-token inputs by name (q, k [N, Hk, K], v [N, H, V], g, beta), ``context`` the same names
-        but q for the batch's ``num_context`` context tokens, ``initial_states`` [E, H, K, V]."""
+        but q for the R replayed context tokens (``context_replay``), ``initial_states`` [E, H, K, V]."""
         n = self.token_path.size
         for name, x in own.items():
             if x.shape[0] != n:
@@ -125,13 +137,15 @@ class Rounds:
         for name in () if context is None else [name for name in own if name != "q"]:
             if name not in context:
                 raise ValueError(f"context lacks {name!r}: give {sorted(set(own) - {'q'})} of the context tokens")
-            if context[name].shape[0] != num_context:
+            replayed = self.context_replay.numel()
+            if context[name].shape[0] != replayed:
                 raise ValueError(
-                    f"context {name} has {context[name].shape[0]} tokens but the batch has {num_context} context tokens"
+                    f"context {name} has {context[name].shape[0]} tokens but the piece replays {replayed} context "
+                    "tokens: give the inputs of Rounds.context_replay"
                 )
             if context[name].shape[1:] != own[name].shape[1:]:
                 raise ValueError(
-                    f"context {name} is [{num_context}, {', '.join(map(str, context[name].shape[1:]))}] per token "
+                    f"context {name} is [{replayed}, {', '.join(map(str, context[name].shape[1:]))}] per token "
                     f"but the piece's {name} is [N, {', '.join(map(str, own[name].shape[1:]))}]"
                 )
         num_ext = self.external_tokens.numel()
@@ -142,6 +156,20 @@ class Rounds:
         state = (own["v"].shape[1], own["k"].shape[-1], own["v"].shape[-1])
         if initial_states is not None and tuple(initial_states.shape[1:]) != state:
             raise ValueError(f"initial_states must be [E, H, K, V] = [{num_ext}, {', '.join(map(str, state))}]")
+
+    def input_rows(self, combined: torch.Tensor) -> torch.Tensor:
+        """Combined indices (replayed context tokens, piece tokens; -1 or Nk for padding) as rows
+        of the kernels' input tables ``[replayed context, piece tokens, zero row]`` (built with the
+        tables, on the host)."""
+        replay, nc, n = self.context_replay, self.num_context, self.token_path.size
+        r = replay.numel()
+        pad = (combined < 0) | (combined >= nc + n)
+        ctx = ~pad & (combined < nc)
+        at = torch.searchsorted(replay, combined).clamp(max=max(r - 1, 0))
+        if ctx.any() and (r == 0 or (replay[at[ctx]] != combined[ctx]).any()):
+            raise RuntimeError("a linear-attention table reads a context token its paths do not replay")
+        rows = torch.where(ctx, at, combined - nc + r)
+        return torch.where(pad, r + n, rows)
 
     def state_index(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round, row of that round's ``cat([h_start, h_final])``) holding the state after each
@@ -366,3 +394,18 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
 def rounds_of(batch: TreeBatch, chunk_size: int) -> Rounds:
     """The rounds of ``batch`` for ``chunk_size``, derived once per batch."""
     return batch.cached((ROUNDS_KEY, chunk_size), lambda b: build_rounds(b, chunk_size))
+
+
+def context_replay_of(batch: TreeBatch, chunk_size: int) -> torch.Tensor:
+    """[R] the context tokens ``batch``'s paths replay (``Rounds.context_replay``), as a table of
+    its own: the context subset a linear layer's handoff delivers."""
+    return batch.cached((REPLAY_KEY, chunk_size), lambda b: rounds_of(b, chunk_size).context_replay)
+
+
+def input_table(own: torch.Tensor, ctx: torch.Tensor | None, num_replayed: int) -> torch.Tensor:
+    """[R + N + 1, ...] the replayed context tokens' rows, own rows, and a zero row for padding
+    (``Rounds.input_rows`` addresses them). Without ``ctx`` the context rows are zeros: the q of
+    replayed tokens (their outputs are dropped), or every input of a piece that replays none."""
+    if ctx is None:
+        ctx = own.new_zeros((num_replayed, *own.shape[1:]))
+    return torch.cat((ctx.to(own), own, own.new_zeros((1, *own.shape[1:]))))

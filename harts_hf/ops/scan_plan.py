@@ -64,8 +64,8 @@ class ScanPlan:
         sections: per length, the chunks of each visit, round after round (a round's visits of that
             length in visiting order): ONE split of each intra output per length serves every round,
             and its backward is one concatenation.
-        gather: [slots] combined index of every slot (``RaggedRound.gather`` reordered by length, then
-            round; padding -1 becomes Nc + N, the zero row after the combined tokens): one gather per input
+        gather: [slots] input row (``Rounds.input_rows``) of every slot (``RaggedRound.gather``
+            reordered by length, then round; padding becomes the zero row): one gather per input
             for the whole run.
         output: [N] slot of each piece token's output.
         pick_order: [S] row of ``cat(picks of every round)`` holding each ``batch.state_out`` state.
@@ -149,7 +149,7 @@ def build_scan_plan(batch: TreeBatch, chunk_size: int, state_out: np.ndarray | N
             [n for rag in layout for size, sec in zip(rag.lengths, rag.sections) if size == length for n in sec]
             for length in lengths
         ],
-        gather=as_t(gather % (batch.position.numel() + 1)),
+        gather=rounds.input_rows(as_t(gather)),
         output=as_t(output[rounds.restore.cpu().numpy()]),
         pick_order=None if state_out is None else as_t(np.argsort(by_round)),
     )

@@ -1,12 +1,12 @@
 """What a microbatch holds in memory, and the budget the planner fits every microbatch into.
 
 A microbatch computes its own tokens with grad and reads the ancestors it does not hold (its
-*context*, computed in earlier slots) only as the boundary values its layers take (K/V in each
-attention layer; today also every other tree layer's inputs at the row, see
-``harts_hf.engine.memory``). Without checkpointing a context token then costs a fraction of an own
-token, whose activations span every layer; with it, own tokens get cheap and context may cost
-more. Counting context at an own token's price (a token budget alone) refuses every trajectory
-longer than the budget, and under checkpointing may also undercount.
+*context*, computed in earlier slots) only as the boundary values its layers take: K/V in each
+attention layer for every context token; a conv's W - 1 halo, the < C tokens a linear layer
+replays and one state per path start, per entry (``harts_hf.engine.memory``). A context token then
+costs a small fraction of an own token, whose activations span every layer (0.04 to 0.05 on the
+built-in models; more under checkpointing, where own tokens get cheap). Counting context at an
+own token's price (a token budget alone) refuses every trajectory longer than the budget.
 
 :class:`MemoryModel` prices both (bytes, derived from a model by
 ``harts_hf.modeling.memory.memory_model``, fitted on the machine by ``harts-hf calibrate``);

@@ -14,10 +14,10 @@ from collections.abc import Callable, Hashable, Mapping
 import torch
 
 from ..ops.conv import CONV_HALO_KEY
-from ..ops.rounds import ROUNDS_KEY
+from ..ops.rounds import REPLAY_KEY, ROUNDS_KEY
 from ..ops.tree_batch import TreeBatch
 
-__all__ = ["Builders", "build_tables", "chunk_sizes", "halo_keys"]
+__all__ = ["Builders", "build_tables", "chunk_sizes", "context_subsets"]
 
 Builders = Mapping[Hashable, Callable[[TreeBatch], object]]
 
@@ -27,9 +27,10 @@ def chunk_sizes(builders: Builders) -> list[int]:
     return sorted({key[1] for key in builders if isinstance(key, tuple) and key[0] == ROUNDS_KEY})
 
 
-def halo_keys(builders: Builders) -> list[tuple[str, int]]:
-    """The conv halo tables of the model's conv layers (one per width): the context subsets they read."""
-    return sorted(key for key in builders if isinstance(key, tuple) and key[0] == CONV_HALO_KEY)
+def context_subsets(builders: Builders) -> list[tuple[str, int]]:
+    """The tables naming the context subsets the model's layers read: each conv width's halo, each
+    linear-attention chunk grid's replayed tokens (attention reads every context row)."""
+    return sorted(key for key in builders if isinstance(key, tuple) and key[0] in (CONV_HALO_KEY, REPLAY_KEY))
 
 
 def build_tables(batch: TreeBatch, builders: Builders, device: torch.device | str) -> TreeBatch:

@@ -25,7 +25,7 @@ from ..forest import RolloutForest
 from ..ops.rounds import ROUNDS_KEY, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .tables import Builders, build_tables, chunk_sizes, halo_keys
+from .tables import Builders, build_tables, chunk_sizes, context_subsets
 
 __all__ = ["Gather", "Unit", "forest_unit", "handoff_rows", "rank_units"]
 
@@ -60,9 +60,10 @@ class Unit:
         batch: its tree metadata and tables (device; context = the ancestors that ran in earlier
             units; ``state_out`` = its states later units start from).
         exports: [X] own compact indices that later units read as context (sorted).
-        export_rows: per context subset (None: all context rows; a table key such as a conv's
-            halo, ``(CONV_HALO_KEY, W)``), the rows among its own tokens later units read for it
-            (device; absent: none).
+        export_rows: per context subset (None: all context rows; a table key naming a subset: a
+            conv's halo ``(CONV_HALO_KEY, W)``, the tokens linear attention replays
+            ``(REPLAY_KEY, C)``), the rows among its own tokens later units read for it (device;
+            absent: none).
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
             j is computed on this rank: the (predictor, target) log-probs this call produces.
         pair_rows: [p] row of each predictor in the call's own hidden states (device).
@@ -181,10 +182,10 @@ def rank_units(
                 f"{plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these forests"
             )
     own = [(f, tokens) for _, f, tokens, _, _ in calls]
-    # Context rows, per subset a layer reads: all (attention, linear attention) or a conv's halo.
+    # Context rows, per subset a layer reads: all (attention), a conv's halo, the replayed tokens.
     exports: list[dict[Hashable, np.ndarray]] = [{} for _ in calls]
     contexts: list[dict[Hashable, Gather]] = [{} for _ in calls]
-    for key in [None, *halo_keys(builders)]:
+    for key in [None, *context_subsets(builders)]:
         reads = [
             context if key is None else batch.global_index[batch.cached(key, builders[key])].numpy()
             for _, _, _, batch, context in calls

@@ -13,7 +13,7 @@ Segment kernel signature (``public_ops.py``, ``diagonal.py``, ``delta.py``)::
         kernel's own chunk size, which must divide C: fla's is 64; else None);
         o [1, T, H, V]; h_final [S, H, K, V] fp32.
 
-Legend: Nc context tokens, N piece tokens, H value heads, K key dim, V value dim, E external states.
+Legend: R replayed context tokens, N piece tokens, H value heads, K key dim, V value dim, E external states.
 """
 
 from __future__ import annotations
@@ -22,19 +22,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..rounds import context_replay_of, input_table
 from ..tree_batch import TreeBatch
 from .waves import Waves, waves_of
 
 __all__ = ["SegmentKernel", "run_waves"]
 
 SegmentKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
-
-
-def _table(own: torch.Tensor, ctx: torch.Tensor | None, num_context: int) -> torch.Tensor:
-    """[Nc + N + 1, ...]: context rows (zeros without ``ctx``), own rows, a zero row for index -1."""
-    if ctx is None:
-        ctx = own.new_zeros((num_context, *own.shape[1:]))
-    return torch.cat((ctx.to(own), own, own.new_zeros((1, *own.shape[1:]))))
 
 
 def run_waves(
@@ -57,16 +51,16 @@ def run_waves(
     after ``batch.state_out[chunk_size]`` [S, H, K, V] fp32 (None if not asked)."""
     waves: Waves = waves_of(batch, chunk_size, cut)
     rounds = waves.rounds
-    nc = batch.num_context
     own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
-    rounds.check_inputs(own, context, nc, initial_states)
+    rounds.check_inputs(own, context, initial_states)
     heads = v.shape[1]
     expand = lambda x: x.repeat_interleave(heads // x.shape[1], dim=1)
     own |= {"q": expand(q), "k": expand(k)}
     ctx = {} if context is None else dict(context)
     if "k" in ctx:
         ctx["k"] = expand(ctx["k"])
-    tables = {name: _table(x, ctx.get(name) if name != "q" else None, nc) for name, x in own.items()}
+    replayed = context_replay_of(batch, chunk_size).numel()
+    tables = {name: input_table(x, ctx.get(name) if name != "q" else None, replayed) for name, x in own.items()}
 
     H, K, V = heads, k.shape[-1], v.shape[-1]
     zeros = v.new_zeros(1, H, K, V, dtype=torch.float32)

@@ -99,7 +99,8 @@ class Wave:
     """One packed fla call.
 
     Args:
-        gather: [T] combined index of each token slot (-1: neutral padding), segments contiguous.
+        gather: [T] input row (``Rounds.input_rows``) of each token slot (padding: the zero row),
+            segments contiguous.
         cu_seqlens: [S_w + 1] int32 segment boundaries (every length a multiple of C).
         cu_seqlens_cpu: the same on the CPU (fla's index helpers read it without a device sync).
         h0: [S_w] each segment's initial state in the bank.
@@ -264,7 +265,7 @@ def _assemble(
     seg_chunk_pos[order] = np.cumsum(seg_chunks) - seg_chunks - wave_chunk_off[seg_wave[order]]
 
     device = batch.device
-    table = torch.cat([rd.gather for rd in rounds.rounds]).view(-1, C)  # [all chunks, C]
+    table = rounds.input_rows(torch.cat([rd.gather for rd in rounds.rounds])).view(-1, C)  # [all chunks, C]
     rows = torch.as_tensor(chunk_row, device=device)
     packed = []  # per wave: (token gather, cu_seqlens on the CPU)
     for w in range(num_waves):
