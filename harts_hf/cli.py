@@ -189,6 +189,13 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
         "--memory", action="store_true", help="fit the memory model (bytes) to measured peaks instead of the cost model"
     )
     p.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=512,
+        metavar="T",
+        help="with --memory: chains of T, 2T, 4T tokens, and of 2-8 pieces of T (default 512)",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         metavar="PATH",
@@ -213,7 +220,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from .modeling import patch_model
 
         try:
-            measured = calibrate_memory(patch_model(model))
+            measured = calibrate_memory(patch_model(model), tokens=args.tokens)
         except ValueError as err:
             raise SystemExit(f"harts-hf calibrate: {err}") from err
         title = f"memory model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:"

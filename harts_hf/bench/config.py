@@ -23,6 +23,20 @@ DEFAULT_SCALE = 0.005
 QUICK_SCALE = 0.002
 
 
+def check_model_options(model: str, size: str, dtype: str, device: str) -> None:
+    """Refuse a bench model, size, dtype or device this machine cannot build (one clear line)."""
+    if model not in BENCH_FAMILIES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(sorted(BENCH_FAMILIES))}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(sorted(SIZES))}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch sees no CUDA device")
+
+
 @dataclass
 class BenchConfig:
     model: str = field(default="qwen3_5", metadata={"help": "model family (harts_hf.bench.BENCH_FAMILIES)"})
@@ -40,16 +54,7 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"help": "seed of the model weights, the workload and the row shuffle"})
 
     def __post_init__(self) -> None:
-        if self.model not in BENCH_FAMILIES:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(sorted(BENCH_FAMILIES))}")
-        if self.size not in SIZES:
-            raise ValueError(f"unknown size {self.size!r}; choose one of {', '.join(sorted(SIZES))}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda requested but torch sees no CUDA device")
+        check_model_options(self.model, self.size, self.dtype, self.device)
         if self.reps < 3 or self.warmup < 0:
             raise ValueError(f"need reps >= 3 (a median of at least 3) and warmup >= 0, got {self.reps}, {self.warmup}")
         if self.workload not in WORKLOADS:

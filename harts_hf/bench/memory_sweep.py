@@ -40,10 +40,10 @@ from ..forest import RolloutForest
 from ..modeling import patch_model, unpatch_model
 from ..planner import MemoryModel, Plan, plan
 from ..planner.report import legend
-from .config import DTYPES
+from .config import DTYPES, check_model_options
 from .memory import PeakMemory
-from .models import BENCH_FAMILIES, SIZES, build_model
-from .modes import _clock, _token_logprobs
+from .models import build_model
+from .modes import step_clock, token_logprobs
 
 __all__ = ["COMPLETIONS", "MemorySweepConfig", "memory_sweep", "memory_table", "plot_memory_sweep", "sweep_forest"]
 
@@ -86,16 +86,7 @@ class MemorySweepConfig:
     seed: int = field(default=0, metadata={"help": "seed of the model weights, the token ids and the loss weights"})
 
     def __post_init__(self) -> None:
-        if self.model not in BENCH_FAMILIES:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(sorted(BENCH_FAMILIES))}")
-        if self.size not in SIZES:
-            raise ValueError(f"unknown size {self.size!r}; choose one of {', '.join(sorted(SIZES))}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda requested but torch sees no CUDA device")
+        check_model_options(self.model, self.size, self.dtype, self.device)
         self.lengths = tuple(sorted(set(self.lengths)))
         if not self.lengths or min(self.lengths) < 2:
             raise ValueError(
@@ -142,9 +133,9 @@ def _measure(model: torch.nn.Module, repeats: int, bar: tqdm, step: Callable[...
     for _ in range(repeats):
         model.zero_grad(set_to_none=False)
         with PeakMemory(device) as peak:
-            began = _clock(device)[0]
+            began = step_clock(device)[0]
             loss = step(model, *args)
-            seconds.append(_clock(device)[0] - began)
+            seconds.append(step_clock(device)[0] - began)
         peaks.append(peak.peak_bytes)
         bar.update()
     return {"peak_mb": None if None in peaks else max(peaks) / _MB, "seconds": float(min(seconds)), "loss": float(loss)}
@@ -158,7 +149,7 @@ def _tree_loss(model: torch.nn.Module, forest: RolloutForest, the_plan: Plan, we
 def _stock_loss(model: torch.nn.Module, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The unpatched model's forward and backward of the loss on ``ids`` [G, L]; the loss, detached."""
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-    loss = (_token_logprobs(logits, ids) * weights).sum()
+    loss = (token_logprobs(logits, ids) * weights).sum()
     loss.backward()
     return loss.detach()
 

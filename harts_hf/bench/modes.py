@@ -24,7 +24,16 @@ from ..forest import RolloutForest
 from ..modeling import patch_model, tree_logprobs, unpatch_model
 from .loss import policy_loss
 
-__all__ = ["Batch", "StepResult", "StockMode", "TreeMode", "stock_rows", "trajectory_logprobs"]
+__all__ = [
+    "Batch",
+    "StepResult",
+    "StockMode",
+    "TreeMode",
+    "step_clock",
+    "stock_rows",
+    "token_logprobs",
+    "trajectory_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -65,14 +74,14 @@ class StepResult:
         return self.forward_cpu_s + self.backward_cpu_s
 
 
-def _clock(device: torch.device) -> np.ndarray:
+def step_clock(device: torch.device) -> np.ndarray:
     """(wall, process CPU) seconds, after the device's queued work finished."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return np.array([time.perf_counter(), time.process_time()])
 
 
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[b, L - 1] log p(ids[:, t + 1]) from logits [b, L, V] (fp32 softmax, as TRL)."""
     logp = logits[:, :-1].float().log_softmax(-1)
     return logp.gather(-1, ids[:, 1:, None])[..., 0]
@@ -119,13 +128,13 @@ class StockMode:
         out = torch.zeros(self.shape)
         fwd = bwd = np.zeros(2)
         for rows, ids, attn, mask, adv in self.microbatches:
-            t0 = _clock(self.device)
+            t0 = step_clock(self.device)
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-            lp = _token_logprobs(logits, ids) * attn[:, 1:]
+            lp = token_logprobs(logits, ids) * attn[:, 1:]
             loss = policy_loss(lp, adv, mask, self.trained)
-            t1 = _clock(self.device)
+            t1 = step_clock(self.device)
             loss.backward()
-            t2 = _clock(self.device)
+            t2 = step_clock(self.device)
             fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
             out[rows, : lp.shape[1]] = lp.detach().float().cpu()
             del logits, lp, loss
@@ -145,12 +154,12 @@ class TreeMode:
 
     def step(self, model: torch.nn.Module) -> StepResult:
         patch_model(model)
-        t0 = _clock(self.device)
+        t0 = step_clock(self.device)
         lp = tree_logprobs(model, self.forest)
         loss = policy_loss(lp, self.advantages, self.mask, self.trained)
-        t1 = _clock(self.device)
+        t1 = step_clock(self.device)
         loss.backward()
-        t2 = _clock(self.device)
+        t2 = step_clock(self.device)
         fwd, bwd = t1 - t0, t2 - t1
         return StepResult(fwd[0], bwd[0], fwd[1], bwd[1], lp.detach().float().cpu())
 
@@ -164,5 +173,5 @@ def trajectory_logprobs(model: torch.nn.Module, forest: RolloutForest, device: t
         if seq.size < 2:
             continue
         ids = torch.as_tensor(seq, device=device)[None]
-        out[i, : seq.size - 1] = _token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0].cpu()
+        out[i, : seq.size - 1] = token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0].cpu()
     return out

@@ -50,6 +50,7 @@ from ..modeling.logprobs import (
 )
 from ..modeling.registry import patched_adapter
 from ..modeling.tables import model_tables, run_base
+from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
 from ..schedule import TrajectoryRows, Unit, rank_units
@@ -77,11 +78,14 @@ class TreeEngine:
         model: a model patched with :func:`harts_hf.patch_model` (unwrapped: no DDP/FSDP wrapper).
         forests: the forests ``plan`` was made for (one, or one per group).
         plan: the plan; None plans one rank under ``max_tokens_per_microbatch`` or
-            ``max_bytes_per_microbatch``, context priced by the model's :func:`~.memory.memory_model`.
+            ``max_bytes_per_microbatch``, context priced by ``memory_model``.
         rank: the row of the plan this process runs.
         max_tokens_per_microbatch: the budget when ``plan`` is None (default
             :data:`~harts_hf.planner.DEFAULT_MAX_TOKENS`): the memory of that many own tokens.
         max_bytes_per_microbatch: the budget in bytes instead (``plan`` None).
+        memory_model: what a microbatch holds (``plan`` None; default
+            :data:`~harts_hf.planner.TOKEN_MEMORY`, context at an own token's price): pass the
+            model's, ``harts_hf.engine.memory_model(model)``, to cut trajectories longer than the budget.
         temperature: divides the logits before the log-softmax (as TRL does).
         head_chunk_tokens: pairs per checkpointed LM-head chunk (default: 64 MiB of logits).
         forward: runs a closure as the forward of the wrapper being trained, e.g.
@@ -99,6 +103,7 @@ class TreeEngine:
         rank: int = 0,
         max_tokens_per_microbatch: int | None = None,
         max_bytes_per_microbatch: float | None = None,
+        memory_model: MemoryModel | None = None,
         temperature: float = 1.0,
         head_chunk_tokens: int | None = None,
         forward: Forward | None = None,
@@ -110,8 +115,6 @@ class TreeEngine:
         for forest in self.forests:
             validate_forest(self.hf, forest)
         if plan is None:
-            from .memory import memory_model  # it probes the model with engines of its own
-
             if max_bytes_per_microbatch is None and max_tokens_per_microbatch is None:
                 max_tokens_per_microbatch = DEFAULT_MAX_TOKENS
             plan = make_plan(
@@ -119,7 +122,7 @@ class TreeEngine:
                 world_size=1,
                 max_tokens_per_microbatch=max_tokens_per_microbatch,
                 max_bytes_per_microbatch=max_bytes_per_microbatch,
-                memory_model=memory_model(self.hf, head_chunk_tokens=head_chunk_tokens),
+                memory_model=memory_model,
             )
         if plan.forest_digests != tuple(forest.shape_digest for forest in self.forests):
             raise ValueError(

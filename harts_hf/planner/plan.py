@@ -15,8 +15,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
 3. Dependencies (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in
    an earlier slot of the same rank), the replay they add and the pieces holding their attention
-   context (counted against the budget at the weight the memory model gives it: ``memory.py``). The handoff addresses themselves (which unit keeps each
-   context row and boundary state) are compiled from the plan by ``harts_hf.schedule``.
+   context (counted against the budget at the weight the memory model gives it: ``memory.py``).
+   The handoff addresses themselves (which unit keeps each context row and boundary state) are
+   compiled from the plan by ``harts_hf.schedule``.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -266,7 +267,11 @@ def plan(
             f"{given} is below the longest trajectory's need ({longest} tokens: its last token reads "
             f"{longest - 1} ancestors as context, {budget.context_weight:.3g} own-token equivalents each under "
             f"this memory model): raise the budget"
-            + ("" if memory_model is not None else ", or plan with the model's memory model (context priced as K/V)")
+            + (
+                ""
+                if memory_model is not None
+                else ", or pass the model's memory_model (harts_hf.engine.memory_model(model): context at its K/V)"
+            )
         )
     best, tried = None, []
     for rule in UNIT_RULES if world_size > 1 else UNIT_RULES[:1]:
