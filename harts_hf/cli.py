@@ -100,6 +100,13 @@ def _write_json(path: Path | None, record: dict) -> None:
         print(f"wrote {path}")
 
 
+def _write_plot(path: Path | None, draw: Callable[[Path], None]) -> None:
+    """Draw a command's figure to ``path`` when ``--plot`` asked for it, and say where."""
+    if path is not None:
+        draw(path)
+        print(f"wrote {path}")
+
+
 def _workload_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("workload", help="generate a synthetic workload and print its forest statistics")
     p.add_argument("name", metavar="NAME", choices=sorted(WORKLOADS), help=", ".join(sorted(WORKLOADS)))
@@ -170,9 +177,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     record = plan_record([forest], result)
     print(record_table(record))
     _write_json(args.json, record)
-    if args.plot is not None:
-        plot_plan(result, forest, args.plot, record=record)
-        print(f"wrote {args.plot}")
+    _write_plot(args.plot, lambda path: plot_plan(result, forest, path, record=record))
     return 0
 
 
@@ -277,9 +282,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     record = bench_record(run_bench(config))
     print(table(record))
     _write_json(args.json, record)
-    if args.plot is not None:
-        plot_bench(record, args.plot)
-        print(f"wrote {args.plot}")
+    _write_plot(args.plot, lambda path: plot_bench(record, path))
     return 0
 
 
@@ -364,9 +367,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         raise SystemExit(f"harts-hf memory: {err}") from err
     print(memory_table(record))
     _write_json(args.json, record)
-    if args.plot is not None:
-        plot_memory_sweep(record, args.plot)
-        print(f"wrote {args.plot}")
+    _write_plot(args.plot, lambda path: plot_memory_sweep(record, path))
     return 0
 
 

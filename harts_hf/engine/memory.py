@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
+from ..modeling.adapters import FamilyAdapter
 from ..modeling.logprobs import model_head, stochastic_parts
 from ..modeling.registry import patched_adapter
 from ..ops.attention import GROUP_ELEMENTS
@@ -49,7 +50,7 @@ def memory_model(
     gathers the parameters there; run it where the wrapper skips gradient sync). A model whose
     forward draws random numbers (dropout in training mode) cannot be cut into microbatches at all:
     it gets :data:`~harts_hf.planner.TOKEN_MEMORY`, under which it can still run in one."""
-    hf, _ = patched_adapter(model)
+    hf, adapter = patched_adapter(model)
     if stochastic_parts(hf):
         return TOKEN_MEMORY
     head = hf.get_output_embeddings().weight
@@ -65,7 +66,7 @@ def memory_model(
     )
     if key not in _CACHE:
         with torch.random.fork_rng(devices=[head.device] if device == "cuda" else []):
-            _CACHE[key] = _probe(hf, head_chunk_tokens, forward)
+            _CACHE[key] = _probe(hf, adapter, head_chunk_tokens, forward)
     return _CACHE[key]
 
 
@@ -110,8 +111,9 @@ def _boundary_bytes_per_row(hf: nn.Module, n: int, head_chunk_tokens: int | None
     return recording.boundary_bytes / max(rows, 1)
 
 
-def _probe(hf: nn.Module, head_chunk_tokens: int | None, forward: Forward | None) -> MemoryModel:
-    _, adapter = patched_adapter(hf)
+def _probe(
+    hf: nn.Module, adapter: FamilyAdapter, head_chunk_tokens: int | None, forward: Forward | None
+) -> MemoryModel:
     n1, n2 = PROBE_TOKENS
     head = hf.get_output_embeddings().weight
     saved = [_saved_bytes(hf, n, head_chunk_tokens, forward) for n in (n1, n2)]
