@@ -196,9 +196,10 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokens",
         type=_positive_int,
-        default=512,
+        default=2048,
         metavar="T",
-        help="with --memory: chains of T, 2T, 4T tokens, and of 2-8 pieces of T (default 512)",
+        help="with --memory: chains of T, 2T, 4T tokens, and of 2-8 pieces of T; near the budget you train "
+        "with (default 2048)",
     )
     p.add_argument(
         "--json",
@@ -220,8 +221,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as err:
         raise SystemExit(f"harts-hf calibrate: {err}") from err
     if args.memory:
-        from .bench.calibrate_memory import calibrate_memory, format_memory_model
+        from .bench.calibrate_memory import calibrate_memory, format_breakdown, format_memory_model
         from .engine import memory_model
+        from .engine.memory import memory_breakdown
         from .modeling import patch_model
 
         try:
@@ -230,6 +232,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise SystemExit(f"harts-hf calibrate: {err}") from err
         title = f"memory model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:"
         print(format_memory_model(measured, memory_model(model), title))
+        print(format_breakdown(memory_breakdown(model)))
         _write_json(args.json, measured.as_dict())
         return 0
     fitted = calibrate(model, repeats=args.repeats)

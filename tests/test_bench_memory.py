@@ -33,7 +33,7 @@ def test_every_length_is_planned_in_more_slots_as_it_grows(sweep):
     slots = [e["slots"] for e in entries]
     assert 1 < slots[0] < slots[1]
     assert all(e["harts"]["slots"] == e["slots"] for e in entries)
-    assert set(record["memory_model"]) == {"token", "context", "head", "head_chunk", "fixed"}
+    assert set(record["memory_model"]) == {"token", "context", "head", "head_chunk", "fixed", "layer"}
 
 
 def test_predicted_peaks_stay_within_the_budget(sweep):

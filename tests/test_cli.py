@@ -84,7 +84,8 @@ def test_calibrate_memory_writes_a_memory_model_the_trainer_reads(tmp_path, caps
 
     path = tmp_path / "memory.json"
     assert main(["calibrate", "--memory", "--size", "tiny", "--tokens", "128", "--json", str(path)]) == 0
-    assert "measured" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measured" in out and "full_attention" in out and "K/V B/row" in out  # the breakdown by layer kind
     fitted = MemoryModel(**json.loads(path.read_text()))
     assert fitted.token > 0 and fitted.context >= 0 and fitted.head > 0
     args = HARTSGRPOConfig(str(tmp_path / "out"), use_cpu=True, harts_memory_model=str(path.read_text()))

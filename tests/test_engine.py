@@ -246,8 +246,6 @@ def test_peak_memory_follows_the_budget():
         engine = TreeEngine(model, forest, max_tokens_per_microbatch=budget)
         with PeakMemory("cpu") as measured:
             engine.backward(lambda lps: lps[0].sum())
-        if measured.peak_bytes is None:
-            pytest.skip("this platform cannot measure CPU peaks")
         peaks[budget] = (measured.peak_bytes, len(engine.units))
     (whole, one), (split, many) = peaks.values()
     assert one == 1 and many >= 7

@@ -107,8 +107,8 @@ def test_a_token_budget_refuses_what_the_memory_model_plans():
 
 def test_a_budget_in_bytes_is_the_token_budget_it_holds():
     _, forest = long_forest()
-    memory = MemoryModel(token=1000.0, context=150.0, head=500.0, head_chunk=64, fixed=4096.0)
-    for tokens in (50, 96, 300):  # under and over a full head chunk
+    memory = MemoryModel(token=1000.0, context=150.0, head=500.0, head_chunk=64, fixed=4096.0, layer=100.0)
+    for tokens in (80, 96, 300):  # under and over a full head chunk, and where the phases cross (n = 10, 279)
         nbytes = float(memory(tokens))
         assert memory.budget(max_bytes=nbytes) == memory.budget(max_tokens=tokens)
         assert memory.budget(max_bytes=nbytes - 1).tokens == tokens - 1

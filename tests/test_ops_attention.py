@@ -234,3 +234,23 @@ def test_memory_is_not_quadratic():
     n, extra = map(int, done.stdout.split())
     assert n == 8000
     assert extra < 2**30, f"peak RSS grew by {extra / 2**30:.2f} GiB"
+
+
+def test_a_piece_under_a_long_context_computes_bounded_groups_of_scores():
+    """A block whose keys exceed a group's scores runs them in chunks (online softmax): every group
+    stays within ``group_elements`` at any context length, and the result is the unchunked one."""
+    from harts_hf.ops.attention import _build_blocks, _groups
+
+    forest = RolloutForest.from_sequences([list(range(300))])
+    batch = TreeBatch.from_forest(forest, tokens=np.arange(280, 300))  # 20 own tokens, 280 context
+    blocks = _build_blocks(batch, 8)
+    sizes = [HQ * 8 * blk.numel() * keys.shape[1] for blk, chunks in _groups(blocks, HQ, 256) for keys in chunks]
+    assert max(sizes) <= 256 and len(sizes) > 3 * blocks.num_blocks
+    q, k, v, sinks = _inputs(300, sinks=True)
+    ids = np.arange(280, 300)
+    kw = {"scale": SCALE, "sinks": sinks, "softcap": SOFTCAP, "block_size": 8, "context_kv": (k[:280], v[:280])}
+    outs = [tree_attention_torch(q[ids], k[ids], v[ids], batch, group_elements=g, **kw) for g in (256, 1 << 22)]
+    grads = [torch.autograd.grad(out.square().sum(), (q, k, v, sinks)) for out in outs]
+    assert_close("chunked out", outs[1].detach(), outs[0].detach())
+    for name, a, b in zip("qkvs", grads[1], grads[0]):
+        assert_close(f"chunked d{name}", a, b)

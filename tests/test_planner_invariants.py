@@ -303,3 +303,26 @@ def test_no_idle_slots_and_no_more_than_greedy_when_quantiles_never_fit(seqs, bu
     check_plan([forest], p, budget)
     assert p.num_slots == slots
     assert (p.tokens.sum(axis=0) > 0).all()
+
+
+@settings(max_examples=200)
+@given(
+    st.floats(1.0, 1e3),
+    st.floats(0.0, 1e3),
+    st.floats(0.0, 1e3),
+    st.integers(0, 400),
+    st.floats(0.0, 1e5),
+    st.floats(0.0, 1e3),
+    st.integers(1, 500),
+    st.floats(0.0, 1.0),
+)
+def test_a_microbatch_within_the_budget_is_within_its_bytes(token, context, head, chunk, fixed, layer, tokens, share):
+    """Any (own, context) the Budget admits peaks at most at the bytes of the full budget without
+    context, whichever phase (LM head chunk or layers' backward) holds the peak where."""
+    memory = MemoryModel(token, context, head, chunk, fixed, layer)
+    budget = memory.budget(max_tokens=tokens)
+    own = np.arange(1, tokens + 1)
+    ctx = np.floor((tokens - own) * share / max(budget.context_weight, 1e-12)) if budget.context_weight else own * 0
+    assert (budget.footprint(own, ctx) <= tokens + 1e-9).all()
+    assert (memory(own, ctx) <= memory(tokens) * (1 + 1e-9) + 1e-6).all()
+    assert memory.budget(max_bytes=float(memory(tokens))).tokens == tokens

@@ -2,29 +2,32 @@
 
 :func:`harts_hf.engine.memory_model` derives a model's memory model from what autograd saves and
 what the engine keeps (deterministic, no measurement); this measures instead, through the same
-engine, the peak memory of forward + backward (``PeakMemory``: CUDA's allocator, or the process's
-resident set on Linux CPUs):
+engine, the peak memory of forward + backward (``PeakMemory``: torch's allocator's peak):
 
-- own tokens: one unit over chains of T, 2T, 4T tokens; ``fixed + token * n`` fits the peaks
-  after the LM head's chunk (known exactly from the model) is taken off;
+- own tokens: one unit over chains of T, 2T, 4T tokens;
 - context: a chain of k * T tokens in k units of T (k = 2, 4, 8): the last unit reads the
-  (k - 1) T tokens before it, so the peak above one unit's is ``context * (k - 1) * T``.
+  (k - 1) T tokens before it.
 
-Both fits are least squares with non-negative coefficients. Gradients are set to None before
+``token``, ``context`` and ``fixed`` are fitted jointly (least squares, non-negative, ``fixed``
+on a grid); ``head`` and ``layer`` are as derived (the head's chunk is known exactly). Attention's
+score buffers grow with a piece's keys up to their cap (``fixed``): measure at the budget you
+train with (T of a few thousand tokens), where they have reached it. Gradients are set to None before
 each run, so a peak includes allocating them once, as a training step does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from torch import nn
 
 from ..engine import TreeEngine, memory_model
-from ..engine.memory import FREE_CONTEXT, chain
+from ..engine.memory import FREE_CONTEXT, LayerMemory, chain
 from ..planner import MemoryModel, plan
 from .memory import PeakMemory
 
-__all__ = ["calibrate_memory", "format_memory_model"]
+__all__ = ["calibrate_memory", "format_breakdown", "format_memory_model"]
 
 PIECES = (2, 4, 8)
 
@@ -39,42 +42,57 @@ def _peak(model: nn.Module, tokens: int, units: int) -> tuple[float, int, int]:
     with PeakMemory(engine.device) as measured:
         engine.backward(lambda lps: lps[0].sum())
     model.zero_grad(set_to_none=True)
-    if measured.peak_bytes is None:
-        raise ValueError(f"peak memory cannot be measured on {engine.device} here (CUDA, or Linux for CPU)")
     return float(measured.peak_bytes), int(the_plan.tokens[0, -1]), int(the_plan.context[0, -1])
 
 
-def calibrate_memory(model: nn.Module, *, tokens: int = 512) -> MemoryModel:
+def calibrate_memory(model: nn.Module, *, tokens: int = 2048) -> MemoryModel:
     """The :class:`~harts_hf.planner.MemoryModel` of a patched ``model`` fitted to measured peaks
     (module docstring); ``tokens`` (T, a multiple of the chunk size) sets the sizes measured."""
     derived = memory_model(model)
-    head = lambda n: derived.head * np.minimum(n, derived.head_chunk)
     whole = np.array([_peak(model, tokens * k, 1) for k in (1, 2, 4)])  # [3, (peak, own, context)]
-    n = whole[:, 1]
-    own = whole[:, 0] - head(n)
-    fixed, token = np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), own, rcond=None)[0]
-    if fixed < 0:  # non-negative: refit through the origin
-        fixed, token = 0.0, float(own @ n / (n @ n))
     pieces = np.array([_peak(model, tokens, k) for k in PIECES])
-    c = pieces[:, 2]
-    extra = pieces[:, 0] - (fixed + token * pieces[:, 1] + head(pieces[:, 1]))
-    context = max(float(extra @ c / (c @ c)), 0.0)
-    return MemoryModel(
-        token=max(float(token), 1.0),
-        context=context,
-        head=derived.head,
-        head_chunk=derived.head_chunk,
-        fixed=float(fixed),
-    )
+
+    def through_origin(y: np.ndarray, x: np.ndarray, least: float) -> tuple[float, float]:
+        """(slope, squared residual) of y ~ slope * x, the slope at least ``least``."""
+        slope = max(float(y @ x / (x @ x)), least)
+        return slope, float(np.square(y - slope * x).sum())
+
+    def with_fixed(fixed: float) -> tuple[float, MemoryModel]:
+        """The best token and context costs given ``fixed``, and their residual over all peaks."""
+        phases = dataclasses.replace(derived, token=1.0, context=0.0, fixed=fixed)
+        n = whole[:, 1]
+        token, own_error = through_origin(whole[:, 0] - (phases(n) - n), n, 1.0)
+        fitted = dataclasses.replace(phases, token=token)
+        context, context_error = through_origin(pieces[:, 0] - fitted(pieces[:, 1]), pieces[:, 2], 0.0)
+        return own_error + context_error, dataclasses.replace(fitted, context=context)
+
+    grid = np.linspace(0.0, max(whole[:, 0].max(), pieces[:, 0].max()), 129)
+    return min((with_fixed(f) for f in grid), key=lambda fit: fit[0])[1]
+
+
+def format_breakdown(layers: list[LayerMemory]) -> str:
+    """:func:`~harts_hf.engine.memory.memory_breakdown` as a table, one row per layer kind."""
+    head = f"  {'layer kind':<18}{'layers':>7}{'B/token':>10}{'ckpt B/token':>14}{'K/V B/row':>11}{'B/path':>9}"
+    lines = [
+        "derived by layer kind: activations kept per own token, checkpointing off and on; what an earlier",
+        "slot keeps for a piece: attention's K/V per context row, halos / replay rows / states per path:",
+        head,
+    ]
+    for m in layers:
+        lines.append(
+            f"  {m.kind:<18}{m.layers:>7}{m.activations:>10,.0f}{m.checkpointed:>14,.0f}{m.kv:>11,.0f}{m.path:>9,.0f}"
+        )
+    return "\n".join(lines)
 
 
 def format_memory_model(measured: MemoryModel, derived: MemoryModel, title: str) -> str:
     """``title`` and the coefficients measured beside the ones ``memory_model`` derives."""
     rows = [
-        ("token", "per own token: activations kept for backward, and its transients"),
+        ("token", "per own token: activations kept for backward"),
         ("context", "per context token: what a piece holds for an ancestor from an earlier slot"),
         ("head", f"per LM-head row, up to {derived.head_chunk} rows (the checkpointed logit chunk)"),
-        ("fixed", "per microbatch"),
+        ("layer", "per own token, in the layers' backward (after the head's): gradients, recomputation"),
+        ("fixed", "per microbatch, in the layers' backward: attention's score buffers"),
     ]
     lines = [title, f"  {'':<8} {'measured':>12} {'derived':>12}"]
     for name, meaning in rows:

@@ -1,56 +1,61 @@
 """Peak memory of one region of code, per device, comparable between benchmark modes.
 
-CUDA: the caching allocator's peak above what was allocated on entry. CPU: the process's peak
-resident set size above the resident set on entry; Linux lets a process reset that peak
-(``/proc/self/clear_refs``), and returning glibc's free heap first (``malloc_trim``) keeps one
-mode's freed memory from hiding the next mode's growth. Elsewhere CPU peaks are not measured.
+The peak of torch's allocator above what it held on entry: the live tensor bytes, what the memory
+model prices. CUDA reports it (``max_memory_allocated``); on CPU the profiler's memory events
+carry the allocator's running total (``profile_memory``), which slows the region by about a third:
+time a CPU region in a run of its own (``PeakMemory.slows``). The process's resident set is not a
+measure of this: glibc keeps freed tensors' pages mapped (measured +25-70% over the allocator's
+peak on the memory sweep's longest pieces).
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import gc
-from pathlib import Path
+import os
+import sys
+from collections.abc import Iterator
 
 import torch
+from torch._C._profiler import _EventType
 
 __all__ = ["PeakMemory"]
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 
-
-def _status_kib(field: str) -> int:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _cpu_supported() -> bool:
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints a line to the C stderr when a profiler starts and stops: hide those two."""
+    sys.stderr.flush()
+    saved = os.dup(2)
     try:
-        _CLEAR_REFS.write_text("5")
-        _status_kib("VmHWM")
-    except OSError:
-        return False
-    return True
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
-def _trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def _allocator_peak(profile: torch.profiler.profile) -> int:
+    """The highest running total of the allocations the profile recorded (0 at its start)."""
+    peak, stack = 0, list(profile.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            peak = max(peak, event.extra_fields.total_allocated)
+        stack.extend(event.children)
+    return peak
 
 
 class PeakMemory:
-    """``with PeakMemory(device) as m: ...`` then ``m.peak_bytes`` (None where unmeasurable)."""
+    """``with PeakMemory(device) as m: ...`` then ``m.peak_bytes``."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.peak_bytes: int | None = None
-        self._cpu = self.device.type == "cpu" and _cpu_supported()
+        self.slows = self.device.type == "cpu"  # the region runs slower than it would untracked
         self._base = 0
+        self._profile: torch.profiler.profile | None = None
 
     def __enter__(self) -> PeakMemory:
         gc.collect()
@@ -58,15 +63,19 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
-        elif self._cpu:
-            _trim()
-            _CLEAR_REFS.write_text("5")
-            self._base = _status_kib("VmRSS") * 1024
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            self._profile = torch.profiler.profile(activities=activities, profile_memory=True)
+            with _quiet_stderr():
+                self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        elif self._cpu:
-            self.peak_bytes = _status_kib("VmHWM") * 1024 - self._base
+            return
+        with _quiet_stderr():
+            self._profile.__exit__(*exc)
+        self.peak_bytes = _allocator_peak(self._profile)
+        self._profile = None

@@ -18,14 +18,14 @@ times the log-probs, summed):
 
 Parameter gradients are allocated before every measured run (training's steady state), so a peak
 is the step's activations and transients (what the memory model prices) plus what the engine
-keeps between units. Measured peaks (:class:`~.memory.PeakMemory`): on CUDA the allocator's peak
-above entry; on CPU the process's resident-set high-water mark above entry, which also counts
-what the allocator keeps mapped (coarser than CUDA's; None off Linux). Seconds are the fastest of
-``repeats`` runs, peaks the highest.
+keeps between units. Measured peaks (:class:`~.memory.PeakMemory`): torch's allocator's peak
+above entry, the live tensor bytes (on CPU tracked in a run of its own, which is not timed).
+Seconds are the fastest of ``repeats`` runs, peaks the highest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +51,7 @@ COMPLETIONS = 2
 MODES = ("harts", "one_unit", "stock")
 _MB = 1 << 20
 _COLORS = {"harts": "#dd8452", "one_unit": "#4c72b0", "stock": "#9e9e9e"}
-_CPU_NOTE = "CPU peaks: the process's resident-set high-water mark above the step's start"
+_CPU_NOTE = "CPU peaks: torch's allocator (live tensor bytes) above the step's start, from the profiler's memory events"
 _LABELS = {"harts": "harts (pieces)", "one_unit": "harts, one unit", "stock": "stock"}
 
 COLUMNS = {
@@ -127,18 +127,23 @@ def _plan(forest: RolloutForest, budget: int, memory: MemoryModel) -> Plan:
 
 def _measure(model: torch.nn.Module, repeats: int, bar: tqdm, step: Callable[..., torch.Tensor], *args) -> dict:
     """Peak MB (the highest), seconds (the fastest) and loss of ``repeats`` runs of ``step(model,
-    *args)``, each from zeroed (allocated) gradients."""
+    *args)``, each from zeroed (allocated) gradients; where tracking memory slows a run (CPU), the
+    peak comes from one more run of its own."""
     device = model.get_output_embeddings().weight.device
     peaks, seconds = [], []
-    for _ in range(repeats):
+    for run in range(repeats + PeakMemory(device).slows):
         model.zero_grad(set_to_none=False)
-        with PeakMemory(device) as peak:
+        tracked = PeakMemory(device)
+        timed = run >= tracked.slows
+        with tracked if run == 0 else contextlib.nullcontext():
             began = step_clock(device)[0]
             loss = step(model, *args)
-            seconds.append(step_clock(device)[0] - began)
-        peaks.append(peak.peak_bytes)
+            if timed:
+                seconds.append(step_clock(device)[0] - began)
+        if run == 0:
+            peaks.append(tracked.peak_bytes)
         bar.update()
-    return {"peak_mb": None if None in peaks else max(peaks) / _MB, "seconds": float(min(seconds)), "loss": float(loss)}
+    return {"peak_mb": max(peaks) / _MB, "seconds": float(min(seconds)), "loss": float(loss)}
 
 
 def _tree_loss(model: torch.nn.Module, forest: RolloutForest, the_plan: Plan, weights: torch.Tensor) -> torch.Tensor:
@@ -177,7 +182,9 @@ def memory_sweep(config: MemorySweepConfig, *, progress: bool = True) -> dict:
     stock = [n <= config.stock_max_tokens for n in config.lengths]
     for p in model.parameters():  # allocated once, outside every measured run
         p.grad = torch.zeros_like(p)
-    runs = (len(forests) + sum(p is not None for p in plans["one_unit"]) + sum(stock)) * config.repeats
+    runs = (len(forests) + sum(p is not None for p in plans["one_unit"]) + sum(stock)) * (
+        config.repeats + PeakMemory(device).slows
+    )
     bar = tqdm(total=runs, disable=not progress, desc="harts-hf memory", unit="run")
     rng = np.random.default_rng(config.seed)
     entries = []
@@ -197,7 +204,7 @@ def memory_sweep(config: MemorySweepConfig, *, progress: bool = True) -> dict:
             bar.set_postfix_str(f"L {forest.max_length:,} {mode}")
             result = _measure(model, config.repeats, bar, _tree_loss, forest, the_plan, weights)
             predicted = float(the_plan.peak_bytes.max()) / _MB
-            error = None if result["peak_mb"] is None else result["peak_mb"] / predicted - 1
+            error = result["peak_mb"] / predicted - 1
             entry[mode] = {"slots": the_plan.num_slots, "predicted_mb": predicted, "error": error, **result}
         entry["stock"] = None
         if stock[i]:
@@ -248,7 +255,7 @@ def _title(record: dict) -> list[str]:
 def _cells(result: dict | None) -> tuple[str, str]:
     if result is None:
         return "-", "-"
-    return ("n/a" if result["peak_mb"] is None else f"{result['peak_mb']:.1f}"), f"{result['seconds']:.2f}"
+    return f"{result['peak_mb']:.1f}", f"{result['seconds']:.2f}"
 
 
 def memory_table(record: dict) -> str:
@@ -260,7 +267,7 @@ def memory_table(record: dict) -> str:
     lines = [*_title(record), "", head]
     for e in record["lengths"]:
         h = e["harts"]
-        err = "n/a" if h["error"] is None else f"{100 * h['error']:+.1f}%"
+        err = f"{100 * h['error']:+.1f}%"
         (hm, hs), (um, us), (sm, ss) = _cells(h), _cells(e["one_unit"]), _cells(e["stock"])
         lines.append(
             f"{e['length']:>7,}{e['slots']:>7}{hm:>10}{h['predicted_mb']:>9.1f}{err:>8}{hs:>8}"

@@ -3,11 +3,13 @@
 Every repetition runs each mode once (the order rotates between repetitions, so drift in the
 machine's speed spreads over all modes); the first ``warmup`` repetitions are not timed and the
 medians of the rest are reported. Gradients are set to None before every step, so each step's
-peak memory includes allocating them. Numerics come from the last repetition.
+peak memory includes allocating them; on CPU, where tracking the allocator slows a step, peaks
+come from the warm-up repetitions (none without one). Numerics come from the last repetition.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -64,7 +66,10 @@ class BenchRun:
 def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
     """All parameter gradients as one fp64 CPU vector (zeros where a parameter got none)."""
     return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu() for p in model.parameters()]
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
+            for p in model.parameters()
+        ]
     )
 
 
@@ -129,12 +134,14 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
         for mode in modes[shift:] + modes[:shift]:
             bar.set_postfix_str(f"{mode.name} {'rep ' + str(rep - config.warmup + 1) if timed else 'warm-up'}")
             model.zero_grad(set_to_none=True)
-            with PeakMemory(device) as memory:
+            memory = PeakMemory(device)
+            tracked = timed != memory.slows  # a meter that slows the step tracks the warm-ups only
+            with memory if tracked else contextlib.nullcontext():
                 result = mode.step(model)
             if timed:
                 run.samples[mode.name].append(result)
-                if memory.peak_bytes is not None:
-                    run.peak_bytes[mode.name] = max(run.peak_bytes[mode.name] or 0, memory.peak_bytes)
+            if tracked:
+                run.peak_bytes[mode.name] = max(run.peak_bytes[mode.name] or 0, memory.peak_bytes)
             if rep == total_reps - 1:
                 last[mode.name] = result
                 grads[mode.name] = _flat_grad(model)
@@ -147,4 +154,3 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
     run.numerics = _numerics(forest, last, grads, single)
     run.seconds = {"forest_build": build_s, "total": time.perf_counter() - started}
     return run
-

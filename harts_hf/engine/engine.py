@@ -34,7 +34,7 @@ Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -350,7 +350,14 @@ class Recording:
     @property
     def boundary_bytes(self) -> int:
         """Bytes of the boundary values kept for the replay (what later units read as context)."""
-        return 0 if self._store is None else sum(v.nbytes for v in self._store.values.values())
+        return sum(self.boundary_bytes_by_call().values())
+
+    def boundary_bytes_by_call(self) -> dict[Hashable, int]:
+        """:attr:`boundary_bytes` by layer call, named ``(module, kind, n)`` (``harts_hf.engine.handoff``)."""
+        out: dict[Hashable, int] = {}
+        for (_, call, _), value in ({} if self._store is None else self._store.values).items():
+            out[call] = out.get(call, 0) + value.nbytes
+        return out
 
     def backward(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
         """Backpropagate ``grads`` (per forest [B_f, L_f - 1], w.r.t. ``logprobs``; rows this rank

@@ -19,6 +19,7 @@ the attended (ancestor) pairs plus bounded padding.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -120,13 +121,23 @@ def _build_blocks(batch: TreeBatch, block_size: int) -> _Blocks:
     )
 
 
-def _groups(blocks: _Blocks, heads: int, group_elements: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(block ids [G], keys [G, K]) of every group, in a fixed order (backward replays it)."""
+def _groups(blocks: _Blocks, heads: int, group_elements: int) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(block ids [G], its keys [G, K] in chunks) of every group, in a fixed order (backward replays
+    it). A group holds at most ``group_elements`` scores: blocks whose keys fit share one chunk, a
+    block with more keys (a piece under a long context) runs its keys in chunks (online softmax)."""
+    row = heads * blocks.block_size
     for bucket in blocks.buckets:
         k = bucket.keys.shape[1]
-        step = max(1, group_elements // (heads * blocks.block_size * k))
+        step = max(1, group_elements // (row * k))
+        chunk = max(1, group_elements // row)
         for s in range(0, bucket.blocks.numel(), step):
-            yield bucket.blocks[s : s + step], bucket.keys[s : s + step]
+            keys = bucket.keys[s : s + step]
+            yield bucket.blocks[s : s + step], list(keys.split(chunk, dim=1)) if k > chunk else [keys]
+
+
+def _chunk_ids() -> Iterator[int]:
+    """The dropout mask seed offset of each (group, key chunk), in the order forward and backward run them."""
+    return itertools.count()
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -242,22 +253,30 @@ class _Attention(torch.autograd.Function):
         acc = _acc(q)
         out = lay.qb.new_zeros(*lay.qb.shape[:4], v.shape[-1], dtype=acc)  # [Hkv, nb, R, Bq, Dv]
         lse = lay.qb.new_zeros(lay.qb.shape[:4], dtype=acc)  # [Hkv, nb, R, Bq]
-        for g, (blk, keys) in enumerate(_groups(blocks, q.shape[1], group_elements)):
-            s, attends, _ = lay.logits(blk, keys)  # [Hkv, G, R, Bq, K]
-            m = s.amax(-1, keepdim=True)
-            if sinks is not None:
-                m = torch.maximum(m, lay.sinks)
-            p = _probabilities(s, m, attends)
-            total = p.sum(-1, keepdim=True)
+        chunks = _chunk_ids()
+        for blk, key_chunks in _groups(blocks, q.shape[1], group_elements):
+            m = total = o = None
+            for keys in key_chunks:
+                s, attends, _ = lay.logits(blk, keys)  # [Hkv, G, R, Bq, K]
+                top = s.amax(-1, keepdim=True)
+                if m is None and sinks is not None:
+                    top = torch.maximum(top, lay.sinks)
+                if m is not None:  # online softmax: rescale what earlier chunks summed to the new max
+                    top = torch.maximum(top, m)
+                    rescale = torch.exp(m - top)
+                p = _probabilities(s, top, attends)
+                part = p.sum(-1, keepdim=True)
+                if dropout:
+                    p.mul_(lay.keep(next(chunks), p.shape))
+                po = (p.flatten(2, 3).to(v.dtype) @ lay.gather(lay.vt, keys)).view(*p.shape[:4], -1)  # [.., Bq, Dv]
+                total, o = (part, po) if m is None else (total * rescale + part, o * rescale + po)
+                m = top
             if sinks is not None:
                 total = total + torch.exp(lay.sinks - m)
             # A real row's max term is exp(0) = 1, so its total is >= 1; a padded query slot attends no
             # key (total 0): 1 gives it output 0 and a finite log-sum-exp, so no NaN in backward.
             total.clamp_min_(1)
-            if dropout:
-                p.mul_(lay.keep(g, p.shape))
-            o = p.flatten(2, 3).to(v.dtype) @ lay.gather(lay.vt, keys)  # [Hkv, G, R * Bq, Dv]
-            out.index_copy_(1, blk, o.view(*p.shape[:4], -1) / total)
+            out.index_copy_(1, blk, o / total)
             lse.index_copy_(1, blk, (m + total.log()).squeeze(-1))
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.args = (blocks, scale, softcap, window, dropout, seed, group_elements)
@@ -275,24 +294,26 @@ class _Attention(torch.autograd.Function):
         dq = torch.zeros_like(lay.qb, dtype=acc)
         dk = torch.zeros_like(lay.kt, dtype=acc)
         dv = torch.zeros_like(lay.vt, dtype=acc)
-        for g, (blk, keys) in enumerate(_groups(blocks, q.shape[1], group_elements)):
-            s, attends, dcap = lay.logits(blk, keys)
-            p = _probabilities(s, lse.index_select(1, blk).unsqueeze(-1), attends)  # [Hkv, G, R, Bq, K]
-            keep = lay.keep(g, p.shape) if dropout else None
-            kg, vg = lay.gather(lay.kt, keys), lay.gather(lay.vt, keys)  # [Hkv, G, K, D(v)]
-            do = dob.index_select(1, blk).flatten(2, 3)  # [Hkv, G, R * Bq, Dv]
-            flat = keys.flatten()
-            pk = p if keep is None else p * keep
-            dv.index_add_(1, flat, (pk.flatten(2, 3).transpose(-1, -2).to(do.dtype) @ do).flatten(1, 2).to(acc))
-            ds = (do @ vg.transpose(-1, -2)).to(acc).view_as(p)  # dP
-            if keep is not None:
-                ds.mul_(keep)
-            ds.sub_(delta.index_select(1, blk).unsqueeze(-1)).mul_(p)
-            if dcap is not None:
-                ds.mul_(dcap)
-            ds = ds.flatten(2, 3).to(kg.dtype)  # [Hkv, G, R * Bq, K] d(raw product)
-            dq.index_copy_(1, blk, (ds @ kg).view(*p.shape[:4], -1).to(acc))
-            dk.index_add_(1, flat, (ds.transpose(-1, -2) @ lay.queries(blk)).flatten(1, 2).to(acc))
+        chunks = _chunk_ids()
+        for blk, key_chunks in _groups(blocks, q.shape[1], group_elements):
+            for keys in key_chunks:
+                s, attends, dcap = lay.logits(blk, keys)
+                p = _probabilities(s, lse.index_select(1, blk).unsqueeze(-1), attends)  # [Hkv, G, R, Bq, K]
+                keep = lay.keep(next(chunks), p.shape) if dropout else None
+                kg, vg = lay.gather(lay.kt, keys), lay.gather(lay.vt, keys)  # [Hkv, G, K, D(v)]
+                do = dob.index_select(1, blk).flatten(2, 3)  # [Hkv, G, R * Bq, Dv]
+                flat = keys.flatten()
+                pk = p if keep is None else p * keep
+                dv.index_add_(1, flat, (pk.flatten(2, 3).transpose(-1, -2).to(do.dtype) @ do).flatten(1, 2).to(acc))
+                ds = (do @ vg.transpose(-1, -2)).to(acc).view_as(p)  # dP
+                if keep is not None:
+                    ds.mul_(keep)
+                ds.sub_(delta.index_select(1, blk).unsqueeze(-1)).mul_(p)
+                if dcap is not None:
+                    ds.mul_(dcap)
+                ds = ds.flatten(2, 3).to(kg.dtype)  # [Hkv, G, R * Bq, K] d(raw product)
+                dq.index_add_(1, blk, (ds @ kg).view(*p.shape[:4], -1).to(acc))
+                dk.index_add_(1, flat, (ds.transpose(-1, -2) @ lay.queries(blk)).flatten(1, 2).to(acc))
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             p_sink = torch.exp(lay.sinks.squeeze(-1) - lse)  # [Hkv, nb, R, Bq]

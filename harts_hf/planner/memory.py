@@ -9,7 +9,7 @@ built-in models; more under checkpointing, where own tokens get cheap). Counting
 own token's price (a token budget alone) refuses every trajectory longer than the budget.
 
 :class:`MemoryModel` prices both (bytes, derived from a model by
-``harts_hf.modeling.memory.memory_model``, fitted on the machine by ``harts-hf calibrate``);
+``harts_hf.engine.memory_model``, fitted on the machine by ``harts-hf calibrate --memory``);
 :class:`Budget` is what the planner reads: own-token equivalents and the context weight.
 """
 
@@ -48,13 +48,16 @@ class Budget:
 @dataclass(frozen=True)
 class MemoryModel:
     """Peak bytes of one microbatch of ``n`` own tokens reading ``c`` context tokens:
-    ``token * n + context * c + head * min(n, head_chunk) + fixed``.
+    ``token * n + context * c + max(head * min(n, head_chunk), fixed + layer * n)``.
 
-    ``token``: activations one own token keeps for the backward pass (every layer) and its share of
-    the backward's transients; ``context``: what one ancestor token read from an earlier slot
-    costs (its boundary values in every layer that reads them, kept, gathered and given a
-    gradient); ``head``: bytes per row of the LM head's checkpointed chunk of logits, which holds
-    at most ``head_chunk`` rows (0: no such term); ``fixed``: whatever does not grow with tokens.
+    Everything the forward saves stays until the backward has passed it: ``token``, the
+    activations one own token keeps for the backward pass (every layer), and ``context``, what one
+    ancestor token read from an earlier slot costs (its boundary values in every layer that reads
+    them, kept, gathered and given a gradient). On top come two phases that never overlap: the LM
+    head's checkpointed chunk first (``head`` bytes per row, at most ``head_chunk`` rows; 0: no such
+    term), then the layers' backward, one layer at a time (``layer`` per own token: the hidden
+    state's gradients, and the layer's recomputed activations under gradient checkpointing;
+    ``fixed``: what does not grow with tokens, attention's score buffers).
     """
 
     token: float
@@ -62,6 +65,7 @@ class MemoryModel:
     head: float = 0.0
     head_chunk: int = 0
     fixed: float = 0.0
+    layer: float = 0.0
 
     def __post_init__(self) -> None:
         values = asdict(self)
@@ -73,35 +77,47 @@ class MemoryModel:
     def __call__(self, tokens, context=0) -> np.ndarray:
         """Predicted peak bytes (broadcasts over arrays)."""
         n = np.asarray(tokens, dtype=np.float64)
-        return (
-            self.token * n
-            + self.context * np.asarray(context)
-            + self.head * np.minimum(n, self.head_chunk)
-            + self.fixed
-        )
+        return self.token * n + self.context * np.asarray(context) + self._phases(n)
+
+    def _phases(self, n) -> np.ndarray:
+        return np.maximum(self.head * np.minimum(n, self.head_chunk), self.fixed + self.layer * n)
 
     def budget(self, *, max_tokens: int | None = None, max_bytes: float | None = None) -> Budget:
         """The planner's budget: ``max_tokens`` own tokens (the memory of that many tokens without
         context), or as many as ``max_bytes`` holds; exactly one of the two.
 
-        The head's rows are capped, so an own token costs ``token + head`` up to ``head_chunk`` own
-        tokens and ``token`` beyond: pricing context against the marginal own token keeps every
-        microbatch within the bytes of the budget in both regimes."""
+        A context token is priced against the cheapest own token below the budget (the peak's
+        slope in own tokens changes where the head's chunk fills and where one phase overtakes the
+        other): a microbatch with fewer own tokens and more context then stays within the bytes
+        of a full one."""
         if (max_tokens is None) == (max_bytes is None):
             raise ValueError("give a microbatch budget in tokens or in bytes, not both or neither")
-        if max_bytes is not None:
-            room = max_bytes - self.fixed
-            full = (self.token + self.head) * self.head_chunk  # own tokens up to a full head chunk
-            max_tokens = int(
-                room // (self.token + self.head) if room <= full else (room - self.head * self.head_chunk) // self.token
+        tokens = Budget(self._tokens_within(max_bytes) if max_tokens is None else max_tokens).tokens
+        return Budget(tokens, self.context / (self.token + self._cheapest_slope(tokens)))
+
+    def _tokens_within(self, max_bytes: float) -> int:
+        """The most own tokens (no context) whose peak is at most ``max_bytes`` (the peak grows with n)."""
+        lo, hi = 0, int(max_bytes // self.token) + 1  # peak(hi) > max_bytes
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self(mid) <= max_bytes else (lo, mid)
+        if lo < 1:
+            raise ValueError(
+                f"max_bytes_per_microbatch={max_bytes:,.0f} holds no token: this model's microbatch needs "
+                f"{float(self(1)):,.0f} B for one token; raise the budget"
             )
-            if max_tokens < 1:
-                raise ValueError(
-                    f"max_bytes_per_microbatch={max_bytes:,.0f} holds no token: this model's microbatch needs "
-                    f"{self.fixed:,.0f} B fixed plus {self.token + self.head:,.0f} B per token; raise the budget"
-                )
-        marginal = self.token + (self.head if max_tokens <= self.head_chunk else 0.0)
-        return Budget(max_tokens, self.context / marginal)
+        return lo
+
+    def _cheapest_slope(self, tokens: int) -> float:
+        """The smallest slope of the phases' peak in own tokens on [0, tokens] (it is piecewise linear:
+        its kinks are where the head's chunk fills and where the phases cross)."""
+        kinks = [self.head_chunk]
+        if self.head > self.layer:
+            kinks.append(self.fixed / (self.head - self.layer))
+        if self.layer > 0:
+            kinks.append((self.head * self.head_chunk - self.fixed) / self.layer)
+        points = np.unique(np.clip([0.0, float(tokens), *kinks], 0.0, float(tokens)))
+        return float(np.min(np.diff(self._phases(points)) / np.diff(points)))
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
