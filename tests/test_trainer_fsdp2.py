@@ -18,7 +18,8 @@ FSDP2 (``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the 
   (no reduce-scatter before the last pass), and a one-unit plan never turns sync off;
 
 once under a budget every rank's share fits in one slot, once under one just above the longest
-trajectory (several slots per rank, trees cut into pieces joined by handoffs). The rows of both
+trajectory (several slots per rank, trees cut into pieces joined by handoffs), once under one that
+gives the ranks 3 and 4 units (the rank with fewer pads its model calls: FSDP2 gathers in each). The rows of both
 ranks share one long system prompt (one tree that the plan divides between the ranks), have
 prompts of different lengths (TRL's left padding) and completions of different lengths (right
 padding), and cross the 64-token chunk of the gated-delta layers.
@@ -49,7 +50,7 @@ WORLD = 2
 MICROBATCHES = 2  # per rank
 ROWS = 4  # per microbatch
 SYSTEM = 40  # tokens of the system prompt every row starts with
-BUDGETS = {"fits": 4096, "slots": None}  # None: the longest trajectory + 2
+BUDGETS = {"fits": 4096, "slots": None, "uneven": 100}  # None: the longest trajectory + 2; 100: 3 and 4 units
 
 
 def _seg(rng: np.random.Generator, n: int) -> list[int]:
@@ -121,12 +122,15 @@ def test_fsdp2_step_matches_stock(budget, fsdp2_run):
         assert scale > 1e-3  # the losses reach the weights
         diff = max((got["grads"][k] - g).abs().max().item() for k, g in oracle["grads"].items())
         assert diff / scale < TOL, f"rank {rank}: gradients differ by {diff / scale} (relative)"
-        # gradient sync off in every backward pass but the last one
-        units, calls = got["units"], got["sync_calls"]
+        # gradient sync off in every backward pass but the last one; as many passes on every rank
+        units, calls = got["calls"], got["sync_calls"]
         assert calls == [False, True] * (units - 1), (units, calls)
         assert len(got["unsynced"]) == units - 1 and all(got["unsynced"])  # only the last pass reduced
         if budget == "slots":
             assert units >= 2 and False in calls
+    if budget == "uneven":  # a rank with fewer units pads its model calls (FSDP2 gathers in each)
+        assert sorted(r["cases"][budget]["units"] for r in ranks) == [3, 4]
+        assert [r["cases"][budget]["calls"] for r in ranks] == [4, 4]
     if budget == "fits":
         assert max(r["cases"]["fits"]["units"] for r in ranks) == 1  # one slot per rank: one backward pass
     assert all(r["cases"][budget]["plan_ranks"] == WORLD for r in ranks)  # the plan used both ranks
@@ -207,6 +211,7 @@ def _worker(out: Path) -> None:
             "logprobs": step.logprobs.detach().clone(),
             "grads": {k: _full(p.grad, p) for k, p in model.named_parameters()},
             "units": len(step.engine.units),
+            "calls": step.engine.calls,
             "num_slots": int(step.plan.num_slots),
             "plan_ranks": len({int(r) for r in np.asarray(step.plan.traj_rank[0]).ravel()}),
             "sync_calls": list(sync_calls),

@@ -109,20 +109,11 @@ def sweep_forest(length: int, vocab: int, *, seed: int = 0) -> RolloutForest:
     return RolloutForest.from_sequences(np.concatenate([np.broadcast_to(prompt, (COMPLETIONS, prompt.size)), tails], 1))
 
 
-def _longest_fitting(memory: MemoryModel, budget: int) -> int | None:
-    """The longest trajectory whose last token still fits ``budget`` beside its context (None: any)."""
-    weight = memory.budget(max_tokens=budget).context_weight
-    return None if weight == 0 else int((budget - 1) / weight) + 1
-
-
 def _plan(forest: RolloutForest, budget: int, memory: MemoryModel) -> Plan:
     try:
         return plan(forest, world_size=1, max_tokens_per_microbatch=budget, memory_model=memory)
     except ValueError as err:
-        raise ValueError(
-            f"length {forest.max_length:,}: {err} (a budget of {budget:,} holds trajectories of up to "
-            f"{_longest_fitting(memory, budget):,} tokens with this model)"
-        ) from err
+        raise ValueError(f"length {forest.max_length:,}: {err}") from err
 
 
 def _measure(model: torch.nn.Module, repeats: int, bar: tqdm, step: Callable[..., torch.Tensor], *args) -> dict:
@@ -231,7 +222,7 @@ def memory_sweep(config: MemorySweepConfig, *, progress: bool = True) -> dict:
             "tokens": budget.tokens,
             "context_weight": budget.context_weight,
             "bytes": float(memory(config.budget)),
-            "longest_trajectory": _longest_fitting(memory, config.budget),
+            "longest_trajectory": budget.longest_trajectory,
         },
         "lengths": entries,
     }

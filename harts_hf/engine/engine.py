@@ -53,7 +53,7 @@ from ..modeling.tables import model_tables, run_base
 from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
-from ..schedule import TrajectoryRows, Unit, rank_units
+from ..schedule import Builders, TrajectoryRows, Unit, rank_units
 from .handoff import Handoff, Store
 
 __all__ = ["Recording", "TreeEngine"]
@@ -92,6 +92,10 @@ class TreeEngine:
             ``lambda run: wrapped(harts_call=run)`` (``harts_hf.trainers``); None calls ``model``.
         no_sync: a context in which backward passes skip the wrapper's gradient sync (e.g.
             ``lambda: accelerator.no_sync(wrapped)``): every backward pass but the last runs in it.
+        calls: the model calls every pass makes, at least: a rank with fewer units runs padding
+            calls (a two-token chain whose gradient is zero) after its units, so that a wrapper
+            whose every call is collective (FSDP2 gathers the parameters in each, DDP syncs in the
+            last) sees as many on every rank.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class TreeEngine:
         head_chunk_tokens: int | None = None,
         forward: Forward | None = None,
         no_sync: Callable[[], AbstractContextManager] | None = None,
+        calls: int = 0,
     ):
         validate_temperature(temperature)
         self.hf, self.adapter = patched_adapter(model)
@@ -139,6 +144,8 @@ class TreeEngine:
         with torch.no_grad():  # the probe runs as the wrapper's forward too (FSDP2 gathers the root's parameters)
             tables = self._forward(lambda: model_tables(self.hf, self.adapter))
         self.units: list[Unit] = rank_units(self.forests, plan, rank, tables, self.device)
+        self.calls = max(calls, len(self.units))
+        self._padding = _padding_unit(tables, self.device) if self.calls > len(self.units) else None
         self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
         # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
         # the numbers of the pairs it produces.
@@ -167,7 +174,7 @@ class TreeEngine:
         where the backward runs in the gradient-sync context of this forward)."""
         _check_no_dropout(self.hf)
         store = Store()
-        if keep_graph and len(self.units) == 1:
+        if keep_graph and len(self.units) == 1 and self._padding is None:
             unit = self.units[0]
             lp, ent = self._run(unit, Handoff(store, unit, grad=True), return_entropy)
             return Recording(self, None, self._scatter([lp]), self._scatter([ent]) if return_entropy else None)
@@ -208,7 +215,7 @@ class TreeEngine:
         if per_token and return_entropy:
             raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
         store = Store()
-        if per_token or len(self.units) == 1:
+        if (per_token or len(self.units) == 1) and self._padding is None:
             return self._stream(store, loss_fn, return_entropy)
         return self._replay(store, loss_fn, return_entropy)
 
@@ -270,10 +277,14 @@ class TreeEngine:
                     tensors.append(ent)
                     unit_grads.append(entropy_grads[unit.forest][pairs])
                 self._send(store, handoff, tensors, unit_grads)
+        for done in range(len(self.units), self.calls):
+            with self._sync_last(done):
+                lp, _ = self._run(self._padding, Handoff(Store(), self._padding, grad=True), False)
+                torch.autograd.backward(lp, torch.zeros_like(lp))
 
     def _sync_last(self, done: int) -> AbstractContextManager:
         """``no_sync`` for every backward pass of a step but the last (``done`` passes so far)."""
-        last = done == len(self.units) - 1
+        last = done == self.calls - 1
         return contextlib.nullcontext() if self._no_sync is None or last else self._no_sync()
 
     def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -319,6 +330,8 @@ class TreeEngine:
             lp, ent = self._run(unit, Handoff(store, unit, grad=False), entropy)
             lps.append(lp)
             ents.append(ent)
+        for _ in range(len(self.units), self.calls):
+            self._run(self._padding, Handoff(Store(), self._padding, grad=False), False)
         return self._scatter(lps), self._scatter(ents) if entropy else None
 
     def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -331,6 +344,12 @@ class TreeEngine:
             return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
 
         return self._forward(run)
+
+
+def _padding_unit(tables: Builders, device: torch.device) -> Unit:
+    """A two-token chain in one unit: what a rank runs for a model call it has no unit for."""
+    forest = RolloutForest.from_sequences([[0, 0]])
+    return rank_units([forest], make_plan(forest, world_size=1, max_tokens_per_microbatch=2), 0, tables, device)[0]
 
 
 class Recording:

@@ -44,6 +44,15 @@ class Budget:
         """Own tokens a microbatch whose context is ``context`` tokens can still take (may be <= 0)."""
         return np.floor(self.tokens - self.context_weight * np.asarray(context, dtype=np.float64)).astype(np.int64)
 
+    @property
+    def longest_trajectory(self) -> int | None:
+        """The most tokens a trajectory may have: its last token, with every ancestor as context,
+        still fits (None: any length)."""
+        if self.context_weight == 0:
+            return None
+        longest = int((self.tokens - 1) / self.context_weight) + 1
+        return longest if self.room(longest - 1) >= 1 else longest - 1  # floor's rounding
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -97,7 +106,7 @@ class MemoryModel:
 
     def _tokens_within(self, max_bytes: float) -> int:
         """The most own tokens (no context) whose peak is at most ``max_bytes`` (the peak grows with n)."""
-        lo, hi = 0, int(max_bytes // self.token) + 1  # peak(hi) > max_bytes
+        lo, hi = 0, int(max_bytes / self.token) + 2  # peak(hi) > max_bytes
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self(mid) <= max_bytes else (lo, mid)

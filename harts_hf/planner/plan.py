@@ -266,7 +266,8 @@ def plan(
         raise ValueError(
             f"{given} is below the longest trajectory's need ({longest} tokens: its last token reads "
             f"{longest - 1} ancestors as context, {budget.context_weight:.3g} own-token equivalents each under "
-            f"this memory model): raise the budget"
+            f"this memory model; it holds trajectories of up to {budget.longest_trajectory:,} tokens): raise the "
+            "budget"
             + (
                 ""
                 if memory_model is not None

@@ -95,17 +95,11 @@ class HARTSStep:
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
         self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
         self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
-        calls = self.plan.unit_counts  # [R] model calls per rank
-        # DDP syncs in each rank's last backward pass, so every rank needs a call; FSDP2 gathers the
-        # parameters in every call, so every rank needs as many.
+        calls = self.plan.unit_counts  # [R] units per rank
+        # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
+        # the parameters in every call, so every rank needs as many: the engine pads with empty calls.
         unwrapped = acc.unwrap_model(model)
-        sharded = isinstance(unwrapped, FSDPModule)
-        if acc.num_processes > 1 and (calls.min() == 0 or (sharded and (calls != calls[0]).any())):
-            raise ValueError(
-                f"the plan gives the ranks {calls.tolist()} model calls, which a data-parallel wrapper cannot run "
-                "(every rank needs one; under FSDP2, as many): give each optimizer step more rows per rank "
-                "(per_device_train_batch_size)"
-            )
+        needed = int(calls.max()) if isinstance(unwrapped, FSDPModule) else 1
         self.engine = TreeEngine(
             unwrapped,
             self.forest,
@@ -114,6 +108,7 @@ class HARTSStep:
             temperature=trainer.temperature,
             forward=lambda run: model(harts_call=run),
             no_sync=lambda: acc.no_sync(model),
+            calls=needed if acc.num_processes > 1 else 0,
         )
         self.grad = torch.is_grad_enabled()
         # One unit per rank keeps its graph (no replay) where its backward runs in this forward's sync
