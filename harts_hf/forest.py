@@ -289,6 +289,14 @@ class RolloutForest:
         return np.flatnonzero(self.prev < 0)
 
     # ------------------------------------------------------------------ trajectories back
+    def multiplicity_of(self, trajectories: np.ndarray) -> np.ndarray:
+        """[N] how many of ``trajectories`` (indices) pass through each compact token (``multiplicity``
+        counts them all)."""
+        trajectories = np.asarray(trajectories, dtype=np.int64)
+        starts, lengths = self.traj_offsets[trajectories], self.lengths[trajectories]
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return np.bincount(self.restore[np.repeat(starts, lengths) + within], minlength=self.num_compact_tokens)
+
     def trajectory_index(self, i: int) -> np.ndarray:
         """[len_i] compact index of each token of trajectory i."""
         if not 0 <= i < self.num_trajectories:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
+from ..modeling.errors import UnsupportedModelError
 from ..modeling.logprobs import (
     model_head,
     stochastic_parts,
@@ -154,6 +155,7 @@ class TreeEngine:
         self._pair_index = [
             torch.as_tensor(self.forests[u.forest].pair_number[u.pairs], device=self.device) for u in self.units
         ]
+        self._token_index = [torch.as_tensor(u.tokens, device=self.device) for u in self.units]
 
     def logprobs(
         self, return_entropy: bool = False
@@ -161,26 +163,38 @@ class TreeEngine:
         """No-grad per-trajectory log-probs: per forest [B_f, L_f - 1] in TRL's layout (rows this
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
         with torch.no_grad():
-            lp, ent = self._record(Store(), return_entropy)
+            lp, ent, _ = self._record(Store(), return_entropy)
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
-    def record(self, return_entropy: bool = False, *, keep_graph: bool = False) -> Recording:
+    def record(
+        self, return_entropy: bool = False, *, keep_graph: bool = False, return_router_logits: bool = False
+    ) -> Recording:
         """The recording pass alone: the :class:`Recording` of every unit, whose values are
         :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
         through the units later (a caller that owns the loss and gathers its gradients first: the
         trainer's HARTS step). ``keep_graph``: a plan of one unit runs it with grad and keeps its
         graph for that backward instead of replaying it (one graph, as :meth:`backward` holds; only
-        where the backward runs in the gradient-sync context of this forward)."""
+        where the backward runs in the gradient-sync context of this forward).
+        ``return_router_logits``: also the MoE layers' router logits of every compact token this
+        rank computes (for the router loss), differentiable through the same backward."""
         _check_no_dropout(self.hf)
+        if return_router_logits and not self.adapter.aux_loss:
+            raise UnsupportedModelError(f"the {self.adapter.family} family computes no router load-balancing loss")
         store = Store()
         if keep_graph and len(self.units) == 1 and self._padding is None:
             unit = self.units[0]
-            lp, ent = self._run(unit, Handoff(store, unit, grad=True), return_entropy)
-            return Recording(self, None, self._scatter([lp]), self._scatter([ent]) if return_entropy else None)
+            lp, ent, router = self._run(unit, Handoff(store, unit, grad=True), return_entropy, return_router_logits)
+            return Recording(
+                self,
+                None,
+                self._scatter([lp]),
+                self._scatter([ent]) if return_entropy else None,
+                self._scatter_tokens([router], router) if return_router_logits else None,
+            )
         with torch.no_grad():
-            values, ents = self._record(store, return_entropy)
-        return Recording(self, store, values, ents)
+            values, ents, routers = self._record(store, return_entropy, return_router_logits)
+        return Recording(self, store, values, ents, routers)
 
     def attached_logprobs(
         self, return_entropy: bool = False
@@ -227,7 +241,7 @@ class TreeEngine:
         for unit in self.units:
             if unit.exports.size:
                 with torch.no_grad():
-                    lps[unit.index], ents[unit.index] = self._run(unit, Handoff(store, unit, grad=False), entropy)
+                    lps[unit.index], ents[unit.index], _ = self._run(unit, Handoff(store, unit, grad=False), entropy)
                 deferred.append(unit)
             else:
                 with self._sync_last(done):
@@ -246,7 +260,7 @@ class TreeEngine:
         """Run ``unit`` with grad and backpropagate ``loss_fn`` of its own log-probs plus the
         gradients its consumers sent; returns its (detached) log-probs and entropies."""
         handoff = Handoff(store, unit, grad=True)
-        lp, ent = self._run(unit, handoff, entropy)
+        lp, ent, _ = self._run(unit, handoff, entropy)
         loss = self._apply(loss_fn, self._scatter([lp], [unit]), self._scatter([ent], [unit]) if entropy else None)
         self._send(store, handoff, [loss], [torch.ones_like(loss)])
         return lp.detach(), None if ent is None else ent.detach()
@@ -254,7 +268,7 @@ class TreeEngine:
     def _replay(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
         """Record every unit, apply the loss to whole trajectories, replay units in reverse."""
         with torch.no_grad():
-            values, ents = self._record(store, entropy)
+            values, ents, _ = self._record(store, entropy)
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
         if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
@@ -263,23 +277,31 @@ class TreeEngine:
         return loss.detach()
 
     def _replay_units(
-        self, store: Store, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None
+        self,
+        store: Store,
+        grads: list[torch.Tensor],
+        entropy_grads: list[torch.Tensor] | None = None,
+        router_grads: list[torch.Tensor] | None = None,
     ) -> None:
         """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and, given,
-        ``entropy_grads`` (the same, w.r.t. the pairs' entropies)."""
+        ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per forest
+        [layers, N_f, E], w.r.t. the router logits)."""
         for done, unit in enumerate(reversed(self.units)):
             with self._sync_last(done):
                 handoff = Handoff(store, unit, grad=True)
-                lp, ent = self._run(unit, handoff, entropy_grads is not None)
+                lp, ent, router = self._run(unit, handoff, entropy_grads is not None, router_grads is not None)
                 pairs = self._pair_index[unit.index]
                 tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
                 if ent is not None:
                     tensors.append(ent)
                     unit_grads.append(entropy_grads[unit.forest][pairs])
+                if router is not None:
+                    tensors.append(router)
+                    unit_grads.append(router_grads[unit.forest][:, self._token_index[unit.index]].to(router.dtype))
                 self._send(store, handoff, tensors, unit_grads)
         for done in range(len(self.units), self.calls):
             with self._sync_last(done):
-                lp, _ = self._run(self._padding, Handoff(Store(), self._padding, grad=True), False)
+                lp, _, _ = self._run(self._padding, Handoff(Store(), self._padding, grad=True), False)
                 torch.autograd.backward(lp, torch.zeros_like(lp))
 
     def _sync_last(self, done: int) -> AbstractContextManager:
@@ -324,24 +346,44 @@ class TreeEngine:
             out[unit.forest] = out[unit.forest].index_put((self._pair_index[unit.index],), value.float())
         return out
 
-    def _record(self, store: Store, entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        lps, ents = [], []
+    def _scatter_tokens(self, per_unit: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
+        """Router logits [layers, n, E] of every unit -> per forest [layers, N_f, E] (0 for the tokens
+        other ranks compute; ``like``: a unit's or padding call's, for the shape)."""
+        layers, _, experts = like.shape
+        out = [like.new_zeros(layers, f.num_compact_tokens, experts) for f in self.forests]
+        for unit, value in zip(self.units, per_unit):
+            out[unit.forest] = out[unit.forest].index_copy(1, self._token_index[unit.index], value)
+        return out
+
+    def _record(
+        self, store: Store, entropy: bool, router: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        lps, ents, routers = [], [], []
         for unit in self.units:
-            lp, ent = self._run(unit, Handoff(store, unit, grad=False), entropy)
+            lp, ent, logits = self._run(unit, Handoff(store, unit, grad=False), entropy, router)
             lps.append(lp)
             ents.append(ent)
+            routers.append(logits)
         for _ in range(len(self.units), self.calls):
-            self._run(self._padding, Handoff(Store(), self._padding, grad=False), False)
-        return self._scatter(lps), self._scatter(ents) if entropy else None
+            _, _, logits = self._run(self._padding, Handoff(Store(), self._padding, grad=False), False, router)
+            routers.append(logits)  # not scattered: the shape of a rank without units
+        values, ents = self._scatter(lps), self._scatter(ents) if entropy else None
+        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None
 
-    def _run(self, unit: Unit, handoff: Handoff, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(
+        self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """[p] log-probs (and entropies) of the unit's pairs, the LM head inside the forward (a DDP
-        wrapper that looks for unused parameters walks back from what its forward returns)."""
+        wrapper that looks for unused parameters walks back from what its forward returns), and
+        with ``router`` the MoE layers' router logits of its own tokens [layers, n, E]."""
         batch = unit.batch.with_handoff(handoff)
+        extra = {"output_router_logits": True} if router else {}
 
-        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-            hidden = run_base(self.hf, self.adapter, unit.input_ids, batch).last_hidden_state[0]  # [N, H]
-            return self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            out = run_base(self.hf, self.adapter, unit.input_ids, batch, **extra)
+            hidden = out.last_hidden_state[0]  # [N, H]
+            lp, ent = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
+            return lp, ent, torch.stack(out.router_logits) if router else None
 
         return self._forward(run)
 
@@ -355,14 +397,21 @@ def _padding_unit(tables: Builders, device: torch.device) -> Unit:
 class Recording:
     """The recorded units of one pass (:meth:`TreeEngine.record`): ``logprobs`` (and
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
-    does not own are 0), and the boundary values the replay reads (``store``; None: the values
-    carry the graph of the pass itself)."""
+    does not own are 0), ``router_logits`` (None unless asked) per forest [layers, N_f, E] (0 for the
+    tokens other ranks compute), and the boundary values the replay reads (``store``; None: the
+    values carry the graph of the pass itself)."""
 
     def __init__(
-        self, engine: TreeEngine, store: Store | None, values: list[torch.Tensor], ents: list[torch.Tensor] | None
+        self,
+        engine: TreeEngine,
+        store: Store | None,
+        values: list[torch.Tensor],
+        ents: list[torch.Tensor] | None,
+        router_logits: list[torch.Tensor] | None = None,
     ):
         self.engine, self._store, self._pending = engine, store, True
         self.values, self._ents = values, ents  # per forest [P_f] pair values
+        self.router_logits = router_logits
         self.logprobs = engine._layout(values)
         self.entropies = None if ents is None else engine._layout(ents)
 
@@ -378,12 +427,18 @@ class Recording:
             out[call] = out.get(call, 0) + value.nbytes
         return out
 
-    def backward(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
+    def backward(
+        self,
+        grads: list[torch.Tensor],
+        entropy_grads: list[torch.Tensor] | None = None,
+        router_grads: list[torch.Tensor] | None = None,
+    ) -> None:
         """Backpropagate ``grads`` (per forest [B_f, L_f - 1], w.r.t. ``logprobs``; rows this rank
-        does not own are ignored) and, given, ``entropy_grads`` (the same, w.r.t. ``entropies``)
+        does not own are ignored) and, given, ``entropy_grads`` (the same, w.r.t. ``entropies``) and
+        ``router_grads`` (w.r.t. ``router_logits``; tokens this rank does not compute are ignored)
         through every unit, in reverse slot order, once."""
         to_pairs = lambda row_grads: self._pair_grads(row_grads) if row_grads is not None else None
-        self.backward_pairs(to_pairs(grads), to_pairs(entropy_grads))
+        self.backward_pairs(to_pairs(grads), to_pairs(entropy_grads), router_grads)
 
     def _pair_grads(self, row_grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients w.r.t. the layout's rows -> w.r.t. the pair values (a pair feeds every row
@@ -392,7 +447,12 @@ class Recording:
         torch.autograd.backward(self.engine._layout(pairs), row_grads)
         return [torch.zeros_like(p) if p.grad is None else p.grad for p in pairs]
 
-    def backward_pairs(self, grads: list[torch.Tensor], entropy_grads: list[torch.Tensor] | None = None) -> None:
+    def backward_pairs(
+        self,
+        grads: list[torch.Tensor],
+        entropy_grads: list[torch.Tensor] | None = None,
+        router_grads: list[torch.Tensor] | None = None,
+    ) -> None:
         """:meth:`backward` from gradients w.r.t. the pair values (per forest [P_f])."""
         if not self._pending:
             raise RuntimeError(
@@ -401,14 +461,21 @@ class Recording:
             )
         if entropy_grads is not None and self.entropies is None:
             raise ValueError("entropy gradients need a recording made with return_entropy=True")
+        if router_grads is not None and self.router_logits is None:
+            raise ValueError("router gradients need a recording made with return_router_logits=True")
         if self._store is None:  # the pass kept its graph
-            tensors = [*self.values, *(self._ents if entropy_grads is not None else [])]
-            live = [(t, g) for t, g in zip(tensors, [*grads, *(entropy_grads or [])]) if t.requires_grad]
+            tensors = [
+                *self.values,
+                *(self._ents if entropy_grads is not None else []),
+                *(self.router_logits if router_grads is not None else []),
+            ]
+            grads = [*grads, *(entropy_grads or []), *(router_grads or [])]
+            live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
             if live:
                 torch.autograd.backward(*zip(*live))
         else:
             with torch.enable_grad():
-                self.engine._replay_units(self._store, grads, entropy_grads)
+                self.engine._replay_units(self._store, grads, entropy_grads, router_grads)
         self._store, self._pending = None, False
 
 

@@ -13,7 +13,7 @@
    backward runs, which :func:`add_step_time` adds.
 4. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
    (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
-   (:func:`one_pass_options`).
+   (``aux_loss_enabled``; the HARTS step returns each microbatch's, ``HARTSStep.aux_loss``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ __all__ = [
     "add_step_time",
     "add_tree_forward",
     "entropy_bonus_enabled",
-    "one_pass_options",
 ]
 
 CHECKED_TRL = "1.16.0"
@@ -75,11 +74,3 @@ def entropy_bonus_enabled(trainer) -> bool:
     """Whether the loss has TRL's entropy bonus (a static ``entropy_coef`` or adaptive control; TRL
     fixes it at init, while ``entropy_coef`` itself moves under adaptive control)."""
     return trainer._entropy_bonus_enabled
-
-
-def one_pass_options(trainer) -> list[str]:
-    """The settings of a GRPOTrainer whose loss needs each microbatch's own forward with grad (trl
-    1.16 ``_compute_loss``): the MoE aux loss backpropagates through the microbatch's router
-    logits. Every other term reads per-token log-probs and entropies, which a HARTS step computes
-    (with their gradients) for the whole step at once."""
-    return ["the router aux loss (router_aux_loss_coef)"] if trainer.aux_loss_enabled else []

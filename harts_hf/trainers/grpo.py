@@ -7,12 +7,13 @@ TRL's:
   the log-probs of the step's rows, from every rank, come first, from one plan over the ranks and
   their token-budgeted slots; TRL's loss then runs per TRL microbatch on exactly stock's rows, and
   the engine backpropagates the step once.
-- ``_get_per_token_logps_and_entropies``: the loss passes read the step's values; the other passes
-  (old policy, reference) and losses that need a microbatch's own forward with grad (the entropy
-  bonus, the router aux loss) make the microbatch's rows a :class:`~harts_hf.RolloutForest`, one
-  tree pass computing each shared prefix once (a forest above the microbatch budget runs as
-  planned pieces through :class:`~harts_hf.engine.TreeEngine`); the result is mapped back
-  to TRL's ``[B, C]`` completion layout (``rows.py``).
+- ``_get_per_token_logps_and_entropies``: the loss passes read the step's values (log-probs,
+  entropies, each microbatch's router aux loss); the no-grad passes (old policy, reference,
+  evaluation) are no-grad HARTS steps over every rank's rows; a pass with grad outside a training
+  loss makes the microbatch's rows a :class:`~harts_hf.RolloutForest`, one tree pass computing each
+  shared prefix once (a forest above the microbatch budget runs as planned pieces through
+  :class:`~harts_hf.engine.TreeEngine`); the result is mapped back to TRL's ``[B, C]`` completion
+  layout (``rows.py``).
 
 Multimodal rows (pixel values and friends) take TRL's own path.
 """
@@ -23,21 +24,18 @@ import time
 
 import torch
 from accelerate.utils import DistributedType, is_peft_model
-from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ..engine import TreeEngine, memory_model
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import MemoryModel, Plan, plan
-from ._compat import FOREST_KWARG, add_step_time, add_tree_forward, entropy_bonus_enabled, one_pass_options
+from ._compat import FOREST_KWARG, add_step_time, add_tree_forward, entropy_bonus_enabled
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
 from .step import HARTSStep, block_length
 
 __all__ = ["HARTSGRPOTrainer"]
-
-logger = logging.get_logger(__name__)
 
 PASS_STATS = ("trajectory_tokens", "compact_tokens", "seconds", "predicted_seconds")
 """What every rank reports of each training microbatch (``training_step`` gathers them)."""
@@ -73,12 +71,6 @@ class HARTSGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 "HARTSGRPOTrainer backpropagates each optimizer step through its own plan, which DeepSpeed's engine "
                 "does not let it drive: train with DDP or FSDP2 (accelerate config), or pass harts_enable=False"
-            )
-        self._one_pass = one_pass_options(self)
-        if self._one_pass:
-            logger.warning(
-                f"{' and '.join(self._one_pass)} need(s) each microbatch's own forward with grad: HARTS runs every TRL "
-                "microbatch as its own forest (prefixes shared within it only) instead of one plan per step"
             )
         for m in (self.model, self.ref_model):
             if m is None:
@@ -140,16 +132,16 @@ class HARTSGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **media
             )
-        if not compute_aux_loss:
-            if torch.is_grad_enabled():
-                step = self._step_of_loss_pass(input_ids)
-                j = self._served  # the block's microbatch this pass computes
-            else:  # old policy, reference, evaluation: the rows of every rank under one plan
-                batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-                step, j = HARTSStep(self, model, [batch], self._plan_options(), entropy=compute_entropy), 0
-            if step is not None:
-                logps, entropies = step.values(j, attention_mask, logits_to_keep)
-                return logps, entropies if compute_entropy else None, None
+        if torch.is_grad_enabled():
+            step = self._step_of_loss_pass(input_ids)
+            j = self._served  # the block's microbatch this pass computes
+        else:  # old policy, reference, evaluation: the rows of every rank under one plan
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+            options = self._plan_options()
+            step, j = HARTSStep(self, model, [batch], options, entropy=compute_entropy, router=compute_aux_loss), 0
+        if step is not None:
+            logps, entropies = step.values(j, attention_mask, logits_to_keep)
+            return logps, entropies if compute_entropy else None, step.aux_loss(j) if compute_aux_loss else None
         forest = rows_forest(input_ids, attention_mask)
         start = time.perf_counter()
         pieces = self._plan(forest)
@@ -174,7 +166,7 @@ class HARTSGRPOTrainer(GRPOTrainer):
     def _step_of_loss_pass(self, input_ids: torch.Tensor) -> HARTSStep | None:
         """The HARTS step serving the running loss pass (made at its block's first microbatch), None
         where the pass takes the per-microbatch path (eval, the one-pass options)."""
-        if self._loss_call is None or self._one_pass or not self.model.training:
+        if self._loss_call is None or not self.model.training:
             return None
         model, inputs = self._loss_call
         if inputs["prompt_ids"].size(0) != input_ids.size(0):
@@ -187,7 +179,9 @@ class HARTSGRPOTrainer(GRPOTrainer):
             buffer = self._buffered_inputs
             block = buffer[k : k + n] if buffer is not None and buffer[k] is inputs else [inputs]
             options = self._plan_options()
-            step = self._harts_step = HARTSStep(self, model, block, options, entropy_grad=entropy_bonus_enabled(self))
+            step = self._harts_step = HARTSStep(
+                self, model, block, options, entropy_grad=entropy_bonus_enabled(self), router=self.aux_loss_enabled
+            )
             j = 0
         self._served = j
         return step

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..engine import TreeEngine
 from ..forest import RolloutForest
+from ..modeling.moe import router_aux_loss
 from ..planner import plan
 from .rows import row_sequences, to_completion_layout
 
@@ -72,6 +73,7 @@ class HARTSStep:
         plan_options: ``max_tokens_per_microbatch``, ``cost_model``, ``chunk_size`` for the plan.
         entropy: compute the entropies too.
         entropy_grad: the losses backpropagate through the entropies (TRL's entropy bonus).
+        router: the losses add the MoE router loss of each microbatch (:meth:`aux_loss`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class HARTSStep:
         *,
         entropy: bool = True,
         entropy_grad: bool = False,
+        router: bool = False,
     ):
         began = time.perf_counter()
         acc = self.accelerator = trainer.accelerator
@@ -94,6 +97,9 @@ class HARTSStep:
         bounds = first + np.cumsum([0] + [len(part) for part in rows])
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
         self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
+        # the router loss of microbatch j averages over its rows' tokens: a compact token counts once per row
+        weight = lambda a, b: torch.as_tensor(self.forest.multiplicity_of(np.arange(a, b)), dtype=torch.float32)
+        self._token_weights = [weight(a, b).to(acc.device) for a, b in zip(bounds[:-1], bounds[1:])] if router else []
         self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
@@ -114,10 +120,14 @@ class HARTSStep:
         # One unit per rank keeps its graph (no replay) where its backward runs in this forward's sync
         # context; the same decision on every rank (each forward of the wrapper is collective).
         keep_graph = (calls == 1).all() and (acc.num_processes == 1 or len(self.microbatches) == 1)
+        routers = None
         with acc.autocast():
-            if self.grad:
-                self._recording = self.engine.record(return_entropy=entropy, keep_graph=keep_graph)
+            if self.grad or router:  # a recording: the router logits come with it
+                self._recording = self.engine.record(
+                    return_entropy=entropy, keep_graph=keep_graph, return_router_logits=router
+                )
                 values, entropies = self._recording.logprobs, self._recording.entropies
+                routers = None if not router else self._recording.router_logits[0].detach()  # [layers, N, E]
             else:
                 values, entropies = (
                     self.engine.logprobs(return_entropy=True) if entropy else (self.engine.logprobs(), None)
@@ -127,6 +137,14 @@ class HARTSStep:
         if acc.num_processes > 1:
             values = acc.reduce(values, "sum")
             entropies = None if entropies is None else acc.reduce(entropies, "sum")
+            routers = None if routers is None else acc.reduce(routers, "sum")
+        if routers is not None:  # a token the plan computes on several ranks (a shared trunk): their mean
+            computed = torch.zeros(self.forest.num_compact_tokens, device=acc.device)
+            for unit in self.engine.units:
+                computed[torch.as_tensor(unit.tokens, device=acc.device)] = 1.0
+            self._copies = (acc.reduce(computed, "sum") if acc.num_processes > 1 else computed)[:, None]  # [N, 1]
+            routers = routers / self._copies
+        self.router_logits = None if routers is None else routers.requires_grad_(self.grad)
         self.logprobs = values.requires_grad_(self.grad)  # [B, L - 1]: every row; TRL's losses read it
         self.entropy_grad = entropy_grad and self.grad and entropies is not None
         self.entropies = None if entropies is None else entropies.requires_grad_(self.entropy_grad)
@@ -144,14 +162,24 @@ class HARTSStep:
         layout = lambda v: None if v is None else to_completion_layout(v[rows], attention_mask, logits_to_keep)
         return layout(self.logprobs), layout(self.entropies)
 
+    def aux_loss(self, j: int) -> torch.Tensor:
+        """Microbatch ``j``'s router loss: the family's own function over the step's router logits,
+        each compact token weighted by how many of the microbatch's rows pass through it (stock's
+        padded batch holds that many copies of its routing)."""
+        layers = tuple(self.router_logits.unbind(0))
+        return router_aux_loss(self.engine.hf, layers, self._token_weights[j])
+
     def backward(self) -> None:
-        """Backpropagate the gradients the block's losses left on the log-probs (summed over
-        ranks) through every unit of this rank."""
+        """Backpropagate the gradients the block's losses left on the log-probs, entropies and router
+        logits (summed over ranks) through every unit of this rank."""
         began = time.perf_counter()
         grads = [self._summed_grad(self.logprobs)]
         entropy_grads = [self._summed_grad(self.entropies)] if self.entropy_grad else None
+        router_grads = None
+        if self.router_logits is not None:  # each copy of a token takes its share of the mean's gradient
+            router_grads = [self._summed_grad(self.router_logits) / self._copies]
         with self.accelerator.autocast():
-            self._recording.backward(grads, entropy_grads)
+            self._recording.backward(grads, entropy_grads, router_grads)
         self.backward_seconds = time.perf_counter() - began
 
     def _summed_grad(self, leaf: torch.Tensor) -> torch.Tensor:
