@@ -169,13 +169,14 @@ def test_modes_agree_with_the_stock_model(family):
 # ---------------------------------------------------------------- memory and configuration
 def test_peak_memory_is_the_allocators_peak_above_entry():
     """Live tensor bytes at the highest point, not counting what was held before: 256 MiB freed before
-    a 64 MiB one is allocated peaks at 256 MiB (+ the 64 kept from before entry do not count)."""
+    64 MiB are allocated peaks at 256 MiB (the 64 kept from before entry do not count; whatever else
+    torch allocates meanwhile, a few MiB at most)."""
     held = torch.ones(16 << 20)
     with PeakMemory(torch.device("cpu")) as meter:
         big = torch.ones(64 << 20)
         del big
         small = torch.ones(16 << 20)
-    assert meter.peak_bytes == 256 << 20 and meter.slows
+    assert 256 << 20 <= meter.peak_bytes < 272 << 20 and meter.slows
     del held, small
 
 

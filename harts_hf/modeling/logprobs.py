@@ -55,12 +55,14 @@ class TreeOutput:
         aux_loss: the family's router load-balancing loss, weighted by token multiplicity so it
             equals the loss of a padded batch of all trajectories (when asked).
         expert_load: [MoE layers, E] fraction of top-k assignments per expert, weighted the same way.
+        is_top1: [B, max_len - 1] whether token t + 1 is the most likely one (when asked; no gradient).
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
 
 
 def validate_temperature(temperature: float) -> None:
@@ -113,14 +115,16 @@ def _head_chunk(
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
     entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top1: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = logits_of(hidden.index_select(0, rows)).float()  # [C, V]
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.log_softmax(-1)
     chosen = logp.gather(-1, targets[:, None])[:, 0]  # [C]
     ent = -(logp.exp() * logp).sum(-1) if entropy else chosen.new_zeros(())
-    return chosen, ent
+    best = logits.argmax(-1) == targets if top1 else chosen.new_zeros((), dtype=torch.bool)
+    return chosen, ent, best
 
 
 @dataclass(frozen=True)
@@ -138,22 +142,23 @@ class Head:
         targets: torch.Tensor,
         temperature: float,
         entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[P] log-prob (and entropy) of the pairs (predictor ``rows`` of ``hidden``, ``targets``)."""
+        top1: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """[P] log-prob (and entropy; whether the target is the most likely token) of the pairs
+        (predictor ``rows`` of ``hidden``, ``targets``)."""
         fn = functools.partial(
-            _head_chunk,
-            logits_of=self.logits_of,
-            temperature=temperature,
-            entropy=entropy,
+            _head_chunk, logits_of=self.logits_of, temperature=temperature, entropy=entropy, top1=top1
         )
         # Start from an empty slice of hidden: no pairs still leaves log-probs on the graph.
         lps, ents = [hidden[:0, 0].float()], [hidden.new_zeros(0, dtype=torch.float32)]
+        tops = [torch.zeros(0, dtype=torch.bool, device=hidden.device)]
         for s in range(0, rows.numel(), self.chunk):
             args = (hidden, rows[s : s + self.chunk], targets[s : s + self.chunk])
-            lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+            lp, ent, best = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
             lps.append(lp)
             ents.append(ent.reshape(-1))
-        return torch.cat(lps), torch.cat(ents) if entropy else None
+            tops.append(best.reshape(-1))
+        return torch.cat(lps), torch.cat(ents) if entropy else None, torch.cat(tops) if top1 else None
 
 
 def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
@@ -180,6 +185,7 @@ def tree_forward(
     temperature: float = 1.0,
     return_entropy: bool = False,
     output_router_logits: bool = False,
+    return_top1: bool = False,
     head_chunk_tokens: int | None = None,
 ) -> TreeOutput:
     """Run a patched model over ``forest`` once; see :class:`TreeOutput`.
@@ -187,7 +193,8 @@ def tree_forward(
     ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
     computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
     routing depends only on its own hidden state, so each compact token stands for all of its
-    ``multiplicity`` trajectory copies. ``head_chunk_tokens`` overrides the pairs per head chunk.
+    ``multiplicity`` trajectory copies. ``return_top1`` adds whether each target is the most
+    likely token (TRL's token accuracy). ``head_chunk_tokens`` overrides the pairs per head chunk.
 
     In train mode, dropout and router noise draw once per compact token, so trajectories that share a
     prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
@@ -211,8 +218,11 @@ def tree_forward(
     extra = {"output_router_logits": True} if output_router_logits else {}
     out = run_base(hf, adapter, unit.input_ids, unit.batch, **extra)
     hidden = out.last_hidden_state[0]  # [N, H]
-    lp, ent = pair_head.pair_values(hidden, unit.pair_rows, unit.targets, temperature, return_entropy)
+    lp, ent, top1 = pair_head.pair_values(
+        hidden, unit.pair_rows, unit.targets, temperature, return_entropy, return_top1
+    )
     result = TreeOutput(layout(lp), layout(ent) if return_entropy else None)
+    result.is_top1 = layout(top1) > 0 if return_top1 else None
     if output_router_logits:
         weights = torch.as_tensor(forest.multiplicity, device=hidden.device, dtype=torch.float32)  # [N]
         result.aux_loss = router_aux_loss(hf, out.router_logits, weights)

@@ -1,4 +1,4 @@
-"""The places where HARTSGRPOTrainer touches TRL internals (checked against trl 1.16.0).
+"""The places where the harts-hf trainers touch TRL internals (checked against trl 1.16.0).
 
 1. The tree pass runs as the model's own forward, the way TRL installs its fused LM head
    (``trl.trainer.utils.add_fused_lm_head`` replaces ``model.forward`` on the instance):
@@ -14,12 +14,16 @@
 4. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
    (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
    (``aux_loss_enabled``; the HARTS step returns each microbatch's, ``HARTSStep.aux_loss``).
+5. ``SFTTrainer.compute_loss`` reads ``model(**inputs, fused_lm_head=True)``'s per-token fields
+   (``add_fused_lm_head``'s ``FusedCausalLMOutput``): :func:`add_tree_fused_head` answers that call.
 """
 
 from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import trl
@@ -31,6 +35,7 @@ __all__ = [
     "FOREST_KWARG",
     "add_step_time",
     "add_tree_forward",
+    "add_tree_fused_head",
     "entropy_bonus_enabled",
 ]
 
@@ -55,6 +60,21 @@ def add_tree_forward(model: torch.nn.Module) -> None:
         if harts_forest is None:
             return previous(*args, **kwargs)
         return tree_forward(self, harts_forest, **(harts_options or {}))  # PEFT's None input kwargs are dropped
+
+    model.forward = types.MethodType(forward, model)
+
+
+def add_tree_fused_head(model: torch.nn.Module, fused: Callable[[torch.nn.Module, dict], Any]) -> None:
+    """Let ``model(..., fused_lm_head=True)`` (TRL's fused head, which SFT, DPO and RLOO call for
+    their per-token outputs) return ``fused(model, kwargs)`` where that is not None; any other call,
+    and one ``fused`` declines, goes to the forward the model had."""
+    previous = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, **kwargs):
+        if fused_lm_head and not args and (out := fused(self, kwargs)) is not None:
+            return out
+        return previous(*args, fused_lm_head=fused_lm_head, **kwargs)
 
     model.forward = types.MethodType(forward, model)
 

@@ -1,31 +1,32 @@
-"""``HARTSGRPOConfig``: TRL's ``GRPOConfig`` plus the fields that steer forest execution."""
+"""The fields that steer forest execution (``HARTSArguments``) and TRL's configs with them:
+``HARTSGRPOConfig`` (``GRPOConfig``) and ``HARTSSFTConfig`` (``SFTConfig``)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+from trl import GRPOConfig, SFTConfig
 
 from ..planner import CHUNK_SIZE, DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, CostModel, MemoryModel
 
-__all__ = ["HARTSGRPOConfig"]
+__all__ = ["HARTSArguments", "HARTSGRPOConfig", "HARTSSFTConfig"]
 
 
 @dataclass
-class HARTSGRPOConfig(GRPOConfig):
+class HARTSArguments:
     r"""
-    Configuration class for [`HARTSGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus:
+    The harts-hf fields of a trainer's config (a mixin before TRL's config class):
 
     Parameters:
         harts_enable (`bool`, *optional*, defaults to `True`):
-            Compute every per-token log-prob / entropy (policy, old policy, reference) on the prefix forest of the
-            rows: each shared prefix once, same values and gradients. `False` is stock `GRPOTrainer` behaviour.
+            Compute every per-token log-prob / entropy on the prefix forest of the rows: each shared prefix once,
+            same values and gradients. `False` is the stock trainer's behaviour.
         harts_max_tokens_per_microbatch (`int`, *optional*, defaults to `65536`):
-            Microbatch budget: the memory of this many tokens. Each optimizer step's rows, from every rank, are
-            planned at once over the ranks and their microbatch slots under this budget; trees and trajectories
-            above it are cut into pieces joined exactly, each reading its ancestors (computed in earlier slots)
-            as context, priced by the policy's memory model at a fraction of a token (their K/V and inputs).
+            Microbatch budget: the memory of this many tokens. Rows are planned over the ranks and their microbatch
+            slots under this budget; trees and trajectories above it are cut into pieces joined exactly, each
+            reading its ancestors (computed in earlier slots) as context, priced by the policy's memory model at a
+            fraction of a token (their K/V and inputs).
         harts_max_bytes_per_microbatch (`float`, *optional*):
             The same budget in bytes of activations per microbatch (`harts_hf.engine.memory_model` prices tokens
             and context for the policy); replaces `harts_max_tokens_per_microbatch` when set.
@@ -35,13 +36,13 @@ class HARTSGRPOConfig(GRPOConfig):
             Planner cost model coefficients `token`, `pair`, `round`, `microbatch` (seconds); defaults to the
             planner's built-in model.
         harts_memory_model (`dict[str, float]`, *optional*):
-            Memory model coefficients `token`, `context`, `head`, `head_chunk`, `fixed` (bytes), e.g. what
+            Memory model coefficients `token`, `context`, `head`, `head_chunk`, `fixed`, `layer` (bytes), e.g. what
             `harts-hf calibrate --memory` measured; defaults to the one derived from the policy at its first pass.
     """
 
     harts_enable: bool = field(
         default=True,
-        metadata={"help": "Run per-token log-probs/entropies on the rows' prefix forest (False: stock GRPOTrainer)."},
+        metadata={"help": "Run per-token log-probs/entropies on the rows' prefix forest (False: the stock trainer)."},
     )
     harts_max_tokens_per_microbatch: int = field(
         default=DEFAULT_MAX_TOKENS,
@@ -62,7 +63,7 @@ class HARTSGRPOConfig(GRPOConfig):
 
     harts_memory_model: dict[str, float] | str | None = field(
         default=None,
-        metadata={"help": "Memory model {token, context, head, head_chunk, fixed} in bytes (default: derived)."},
+        metadata={"help": "Memory model {token, context, head, head_chunk, fixed, layer} in bytes (default: derived)."},
     )
 
     def __post_init__(self):
@@ -105,3 +106,19 @@ class HARTSGRPOConfig(GRPOConfig):
     def harts_planner_cost_model(self) -> CostModel:
         """The planner's cost model: the defaults overridden by ``harts_cost_model``."""
         return CostModel(**{**DEFAULT_COST_MODEL.as_dict(), **(self.harts_cost_model or {})})
+
+
+@dataclass
+class HARTSGRPOConfig(HARTSArguments, GRPOConfig):
+    r"""
+    Configuration class for [`HARTSGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the `harts_*` fields of
+    [`HARTSArguments`]: each optimizer step's rows, from every rank, are planned at once.
+    """
+
+
+@dataclass
+class HARTSSFTConfig(HARTSArguments, SFTConfig):
+    r"""
+    Configuration class for [`HARTSSFTTrainer`]: every [`~trl.SFTConfig`] field, plus the `harts_*` fields of
+    [`HARTSArguments`]: each microbatch's samples are one forest (their shared prefixes computed once).
+    """

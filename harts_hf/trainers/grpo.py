@@ -23,14 +23,13 @@ from __future__ import annotations
 import time
 
 import torch
-from accelerate.utils import DistributedType, is_peft_model
 from trl import GRPOTrainer
 
-from ..engine import TreeEngine, memory_model
+from ..engine import TreeEngine
 from ..forest import RolloutForest
-from ..modeling import patch_model
-from ..planner import MemoryModel, Plan, plan
-from ._compat import FOREST_KWARG, add_step_time, add_tree_forward, entropy_bonus_enabled
+from ..planner import Plan
+from ._compat import FOREST_KWARG, add_step_time, entropy_bonus_enabled
+from .base import HARTSTrainerMixin
 from .config import HARTSGRPOConfig
 from .rows import rows_forest, to_completion_layout
 from .step import HARTSStep, block_length
@@ -41,7 +40,7 @@ PASS_STATS = ("trajectory_tokens", "compact_tokens", "seconds", "predicted_secon
 """What every rank reports of each training microbatch (``training_step`` gathers them)."""
 
 
-class HARTSGRPOTrainer(GRPOTrainer):
+class HARTSGRPOTrainer(HARTSTrainerMixin, GRPOTrainer):
     """
     [`~trl.GRPOTrainer`] that computes log-probs and entropies on the prefix forest of its rows:
     every shared prefix (system prompt, task, earlier turns, branches) once, forward and backward,
@@ -56,60 +55,14 @@ class HARTSGRPOTrainer(GRPOTrainer):
     _tag_names = ("trl", "grpo", "harts")
 
     def __init__(self, model, reward_funcs=None, args: HARTSGRPOConfig | None = None, *rest, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = HARTSGRPOConfig(f"{name.split('/')[-1]}-HARTS-GRPO")
+        args = args if args is not None else self._default_args(model, HARTSGRPOConfig, "GRPO")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._step_stats = torch.zeros(self.accelerator.num_processes, len(PASS_STATS), dtype=torch.float64)
         self._harts_step: HARTSStep | None = None
         self._loss_call: tuple | None = None  # (model, inputs) of the loss pass that is running
         self._served = -1  # the HARTS step's microbatch the last loss pass read
-        self._memory: MemoryModel | None = None  # the policy's, probed in its first pass
-        if not self._harts_enabled:
-            return
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "HARTSGRPOTrainer backpropagates each optimizer step through its own plan, which DeepSpeed's engine "
-                "does not let it drive: train with DDP or FSDP2 (accelerate config), or pass harts_enable=False"
-            )
-        for m in (self.model, self.ref_model):
-            if m is None:
-                continue
-            m = self.accelerator.unwrap_model(m)
-            base = m.get_base_model() if is_peft_model(m) else m
-            patch_model(base)
-            add_tree_forward(base)
-
-    @property
-    def _harts_enabled(self) -> bool:
-        return isinstance(self.args, HARTSGRPOConfig) and self.args.harts_enable
-
-    # ------------------------------------------------------------------ planning
-    def _plan(self, forest: RolloutForest) -> Plan:
-        """This rank's own forest, planned alone (the per-microbatch path)."""
-        return plan(forest, world_size=1, **self._plan_options())
-
-    def _plan_options(self) -> dict:
-        return dict(
-            **self.args.harts_budget,
-            memory_model=self._memory_model(),
-            cost_model=self.args.harts_planner_cost_model,
-            chunk_size=self.args.harts_chunk_size,
-        )
-
-    def _memory_model(self) -> MemoryModel:
-        """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
-        the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
-        without gradient sync."""
-        if self._memory is None and self.args.harts_memory_model is not None:
-            self._memory = MemoryModel(**self.args.harts_memory_model)
-        if self._memory is None:
-            acc, wrapped = self.accelerator, self.model_wrapped
-            unwrapped = acc.unwrap_model(wrapped)
-            base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-            with acc.no_sync(wrapped), acc.autocast():
-                self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
-        return self._memory
+        if self._harts_enabled:
+            self._prepare_harts((self.model, self.ref_model))
 
     # ------------------------------------------------------------------ the forward seam
     def _get_per_token_logps_and_entropies(

@@ -17,7 +17,7 @@ import torch
 
 from ..forest import RolloutForest
 
-__all__ = ["row_sequences", "rows_forest", "to_completion_layout"]
+__all__ = ["row_sequences", "rows_forest", "to_completion_layout", "to_shifted_layout"]
 
 
 def row_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:
@@ -28,6 +28,13 @@ def row_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
         )
     ids = input_ids.detach().cpu().numpy()  # [B, P + C]
     keep = attention_mask.detach().cpu().numpy().astype(bool)
+    real = keep.sum(1)
+    span = np.where(real > 0, keep.shape[1] - keep[:, ::-1].argmax(1) - keep.argmax(1), 0)
+    if (holes := np.flatnonzero(span != real)).size:
+        raise ValueError(
+            f"row {holes[0]}'s attention mask has gaps: a row's real tokens must be contiguous (left and / or right "
+            "padding) for its positions to be those of a forest trajectory"
+        )
     return [row[m] for row, m in zip(ids, keep)]
 
 
@@ -36,23 +43,38 @@ def rows_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Rollou
     return RolloutForest.from_sequences(row_sequences(input_ids, attention_mask))
 
 
+def to_shifted_layout(
+    values: torch.Tensor,  # [B, L - 1] trajectory layout
+    attention_mask: torch.Tensor,  # [B, S]
+) -> torch.Tensor:
+    """[B, S - 1]: TRL's fused-head layout of trajectory-layout values: column j of row i is the
+    value of the pair that predicts position j + 1 from position j (0 where either is padding). A
+    row's real tokens must be contiguous (left and / or right padding)."""
+    if values.size(0) != attention_mask.size(0) or attention_mask.size(1) < 2:
+        raise ValueError(
+            f"values {tuple(values.shape)} and attention_mask {tuple(attention_mask.shape)} do not fit: one row per "
+            "mask row, at least two columns"
+        )
+    mask = attention_mask.to(values.device).bool()
+    start = mask.int().argmax(1, keepdim=True)  # [B, 1] each row's first real column
+    cols = torch.arange(mask.size(1) - 1, device=values.device)[None] - start  # [B, S - 1] trajectory column
+    valid = mask[:, :-1] & mask[:, 1:]
+    if values.size(1) == 0:
+        return values.new_zeros(valid.shape)
+    picked = values.gather(1, cols.clamp(0, values.size(1) - 1))
+    return torch.where(valid, picked, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def to_completion_layout(
     values: torch.Tensor,  # [B, L - 1] trajectory layout
     attention_mask: torch.Tensor,  # [B, P + C]
     logits_to_keep: int,
 ) -> torch.Tensor:
-    """[B, C]: TRL's completion layout of trajectory-layout values (0 past each real completion)."""
+    """[B, C]: TRL's completion layout of trajectory-layout values (0 past each real completion):
+    the last C columns of :func:`to_shifted_layout`."""
     if values.size(0) != attention_mask.size(0) or not 0 < logits_to_keep < attention_mask.size(1):
         raise ValueError(
             f"values {tuple(values.shape)}, attention_mask {tuple(attention_mask.shape)} and logits_to_keep "
             f"{logits_to_keep} do not fit: one row per mask row, 0 < logits_to_keep < the mask's width"
         )
-    width = attention_mask.size(1) - logits_to_keep
-    mask = attention_mask.to(values.device)
-    prompt_len = mask[:, :width].sum(1, keepdim=True)  # [B, 1]
-    completion = mask[:, width:].bool()  # [B, C] real completion tokens (contiguous from column 0)
-    cols = prompt_len - 1 + torch.arange(logits_to_keep, device=values.device)[None]  # [B, C]
-    if values.size(1) == 0:
-        return values.new_zeros(completion.shape)
-    picked = values.gather(1, cols.clamp(max=values.size(1) - 1))
-    return torch.where(completion, picked, 0.0)
+    return to_shifted_layout(values, attention_mask)[:, -logits_to_keep:]

@@ -1,0 +1,78 @@
+"""What every harts-hf trainer shares: the patched models, the plan options and the memory model.
+
+A trainer is ``class HARTSXTrainer(HARTSTrainerMixin, XTrainer)`` with a ``HARTSXConfig``
+(``config.HARTSArguments``); after TRL's ``__init__`` it calls :meth:`_prepare_harts` with the
+models its passes run.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import DistributedType, is_peft_model
+
+from ..engine import memory_model
+from ..forest import RolloutForest
+from ..modeling import patch_model
+from ..planner import MemoryModel, Plan, plan
+from ._compat import add_tree_forward
+from .config import HARTSArguments
+
+__all__ = ["HARTSTrainerMixin"]
+
+
+class HARTSTrainerMixin:
+    """Planning and model preparation for a TRL trainer whose config has :class:`HARTSArguments`."""
+
+    _memory: MemoryModel | None = None  # the policy's, probed in its first pass
+
+    @staticmethod
+    def _default_args(model, config_class: type, kind: str) -> HARTSArguments:
+        """TRL's default config for ``model`` when none is given: ``<name>-HARTS-<kind>`` as the output dir."""
+        name = model if isinstance(model, str) else model.config._name_or_path or "model"
+        return config_class(f"{name.split('/')[-1]}-HARTS-{kind}")
+
+    @property
+    def _harts_enabled(self) -> bool:
+        return isinstance(self.args, HARTSArguments) and self.args.harts_enable
+
+    def _prepare_harts(self, models: tuple[torch.nn.Module | None, ...]) -> None:
+        """Refuse DeepSpeed (its engine drives the backward), patch ``models`` and let their forward
+        run the engine's unit calls (``model(harts_call=run)``, seen by DDP / FSDP2)."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                f"{type(self).__name__} runs its passes through its own plan, which DeepSpeed's engine does not let "
+                "it drive: train with DDP or FSDP2 (accelerate config), or pass harts_enable=False"
+            )
+        for m in models:
+            if m is None:
+                continue
+            m = self.accelerator.unwrap_model(m)
+            base = m.get_base_model() if is_peft_model(m) else m
+            patch_model(base)
+            add_tree_forward(base)
+
+    def _plan(self, forest: RolloutForest) -> Plan:
+        """This rank's own forest, planned alone (the per-microbatch path)."""
+        return plan(forest, world_size=1, **self._plan_options())
+
+    def _plan_options(self) -> dict:
+        return dict(
+            **self.args.harts_budget,
+            memory_model=self._memory_model(),
+            cost_model=self.args.harts_planner_cost_model,
+            chunk_size=self.args.harts_chunk_size,
+        )
+
+    def _memory_model(self) -> MemoryModel:
+        """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
+        the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
+        without gradient sync."""
+        if self._memory is None and self.args.harts_memory_model is not None:
+            self._memory = MemoryModel(**self.args.harts_memory_model)
+        if self._memory is None:
+            acc, wrapped = self.accelerator, self.model_wrapped
+            unwrapped = acc.unwrap_model(wrapped)
+            base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+            with acc.no_sync(wrapped), acc.autocast():
+                self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
+        return self._memory

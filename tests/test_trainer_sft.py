@@ -1,0 +1,143 @@
+"""HARTSSFTTrainer == TRL's SFTTrainer on the same samples: parameters after every step, losses and
+metrics (fp32, SGD; see test_trainer_exactness.py for why not Adam).
+
+The samples are per-turn samples of conversations, as reasoning-agent SFT makes them: sample t + 1's
+prompt is sample t's prompt and completion plus the next user turn, so a microbatch's samples share
+long prefixes (one tree per conversation). Cases: prompt-completion samples (TRL's
+``completion_only_loss``: the prompt is not scored) under SFT's default gradient checkpointing, and
+plain text (every token scored) with two microbatches per step; the MoE router aux loss of a MoE
+model through the same seam.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from tiny_models import tiny_model
+from transformers import TrainerCallback
+
+from harts_hf.envs.tokenizer import build_tokenizer
+from harts_hf.trainers import HARTSSFTConfig, HARTSSFTTrainer
+
+TOL = 1e-5
+CASES = {
+    "prompt-completion-checkpointing": dict(data="prompt-completion", gradient_checkpointing=True),
+    "text-two-microbatches": dict(data="text", gradient_accumulation_steps=2, per_device_train_batch_size=3),
+    "moe-router-aux": dict(data="prompt-completion", model="qwen3_5_moe"),
+}
+
+
+def per_turn_samples(conversations: int, turns: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, completion) per turn: the prompt is the whole history up to the turn's user message."""
+    rng = np.random.default_rng(seed)
+    word = lambda n: "".join(rng.choice(list("abcdefghij "), n))
+    samples = []
+    for _ in range(conversations):
+        history = "sys:" + word(12)
+        for _ in range(turns):
+            history += " user:" + word(int(rng.integers(3, 8)))
+            reply = " bot:" + word(int(rng.integers(4, 10)))
+            samples.append((history, reply))
+            history += reply
+    return samples
+
+
+def dataset(kind: str) -> Dataset:
+    samples = per_turn_samples(4, 3)
+    if kind == "text":
+        return Dataset.from_dict({"text": [p + c for p, c in samples]})
+    return Dataset.from_dict({"prompt": [p for p, _ in samples], "completion": [c for _, c in samples]})
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self):
+        self.params = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+
+
+def train(case: str, harts: bool, tmp_path) -> dict:
+    from trl import SFTConfig, SFTTrainer
+
+    options = dict(CASES[case])
+    data, family = options.pop("data"), options.pop("model", "qwen3_5")
+    config_cls, trainer_cls = (HARTSSFTConfig, HARTSSFTTrainer) if harts else (SFTConfig, SFTTrainer)
+    args = dict(
+        output_dir=str(tmp_path / f"{case}-{harts}"),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=6,
+        max_steps=3,
+        learning_rate=0.1,
+        optim="sgd",
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        dataloader_drop_last=True,
+    )
+    snaps = Snapshots()
+    trainer = trainer_cls(
+        model=tiny_model(family, seed=0),
+        args=config_cls(**(args | options)),
+        processing_class=build_tokenizer(),
+        train_dataset=dataset(data),
+        callbacks=[snaps],
+    )
+    snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return {"params": snaps.params, "history": history}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_sft_matches_stock(case, tmp_path, monkeypatch):
+    import harts_hf.trainers.sft as sft
+
+    forests, fused = [], sft.fused_outputs
+    monkeypatch.setattr(
+        sft, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or fused(model, forest, *a, **k)
+    )
+    stock, harts = train(case, False, tmp_path), train(case, True, tmp_path)
+    steps = CASES[case].get("gradient_accumulation_steps", 1) * 3
+    assert len(forests) == steps  # every microbatch ran as a forest
+    assert sum(f.num_trajectory_tokens for f in forests) > 1.02 * sum(f.num_compact_tokens for f in forests)
+    assert len(stock["params"]) == len(harts["params"]) == 4  # the start, then after each of the 3 steps
+    assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
+    for step, (a, b) in enumerate(zip(stock["params"], harts["params"])):
+        assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
+    keys = ["loss", "entropy", "mean_token_accuracy", "num_tokens"] + (["aux_loss"] if "moe" in case else [])
+    for a, b in zip(stock["history"], harts["history"]):
+        np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], rtol=TOL, atol=1e-7)
+
+
+def test_per_turn_samples_share_their_history():
+    """The workload shares what the tests say it does: each conversation's samples are one tree."""
+    from harts_hf.forest import RolloutForest
+
+    tok = build_tokenizer()
+    samples = per_turn_samples(4, 3)
+    forest = RolloutForest.from_sequences([tok(p + c)["input_ids"] for p, c in samples])
+    assert len(forest.roots) == 1 and forest.compression > 1.8  # every sample starts "sys:"
+
+
+def test_labels_that_are_not_the_inputs_are_refused():
+    from harts_hf.modeling import patch_model
+    from harts_hf.trainers.fused import fused_outputs
+    from harts_hf.trainers.rows import rows_forest
+
+    model = patch_model(tiny_model("qwen3_5"))
+    ids = torch.tensor([[3, 4, 5, 6], [3, 4, 7, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    forest = rows_forest(ids, mask)
+    out = fused_outputs(model, forest, ids, mask, labels)
+    assert out.log_probs.shape == (2, 3) and out.label_mask.sum() == 5 and out.is_top1.dtype == torch.bool
+    with pytest.raises(ValueError, match="labels must be the input ids"):
+        fused_outputs(model, forest, ids, mask, labels.masked_fill(labels == 5, 9))
