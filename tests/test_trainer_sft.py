@@ -3,10 +3,11 @@ metrics (fp32, SGD; see test_trainer_exactness.py for why not Adam).
 
 The samples are per-turn samples of conversations, as reasoning-agent SFT makes them: sample t + 1's
 prompt is sample t's prompt and completion plus the next user turn, so a microbatch's samples share
-long prefixes (one tree per conversation). Cases: prompt-completion samples (TRL's
-``completion_only_loss``: the prompt is not scored) under SFT's default gradient checkpointing, and
-plain text (every token scored) with two microbatches per step; the MoE router aux loss of a MoE
-model through the same seam.
+long prefixes (one tree per conversation). Cases: agent conversations cut into per-turn samples
+(``harts_hf.data.turn_samples``: tool calls, tool results, reasoning; TRL's conversational format
+and ``completion_only_loss``) under SFT's default gradient checkpointing, the same shape as plain
+prompt-completion text, plain text (every token scored) with two microbatches per step, and the
+MoE router aux loss of a MoE model through the same seam.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from test_data_conversations import STABLE
 from tiny_models import tiny_model
 from transformers import TrainerCallback
 
+from harts_hf.data import agent_conversations, turn_samples
 from harts_hf.envs.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSSFTConfig, HARTSSFTTrainer
 
 TOL = 1e-5
 CASES = {
-    "prompt-completion-checkpointing": dict(data="prompt-completion", gradient_checkpointing=True),
+    "agent-conversations-checkpointing": dict(data="conversations", gradient_checkpointing=True),
+    "prompt-completion": dict(data="prompt-completion"),
     "text-two-microbatches": dict(data="text", gradient_accumulation_steps=2, per_device_train_batch_size=3),
     "moe-router-aux": dict(data="prompt-completion", model="qwen3_5_moe"),
 }
@@ -45,6 +49,8 @@ def per_turn_samples(conversations: int, turns: int, seed: int = 0) -> list[tupl
 
 
 def dataset(kind: str) -> Dataset:
+    if kind == "conversations":  # TRL's conversational prompt-completion format, tool calls and reasoning
+        return Dataset.from_list(turn_samples(agent_conversations(3, turns=2, seed=0)))
     samples = per_turn_samples(4, 3)
     if kind == "text":
         return Dataset.from_dict({"text": [p + c for p, c in samples]})
@@ -82,10 +88,12 @@ def train(case: str, harts: bool, tmp_path) -> dict:
         dataloader_drop_last=True,
     )
     snaps = Snapshots()
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = STABLE
     trainer = trainer_cls(
         model=tiny_model(family, seed=0),
         args=config_cls(**(args | options)),
-        processing_class=build_tokenizer(),
+        processing_class=tokenizer,
         train_dataset=dataset(data),
         callbacks=[snaps],
     )

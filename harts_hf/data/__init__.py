@@ -1,0 +1,23 @@
+"""Training data as forests: agent conversations as per-turn SFT samples, and a built-in synthetic set."""
+
+from .conversations import (
+    REASONING_KEY,
+    TemplateBreak,
+    check_prefix_stable,
+    conversation_forest,
+    prefix_breaks,
+    sample_ids,
+    turn_samples,
+)
+from .synthetic import agent_conversations
+
+__all__ = [
+    "REASONING_KEY",
+    "TemplateBreak",
+    "agent_conversations",
+    "check_prefix_stable",
+    "conversation_forest",
+    "prefix_breaks",
+    "sample_ids",
+    "turn_samples",
+]

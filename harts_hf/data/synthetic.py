@@ -1,0 +1,35 @@
+"""A built-in synthetic agent-conversation dataset (no download): system, user, assistant turns with
+reasoning and tool calls, tool results, a final answer. For tests and recipes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["agent_conversations"]
+
+_WORDS = ("ledger", "balance", "entry", "check", "total", "note", "sum", "row", "file", "value")
+
+
+def agent_conversations(n: int, *, turns: int = 3, seed: int = 0) -> list[list[dict]]:
+    """``n`` conversations in TRL's messages format, each ``turns`` tool-using assistant turns (with
+    ``reasoning_content`` and one ``tool_calls`` entry, then the tool's result) and a final answer."""
+    if n < 1 or turns < 0:
+        raise ValueError(f"need n >= 1 conversations and turns >= 0, got n={n}, turns={turns}")
+    rng = np.random.default_rng(seed)
+    words = lambda k: " ".join(rng.choice(_WORDS, k))
+    out = []
+    for _ in range(n):
+        messages = [
+            {"role": "system", "content": "You keep a ledger. Use the tool to read it."},
+            {"role": "user", "content": f"Task: {words(4)}."},
+        ]
+        for turn in range(turns):
+            row = int(rng.integers(0, 100))
+            call = {"type": "function", "function": {"name": "read_row", "arguments": {"row": row}}}
+            messages.append(
+                {"role": "assistant", "content": "", "reasoning_content": f"I need {words(3)}.", "tool_calls": [call]}
+            )
+            messages.append({"role": "tool", "name": "read_row", "content": f"row {row}: {words(2)}"})
+        messages.append({"role": "assistant", "content": f"Done: {words(3)}.", "reasoning_content": "All read."})
+        out.append(messages)
+    return out
