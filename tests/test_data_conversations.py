@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harts_hf.data import (
+    AGENT_CHAT_TEMPLATE,
     agent_conversations,
     check_prefix_stable,
     conversation_forest,
@@ -15,13 +16,7 @@ from harts_hf.data import (
 )
 from harts_hf.envs.tokenizer import build_tokenizer
 
-# Renders reasoning and tool calls; every message the same wherever it stands (prefix-stable).
-STABLE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
-    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
-    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<|act|>{{ c['function']['name'] }}"
-    "({{ c['function']['arguments']['row'] }}){% endfor %}{% endfor %}"
-)
+STABLE = AGENT_CHAT_TEMPLATE  # every message the same wherever it stands
 # Shows an assistant turn's reasoning only when it is the last message (what a Qwen3-style template
 # does to earlier turns): the same history renders differently once a turn follows it.
 LAST_ONLY = STABLE.replace("{% if m.get('reasoning_content') %}", "{% if loop.last and m.get('reasoning_content') %}")

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from test_data_conversations import STABLE
 from tiny_models import tiny_model
 from transformers import TrainerCallback
 
-from harts_hf.data import agent_conversations, turn_samples
+from harts_hf.data import agent_conversations, agent_tokenizer, turn_samples
 from harts_hf.envs.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSSFTConfig, HARTSSFTTrainer
 
@@ -88,12 +87,10 @@ def train(case: str, harts: bool, tmp_path) -> dict:
         dataloader_drop_last=True,
     )
     snaps = Snapshots()
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = STABLE
     trainer = trainer_cls(
         model=tiny_model(family, seed=0),
         args=config_cls(**(args | options)),
-        processing_class=tokenizer,
+        processing_class=agent_tokenizer(),
         train_dataset=dataset(data),
         callbacks=[snaps],
     )

@@ -9,12 +9,14 @@ from .conversations import (
     sample_ids,
     turn_samples,
 )
-from .synthetic import agent_conversations
+from .synthetic import AGENT_CHAT_TEMPLATE, agent_conversations, agent_tokenizer
 
 __all__ = [
+    "AGENT_CHAT_TEMPLATE",
     "REASONING_KEY",
     "TemplateBreak",
     "agent_conversations",
+    "agent_tokenizer",
     "check_prefix_stable",
     "conversation_forest",
     "prefix_breaks",

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["agent_conversations"]
+from ..envs.tokenizer import build_tokenizer
+
+__all__ = ["AGENT_CHAT_TEMPLATE", "agent_conversations", "agent_tokenizer"]
+
+AGENT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<|act|>{{ c['function']['name'] }}"
+    "({{ c['function']['arguments']['row'] }}){% endfor %}{% endfor %}"
+)
+"""Renders reasoning and tool calls, every message the same wherever it stands (prefix-stable);
+guards the keys ``datasets`` fills with None."""
 
 _WORDS = ("ledger", "balance", "entry", "check", "total", "note", "sum", "row", "file", "value")
 
@@ -33,3 +44,10 @@ def agent_conversations(n: int, *, turns: int = 3, seed: int = 0) -> list[list[d
         messages.append({"role": "assistant", "content": f"Done: {words(3)}.", "reasoning_content": "All read."})
         out.append(messages)
     return out
+
+
+def agent_tokenizer():
+    """The in-code character tokenizer (``harts_hf.envs.build_tokenizer``) with :data:`AGENT_CHAT_TEMPLATE`."""
+    tok = build_tokenizer()
+    tok.chat_template = AGENT_CHAT_TEMPLATE
+    return tok
