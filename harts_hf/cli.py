@@ -93,6 +93,14 @@ def _check_config(args: argparse.Namespace) -> None:
             raise SystemExit(f"harts-hf {args.command}: {err}") from err
 
 
+def _add_run_options(p: argparse.ArgumentParser, *, plot: str) -> None:
+    """--device, --dtype, --json and --plot of a benchmark command (``plot``: what its figure draws)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
+    p.add_argument("--plot", type=Path, metavar="PNG", help=plot)
+
+
 def _write_json(path: Path | None, record: dict) -> None:
     """Save a command's record as indented JSON when ``--json`` asked for it, and say where."""
     if path is not None:
@@ -259,10 +267,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         "--scale", type=_positive_float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
     )
     p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default: default; gpu for a CUDA run)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="draw seconds per phase and mode, the ideal marked")
+    _add_run_options(p, plot="draw seconds per phase and mode, the ideal marked")
     p.set_defaults(run=cmd_bench)
 
 
@@ -351,10 +356,7 @@ def _memory_parser(sub: argparse._SubParsersAction) -> None:
         "--stock-max-tokens", type=_positive_int, metavar="N", help="run stock where L is at most N (default 8192)"
     )
     p.add_argument("--repeats", type=_positive_int, help="runs per mode and length; the fastest counts (default 1)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default fp32")
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the record to this JSON file")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="draw peak MB and step seconds against length")
+    _add_run_options(p, plot="draw peak MB and step seconds against length")
     p.set_defaults(run=cmd_memory)
 
 

@@ -292,10 +292,8 @@ class RolloutForest:
     def multiplicity_of(self, trajectories: np.ndarray) -> np.ndarray:
         """[N] how many of ``trajectories`` (indices) pass through each compact token (``multiplicity``
         counts them all)."""
-        trajectories = np.asarray(trajectories, dtype=np.int64)
-        starts, lengths = self.traj_offsets[trajectories], self.lengths[trajectories]
-        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return np.bincount(self.restore[np.repeat(starts, lengths) + within], minlength=self.num_compact_tokens)
+        chosen = np.isin(self._traj_row, trajectories)  # [T] the trajectory tokens of the chosen ones
+        return np.bincount(self.restore[chosen], minlength=self.num_compact_tokens)
 
     def trajectory_index(self, i: int) -> np.ndarray:
         """[len_i] compact index of each token of trajectory i."""

@@ -57,6 +57,11 @@ class PeakMemory:
         self._base = 0
         self._profile: torch.profiler.profile | None = None
 
+    def tracks(self, timed: bool) -> bool:
+        """Whether a run that is (not) ``timed`` is tracked: every timed run, unless tracking slows
+        the run; then the untimed ones (warm-ups, a run of its own)."""
+        return timed != self.slows
+
     def __enter__(self) -> PeakMemory:
         gc.collect()
         if self.device.type == "cuda":

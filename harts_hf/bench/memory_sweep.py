@@ -121,18 +121,19 @@ def _measure(model: torch.nn.Module, repeats: int, bar: tqdm, step: Callable[...
     *args)``, each from zeroed (allocated) gradients; where tracking memory slows a run (CPU), the
     peak comes from one more run of its own."""
     device = model.get_output_embeddings().weight.device
+    untimed = int(PeakMemory(device).slows)
     peaks, seconds = [], []
-    for run in range(repeats + PeakMemory(device).slows):
+    for run in range(untimed + repeats):
         model.zero_grad(set_to_none=False)
-        tracked = PeakMemory(device)
-        timed = run >= tracked.slows
-        with tracked if run == 0 else contextlib.nullcontext():
+        meter, timed = PeakMemory(device), run >= untimed
+        with meter if meter.tracks(timed) else contextlib.nullcontext():
             began = step_clock(device)[0]
             loss = step(model, *args)
-            if timed:
-                seconds.append(step_clock(device)[0] - began)
-        if run == 0:
-            peaks.append(tracked.peak_bytes)
+            elapsed = step_clock(device)[0] - began
+        if meter.tracks(timed):
+            peaks.append(meter.peak_bytes)
+        if timed:
+            seconds.append(elapsed)
         bar.update()
     return {"peak_mb": max(peaks) / _MB, "seconds": float(min(seconds)), "loss": float(loss)}
 

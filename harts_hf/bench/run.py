@@ -135,7 +135,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
             bar.set_postfix_str(f"{mode.name} {'rep ' + str(rep - config.warmup + 1) if timed else 'warm-up'}")
             model.zero_grad(set_to_none=True)
             memory = PeakMemory(device)
-            tracked = timed != memory.slows  # a meter that slows the step tracks the warm-ups only
+            tracked = memory.tracks(timed)
             with memory if tracked else contextlib.nullcontext():
                 result = mode.step(model)
             if timed:

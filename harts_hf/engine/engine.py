@@ -157,6 +157,14 @@ class TreeEngine:
         ]
         self._token_index = [torch.as_tensor(u.tokens, device=self.device) for u in self.units]
 
+    def computed_tokens(self) -> list[torch.Tensor]:
+        """Per forest [N_f] bool: the compact tokens this rank's units compute (a shared trunk may be
+        computed on several ranks)."""
+        out = [torch.zeros(f.num_compact_tokens, dtype=torch.bool, device=self.device) for f in self.forests]
+        for unit, tokens in zip(self.units, self._token_index):
+            out[unit.forest][tokens] = True
+        return out
+
     def logprobs(
         self, return_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -301,7 +309,7 @@ class TreeEngine:
                 self._send(store, handoff, tensors, unit_grads)
         for done in range(len(self.units), self.calls):
             with self._sync_last(done):
-                lp, _, _ = self._run(self._padding, Handoff(Store(), self._padding, grad=True), False)
+                lp, _, _ = self._run_padding(grad=True)
                 torch.autograd.backward(lp, torch.zeros_like(lp))
 
     def _sync_last(self, done: int) -> AbstractContextManager:
@@ -365,10 +373,14 @@ class TreeEngine:
             ents.append(ent)
             routers.append(logits)
         for _ in range(len(self.units), self.calls):
-            _, _, logits = self._run(self._padding, Handoff(Store(), self._padding, grad=False), False, router)
+            _, _, logits = self._run_padding(grad=False, router=router)
             routers.append(logits)  # not scattered: the shape of a rank without units
         values, ents = self._scatter(lps), self._scatter(ents) if entropy else None
         return values, ents, self._scatter_tokens(routers, routers[0]) if router else None
+
+    def _run_padding(self, *, grad: bool, router: bool = False):
+        """A padding call (:func:`_padding_unit`): records nothing any unit reads."""
+        return self._run(self._padding, Handoff(Store(), self._padding, grad=grad), False, router)
 
     def _run(
         self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False

@@ -139,9 +139,7 @@ class HARTSStep:
             entropies = None if entropies is None else acc.reduce(entropies, "sum")
             routers = None if routers is None else acc.reduce(routers, "sum")
         if routers is not None:  # a token the plan computes on several ranks (a shared trunk): their mean
-            computed = torch.zeros(self.forest.num_compact_tokens, device=acc.device)
-            for unit in self.engine.units:
-                computed[torch.as_tensor(unit.tokens, device=acc.device)] = 1.0
+            computed = self.engine.computed_tokens()[0].float()  # [N]
             self._copies = (acc.reduce(computed, "sum") if acc.num_processes > 1 else computed)[:, None]  # [N, 1]
             routers = routers / self._copies
         self.router_logits = None if routers is None else routers.requires_grad_(self.grad)
