@@ -103,11 +103,11 @@ def train(case: str, harts: bool, tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_matches_stock(case, tmp_path, monkeypatch):
-    import harts_hf.trainers.sft as sft
+    import harts_hf.trainers.fused as fused
 
-    forests, fused = [], sft.fused_outputs
+    forests, run = [], fused.fused_outputs
     monkeypatch.setattr(
-        sft, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or fused(model, forest, *a, **k)
+        fused, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or run(model, forest, *a, **k)
     )
     stock, harts = train(case, False, tmp_path), train(case, True, tmp_path)
     steps = CASES[case].get("gradient_accumulation_steps", 1) * 3
@@ -142,7 +142,8 @@ def test_labels_that_are_not_the_inputs_are_refused():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     labels = ids.masked_fill(mask == 0, -100)
     forest = rows_forest(ids, mask)
-    out = fused_outputs(model, forest, ids, mask, labels)
+    out = fused_outputs(model, forest, ids, mask, labels, statistics=("is_top1", "mean_logits"))
     assert out.log_probs.shape == (2, 3) and out.label_mask.sum() == 5 and out.is_top1.dtype == torch.bool
+    assert out.entropy is None and out.mean_logits.shape == (2, 3)  # what was asked, as TRL's head
     with pytest.raises(ValueError, match="labels must be the input ids"):
         fused_outputs(model, forest, ids, mask, labels.masked_fill(labels == 5, 9))

@@ -394,8 +394,9 @@ class TreeEngine:
         def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
             out = run_base(self.hf, self.adapter, unit.input_ids, batch, **extra)
             hidden = out.last_hidden_state[0]  # [N, H]
-            lp, ent, _ = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, entropy)
-            return lp, ent, torch.stack(out.router_logits) if router else None
+            statistics = ("entropy",) if entropy else ()
+            lp, stats = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, statistics)
+            return lp, stats.get("entropy"), torch.stack(out.router_logits) if router else None
 
         return self._forward(run)
 

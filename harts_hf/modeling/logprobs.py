@@ -33,6 +33,7 @@ from .tables import model_tables, run_base
 
 __all__ = [
     "HEAD_CHUNK_ELEMENTS",
+    "PAIR_STATISTICS",
     "Head",
     "TreeOutput",
     "compile_forest",
@@ -56,6 +57,8 @@ class TreeOutput:
             equals the loss of a padded batch of all trajectories (when asked).
         expert_load: [MoE layers, E] fraction of top-k assignments per expert, weighted the same way.
         is_top1: [B, max_len - 1] whether token t + 1 is the most likely one (when asked; no gradient).
+        mean_logits: [B, max_len - 1] the mean of the logits predicting column t (when asked; no gradient).
+        log_sum_sq_probs: [B, max_len - 1] log sum_v p_v^2 of that distribution (when asked; no gradient).
     """
 
     logprobs: torch.Tensor
@@ -63,6 +66,8 @@ class TreeOutput:
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
     is_top1: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 def validate_temperature(temperature: float) -> None:
@@ -107,6 +112,13 @@ def validate_forest(hf, forest: RolloutForest) -> None:
         )
 
 
+PAIR_STATISTICS = ("entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+"""What the head can compute per pair besides the log-prob, as TRL's fused head names them: the
+entropy of the predicting distribution (differentiable), whether the target is its most likely
+token, the mean of its (temperature-scaled) logits and log sum_v p_v^2 (WPO's weights); the last
+three carry no gradient."""
+
+
 def _head_chunk(
     hidden: torch.Tensor,  # [N, H]
     rows: torch.Tensor,  # [C] predictor index of each pair
@@ -114,17 +126,20 @@ def _head_chunk(
     *,
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
-    entropy: bool,
-    top1: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    statistics: tuple[str, ...],
+) -> tuple[torch.Tensor, ...]:
     logits = logits_of(hidden.index_select(0, rows)).float()  # [C, V]
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.log_softmax(-1)
     chosen = logp.gather(-1, targets[:, None])[:, 0]  # [C]
-    ent = -(logp.exp() * logp).sum(-1) if entropy else chosen.new_zeros(())
-    best = logits.argmax(-1) == targets if top1 else chosen.new_zeros((), dtype=torch.bool)
-    return chosen, ent, best
+    compute = {
+        "entropy": lambda: -(logp.exp() * logp).sum(-1),
+        "is_top1": lambda: logits.argmax(-1) == targets,
+        "mean_logits": lambda: logits.detach().mean(-1),
+        "log_sum_sq_probs": lambda: torch.logsumexp(2 * logp.detach(), -1),
+    }
+    return chosen, *(compute[name]() for name in statistics)
 
 
 @dataclass(frozen=True)
@@ -141,24 +156,21 @@ class Head:
         rows: torch.Tensor,
         targets: torch.Tensor,
         temperature: float,
-        entropy: bool,
-        top1: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """[P] log-prob (and entropy; whether the target is the most likely token) of the pairs
-        (predictor ``rows`` of ``hidden``, ``targets``)."""
-        fn = functools.partial(
-            _head_chunk, logits_of=self.logits_of, temperature=temperature, entropy=entropy, top1=top1
-        )
-        # Start from an empty slice of hidden: no pairs still leaves log-probs on the graph.
-        lps, ents = [hidden[:0, 0].float()], [hidden.new_zeros(0, dtype=torch.float32)]
-        tops = [torch.zeros(0, dtype=torch.bool, device=hidden.device)]
-        for s in range(0, rows.numel(), self.chunk):
+        statistics: tuple[str, ...] = (),
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """[P] log-probs of the pairs (predictor ``rows`` of ``hidden``, ``targets``) and, by name,
+        the [P] :data:`PAIR_STATISTICS` asked for."""
+        if unknown := set(statistics) - set(PAIR_STATISTICS):
+            raise ValueError(f"unknown pair statistics {sorted(unknown)}; the head computes {PAIR_STATISTICS}")
+        fn = functools.partial(_head_chunk, logits_of=self.logits_of, temperature=temperature, statistics=statistics)
+        parts: list[list[torch.Tensor]] = [[] for _ in range(1 + len(statistics))]
+        for s in range(0, max(rows.numel(), 1), self.chunk):  # no pairs: one empty chunk, still on the graph
             args = (hidden, rows[s : s + self.chunk], targets[s : s + self.chunk])
-            lp, ent, best = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
-            lps.append(lp)
-            ents.append(ent.reshape(-1))
-            tops.append(best.reshape(-1))
-        return torch.cat(lps), torch.cat(ents) if entropy else None, torch.cat(tops) if top1 else None
+            out = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+            for part, value in zip(parts, out):
+                part.append(value)
+        stats = {name: torch.cat(part) for name, part in zip(statistics, parts[1:])}
+        return torch.cat(parts[0]), stats
 
 
 def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None) -> Head:
@@ -185,21 +197,22 @@ def tree_forward(
     temperature: float = 1.0,
     return_entropy: bool = False,
     output_router_logits: bool = False,
-    return_top1: bool = False,
+    statistics: tuple[str, ...] = (),
     head_chunk_tokens: int | None = None,
 ) -> TreeOutput:
     """Run a patched model over ``forest`` once; see :class:`TreeOutput`.
 
-    ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
-    computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
-    routing depends only on its own hidden state, so each compact token stands for all of its
-    ``multiplicity`` trajectory copies. ``return_top1`` adds whether each target is the most
-    likely token (TRL's token accuracy). ``head_chunk_tokens`` overrides the pairs per head chunk.
+        ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
+        computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
+        routing depends only on its own hidden state, so each compact token stands for all of its
+        ``multiplicity`` trajectory copies. ``return_top1`` adds whether each target is the most
+        likely token (TRL's token accuracy), ``return_mean_logits`` the mean of the logits predicting
+    it (TRL's ``logits/*`` metrics). ``head_chunk_tokens`` overrides the pairs per head chunk.
 
-    In train mode, dropout and router noise draw once per compact token, so trajectories that share a
-    prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
-    trajectory-wise training) but the trajectories' noise is correlated. A warning says so (TRL's
-    ``disable_dropout=True`` switches dropout off).
+        In train mode, dropout and router noise draw once per compact token, so trajectories that share a
+        prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
+        trajectory-wise training) but the trajectories' noise is correlated. A warning says so (TRL's
+        ``disable_dropout=True`` switches dropout off).
     """
     validate_temperature(temperature)
     hf, adapter = patched_adapter(model)
@@ -218,11 +231,12 @@ def tree_forward(
     extra = {"output_router_logits": True} if output_router_logits else {}
     out = run_base(hf, adapter, unit.input_ids, unit.batch, **extra)
     hidden = out.last_hidden_state[0]  # [N, H]
-    lp, ent, top1 = pair_head.pair_values(
-        hidden, unit.pair_rows, unit.targets, temperature, return_entropy, return_top1
+    lp, stats = pair_head.pair_values(
+        hidden, unit.pair_rows, unit.targets, temperature, ("entropy",) * return_entropy + tuple(statistics)
     )
-    result = TreeOutput(layout(lp), layout(ent) if return_entropy else None)
-    result.is_top1 = layout(top1) > 0 if return_top1 else None
+    result = TreeOutput(layout(lp), layout(stats.pop("entropy")) if return_entropy else None)
+    for name, value in stats.items():
+        setattr(result, name, layout(value) > 0 if value.dtype == torch.bool else layout(value))
     if output_router_logits:
         weights = torch.as_tensor(forest.multiplicity, device=hidden.device, dtype=torch.float32)  # [N]
         result.aux_loss = router_aux_loss(hf, out.router_logits, weights)

@@ -6,14 +6,16 @@
    and ``model(harts_call=run)`` runs one of the engine's unit calls. Called through whatever wraps
    the model (DDP, FSDP2, PEFT), the wrapper sees an ordinary forward, so its gradient
    synchronisation and parameter gathering work unchanged.
-2. ``GRPOTrainer._prepare_inputs`` keeps the generation batch's ``steps_per_generation``
-   microbatches in ``_buffered_inputs`` and hands out ``_buffered_inputs[_step % steps_per_generation]``:
-   a HARTS step reads the rest of its optimizer step's microbatches there (``step.py``).
-3. ``GRPOTrainer.training_step`` times each microbatch into ``step_time`` before the HARTS step's
-   backward runs, which :func:`add_step_time` adds.
+2. ``GRPOTrainer._prepare_inputs`` (and ``RLOOTrainer``'s, the same code) keeps the generation
+   batch's ``steps_per_generation`` microbatches in ``_buffered_inputs`` and hands out
+   ``_buffered_inputs[_step % steps_per_generation]``: a HARTS step reads the rest of its
+   optimizer step's microbatches there (``step.py``).
+3. ``GRPOTrainer.training_step`` (and ``RLOOTrainer``'s) times each microbatch into ``step_time``
+   before the HARTS step's backward runs, which :func:`add_step_time` adds.
 4. ``GRPOTrainer._compute_loss`` backpropagates through the entropies for the entropy bonus
    (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
-   (``aux_loss_enabled``; the HARTS step returns each microbatch's, ``HARTSStep.aux_loss``).
+   (``aux_loss_enabled``; the HARTS step returns each microbatch's, ``HARTSStep.aux_loss``);
+   ``RLOOTrainer._compute_loss`` reads the same seam (no entropy bonus).
 5. ``SFTTrainer.compute_loss`` reads ``model(**inputs, fused_lm_head=True)``'s per-token fields
    (``add_fused_lm_head``'s ``FusedCausalLMOutput``): :func:`add_tree_fused_head` answers that call.
 """

@@ -1,16 +1,17 @@
 """The fields that steer forest execution (``HARTSArguments``) and TRL's configs with them:
-``HARTSGRPOConfig`` (``GRPOConfig``) and ``HARTSSFTConfig`` (``SFTConfig``)."""
+``HARTSGRPOConfig`` (``GRPOConfig``), ``HARTSRLOOConfig`` (``RLOOConfig``), ``HARTSSFTConfig``
+(``SFTConfig``) and ``HARTSDPOConfig`` (``DPOConfig``)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
 from ..planner import CHUNK_SIZE, DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, CostModel, MemoryModel
 
-__all__ = ["HARTSArguments", "HARTSGRPOConfig", "HARTSSFTConfig"]
+__all__ = ["HARTSArguments", "HARTSDPOConfig", "HARTSGRPOConfig", "HARTSRLOOConfig", "HARTSSFTConfig"]
 
 
 @dataclass
@@ -117,8 +118,25 @@ class HARTSGRPOConfig(HARTSArguments, GRPOConfig):
 
 
 @dataclass
+class HARTSRLOOConfig(HARTSArguments, RLOOConfig):
+    r"""
+    Configuration class for [`HARTSRLOOTrainer`]: every [`~trl.RLOOConfig`] field, plus the `harts_*` fields of
+    [`HARTSArguments`]: each optimizer step's rows, from every rank, are planned at once.
+    """
+
+
+@dataclass
 class HARTSSFTConfig(HARTSArguments, SFTConfig):
     r"""
     Configuration class for [`HARTSSFTTrainer`]: every [`~trl.SFTConfig`] field, plus the `harts_*` fields of
     [`HARTSArguments`]: each microbatch's samples are one forest (their shared prefixes computed once).
+    """
+
+
+@dataclass
+class HARTSDPOConfig(HARTSArguments, DPOConfig):
+    r"""
+    Configuration class for [`HARTSDPOTrainer`]: every [`~trl.DPOConfig`] field, plus the `harts_*` fields of
+    [`HARTSArguments`]: each microbatch's chosen and rejected rows are one forest (the prompt, in multi-turn DPO the
+    whole history, computed once for the pair).
     """

@@ -1,25 +1,34 @@
 """TRL's fused LM head (``model(..., labels=labels, fused_lm_head=True)``) on the forest of a padded batch.
 
-TRL 1.16's SFT, DPO and RLOO trainers read per-token outputs of that call in the shifted layout
+TRL 1.16's SFT and DPO trainers read per-token outputs of that call in the shifted layout
 [B, S - 1] (column j scores ``labels[:, j + 1]`` from position j, 0 where the label is -100):
-``log_probs``, ``entropy``, ``is_top1``, ``label_mask`` and, for MoE models, ``aux_loss``
-(``trl.trainer.utils.FusedCausalLMOutput``). :func:`fused_outputs` computes them with one tree
-pass over the batch's rows, every shared prefix once, and scatters them back
+``log_probs``, ``entropy``, ``is_top1``, ``mean_logits``, ``label_mask`` and, for MoE models,
+``aux_loss`` (``trl.trainer.utils.FusedCausalLMOutput``). :func:`fused_outputs` computes them with
+one tree pass over the batch's rows, every shared prefix once, and scatters them back
 (``rows.to_shifted_layout``), so the trainer's own loss and metrics run unchanged.
+:class:`HARTSFusedHeadMixin` answers the call with it in a trainer.
 
 Legend: B rows, S padded width.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from accelerate.utils import is_peft_model
+from transformers.utils import logging
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..forest import RolloutForest
 from ..modeling import tree_forward
-from .rows import to_shifted_layout
+from ._compat import add_tree_fused_head
+from .base import HARTSTrainerMixin
+from .rows import rows_forest, to_shifted_layout
 
-__all__ = ["FUSED_INPUTS", "fused_outputs"]
+__all__ = ["FUSED_INPUTS", "HARTSFusedHeadMixin", "fused_outputs"]
+
+logger = logging.get_logger(__name__)
 
 FUSED_INPUTS = frozenset({"input_ids", "attention_mask", "labels", "use_cache", "output_router_logits"})
 """The keywords of a fused-head call a forest can serve; any other (packing's position ids,
@@ -33,10 +42,13 @@ def fused_outputs(
     attention_mask: torch.Tensor,  # [B, S]
     labels: torch.Tensor,  # [B, S], -100 where not scored
     *,
+    statistics: tuple[str, ...] = (),
     output_router_logits: bool = False,
 ) -> FusedCausalLMOutput:
     """The fused head's outputs for the batch whose rows make ``forest`` (``rows.rows_forest``),
-    from one pass of the patched ``model`` over it."""
+    from one pass of the patched ``model`` over it: ``log_probs`` and the per-token ``statistics``
+    asked for (names of TRL's fused head: ``entropy``, ``is_top1``, ``mean_logits``,
+    ``log_sum_sq_probs``; the others are None, as TRL's)."""
     target = labels[:, 1:]
     label_mask = target != -100  # [B, S - 1]
     scored = label_mask & attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
@@ -45,18 +57,75 @@ def fused_outputs(
             "the labels must be the input ids (or -100) at real tokens for a forest to score them: compute the "
             "loss on shifted input ids as TRL's collators do, or pass harts_enable=False"
         )
-    out = tree_forward(model, forest, return_entropy=True, return_top1=True, output_router_logits=output_router_logits)
+    entropy = "entropy" in statistics
+    others = tuple(name for name in statistics if name != "entropy")
+    out = tree_forward(
+        model, forest, return_entropy=entropy, statistics=others, output_router_logits=output_router_logits
+    )
     zero = lambda v: torch.zeros((), dtype=v.dtype, device=v.device)
     shifted = lambda v: torch.where(label_mask, to_shifted_layout(v, attention_mask), zero(v))
     log_probs = shifted(out.logprobs)
     loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
     if out.aux_loss is not None:  # as TRL's fused forward: the config's coefficient
         loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * out.aux_loss
+    stats = {name: shifted(getattr(out, name)) for name in others}
     return FusedCausalLMOutput(
         loss=loss,
         log_probs=log_probs,
-        entropy=shifted(out.entropy),
-        is_top1=shifted(out.is_top1),
+        entropy=shifted(out.entropy) if entropy else None,
         label_mask=label_mask,
         aux_loss=out.aux_loss,
+        **stats,
     )
+
+
+class HARTSFusedHeadMixin(HARTSTrainerMixin):
+    """A TRL trainer whose passes call the fused head (SFT, DPO): each such call on a padded batch
+    runs as one tree pass over its rows (:func:`fused_outputs`); its ``__init__`` calls
+    :meth:`_init_fused_head` after TRL's."""
+
+    def _init_fused_head(self, models: dict[torch.nn.Module | None, tuple[str, ...]]) -> None:
+        """Answer the fused-head calls of each of ``models`` with the per-token statistics TRL
+        installed its head with for it (``add_fused_lm_head(outputs=...)``)."""
+        self._declined: set[frozenset] = set()  # input kinds told once that they take TRL's path
+        if not self._harts_enabled:
+            return
+        self._prepare_harts(tuple(models))
+        for model, statistics in models.items():
+            if model is not None:
+                model = self.accelerator.unwrap_model(model)
+                answer = functools.partial(self._fused_on_forest, statistics=statistics)
+                add_tree_fused_head(model.get_base_model() if is_peft_model(model) else model, answer)
+
+    def _fused_on_forest(
+        self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
+    ) -> FusedCausalLMOutput | None:
+        """The fused head's outputs from one tree pass over the batch's rows, or None (TRL's path)
+        for inputs a forest cannot serve."""
+        keys = frozenset(k for k, v in inputs.items() if v is not None)
+        if keys - FUSED_INPUTS or not {"input_ids", "attention_mask", "labels"} <= keys:
+            if keys not in self._declined:
+                self._declined.add(keys)
+                logger.warning(
+                    f"{type(self).__name__} runs padded batches (input_ids, attention_mask, labels) as forests; a "
+                    f"batch with {sorted(keys - FUSED_INPUTS) or 'no attention mask'} takes TRL's path (no prefix "
+                    "sharing)"
+                )
+            return None
+        forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
+        if (slots := self._plan(forest).num_slots) > 1:
+            ((name, budget),) = self.args.harts_budget.items()
+            raise ValueError(
+                f"a microbatch of {forest.num_trajectories} rows is {forest.num_compact_tokens:,} tokens as a forest "
+                f"({slots} microbatches under harts_{name}={budget:,}): raise the budget or lower "
+                f"per_device_train_batch_size ({type(self).__name__} does not cut a microbatch into pieces yet)"
+            )
+        return fused_outputs(
+            model,
+            forest,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs["labels"],
+            statistics=statistics,
+            output_router_logits=bool(inputs.get("output_router_logits")),
+        )

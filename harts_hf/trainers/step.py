@@ -66,7 +66,7 @@ class HARTSStep:
     over the same kind of plan (old policy, reference, evaluation).
 
     Args:
-        trainer: the GRPO trainer (its accelerator and temperature).
+        trainer: the GRPO / RLOO trainer (its accelerator and temperature).
         model: the model as the trainer runs it (wrapped by DDP / FSDP2 where it is).
         microbatches: this rank's TRL microbatches of the block, in order (or, for a no-grad pass,
             ``{"input_ids", "attention_mask"}`` batches: :func:`batch_rows`).

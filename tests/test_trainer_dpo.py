@@ -1,0 +1,104 @@
+"""HARTSDPOTrainer == TRL's DPOTrainer on the same multi-turn preference pairs: parameters after every
+step, losses and metrics (fp32, SGD; see test_trainer_exactness.py for why not Adam).
+
+A pair is an agent conversation's history (system prompt, tool calls, tool results, reasoning: the
+built-in ``harts_hf.data.agent_conversations``) with its last assistant message as the chosen
+answer and another as the rejected one; TRL's batch is the chosen rows then the rejected rows,
+so each forest computes a pair's whole history once (and once more for the reference model, which
+TRL reloads from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer_sft import Snapshots
+from tiny_models import tiny_model
+from trl import DPOConfig, DPOTrainer
+
+from harts_hf.data import agent_conversations, agent_tokenizer
+from harts_hf.trainers import HARTSDPOConfig, HARTSDPOTrainer
+
+TOL = 1e-5
+CASES = {
+    "sigmoid-checkpointing": dict(gradient_checkpointing=True),  # TRL's defaults
+    "ipo-wpo-ld_alpha-two-microbatches": dict(  # IPO's squared loss has large gradients: a smaller step
+        loss_type=["ipo"],
+        use_weighting=True,
+        ld_alpha=0.5,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=0.05,
+    ),
+}
+METRICS = ["loss", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen", "entropy"]
+
+
+def preference_pairs(n: int) -> Dataset:
+    """TRL's conversational preference format: a multi-turn history, the last assistant message
+    chosen, a wrong final answer rejected."""
+    pairs = []
+    for messages in agent_conversations(n, turns=2, seed=1):
+        final = messages[-1]
+        rejected = {"role": "assistant", "content": "Done: " + final["content"][::-1]}
+        pairs.append({"prompt": messages[:-1], "chosen": [final], "rejected": [rejected]})
+    return Dataset.from_list(pairs)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_qwen3_5_dpo")
+    tiny_model("qwen3_5", seed=0).save_pretrained(path)
+    agent_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
+    config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
+    args = dict(
+        output_dir=str(tmp_path / f"{case}-{harts}"),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+    )
+    snaps = Snapshots()
+    trainer = trainer_cls(
+        model=model_dir,
+        args=config_cls(**(args | CASES[case])),
+        processing_class=agent_tokenizer(),
+        train_dataset=preference_pairs(8),
+        callbacks=[snaps],
+    )
+    snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
+    trainer.train()
+    return {"params": snaps.params, "history": [h for h in trainer.state.log_history if "loss" in h]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
+    import harts_hf.trainers.fused as fused
+
+    forests, run = [], fused.fused_outputs
+    monkeypatch.setattr(
+        fused, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or run(model, forest, *a, **k)
+    )
+    stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
+    calls = CASES[case].get("gradient_accumulation_steps", 1) * 2 * 2  # policy and reference, every microbatch
+    assert len(forests) == calls  # every pass ran as a forest
+    assert min(f.num_trajectory_tokens / f.num_compact_tokens for f in forests) > 1.5  # the histories were shared
+    assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
+    for step, (a, b) in enumerate(zip(stock["params"], harts["params"], strict=True)):
+        assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
+    for a, b in zip(stock["history"], harts["history"], strict=True):
+        np.testing.assert_allclose([b[k] for k in METRICS], [a[k] for k in METRICS], rtol=TOL, atol=1e-6)
