@@ -75,3 +75,11 @@ def test_a_template_that_rerenders_the_history_is_refused_with_the_first_differi
 def test_bad_conversations_get_one_clear_error(conversation, message):
     with pytest.raises(ValueError, match=message):
         turn_samples([conversation])
+
+
+def test_a_sample_longer_than_the_context_is_refused_by_name():
+    samples = turn_samples(agent_conversations(2, turns=2, seed=0))
+    longest = max(len(sample_ids(tokenizer(STABLE), s)) for s in samples)
+    assert conversation_forest(tokenizer(STABLE), samples, max_length=longest).num_trajectories == len(samples)
+    with pytest.raises(ValueError, match=rf"sample \d+ is [\d,]+ tokens, longer than max_length={longest - 1}"):
+        conversation_forest(tokenizer(STABLE), samples, max_length=longest - 1)

@@ -24,13 +24,14 @@ from harts_hf.trainers import HARTSDPOConfig, HARTSDPOTrainer
 TOL = 1e-5
 CASES = {
     "sigmoid-checkpointing": dict(gradient_checkpointing=True),  # TRL's defaults
-    "ipo-wpo-ld_alpha-two-microbatches": dict(  # IPO's squared loss has large gradients: a smaller step
+    "ipo-wpo-ld_alpha-two-microbatches-pieces": dict(  # IPO's squared loss has large gradients: a smaller step
         loss_type=["ipo"],
         use_weighting=True,
         ld_alpha=0.5,
         gradient_accumulation_steps=2,
         per_device_train_batch_size=2,
         learning_rate=0.05,
+        harts_max_tokens_per_microbatch=64,  # each forest in pieces: policy and reference through the engine
     ),
 }
 METRICS = ["loss", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen", "entropy"]
@@ -57,6 +58,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
     config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
+    options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
     args = dict(
         output_dir=str(tmp_path / f"{case}-{harts}"),
         use_cpu=True,
@@ -75,7 +77,7 @@ def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
     snaps = Snapshots()
     trainer = trainer_cls(
         model=model_dir,
-        args=config_cls(**(args | CASES[case])),
+        args=config_cls(**(args | options)),
         processing_class=agent_tokenizer(),
         train_dataset=preference_pairs(8),
         callbacks=[snaps],
@@ -89,13 +91,18 @@ def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
 def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
     import harts_hf.trainers.fused as fused
 
-    forests, run = [], fused.fused_outputs
-    monkeypatch.setattr(
-        fused, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or run(model, forest, *a, **k)
-    )
+    forests, slots, run = [], [], fused.fused_outputs
+
+    def recorded(model, forest, *args, **kwargs):
+        forests.append(forest)
+        slots.append(kwargs["pieces"].num_slots)
+        return run(model, forest, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_outputs", recorded)
     stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
     calls = CASES[case].get("gradient_accumulation_steps", 1) * 2 * 2  # policy and reference, every microbatch
     assert len(forests) == calls  # every pass ran as a forest
+    assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
     assert min(f.num_trajectory_tokens / f.num_compact_tokens for f in forests) > 1.5  # the histories were shared
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
     for step, (a, b) in enumerate(zip(stock["params"], harts["params"], strict=True)):

@@ -7,7 +7,8 @@ long prefixes (one tree per conversation). Cases: agent conversations cut into p
 (``harts_hf.data.turn_samples``: tool calls, tool results, reasoning; TRL's conversational format
 and ``completion_only_loss``) under SFT's default gradient checkpointing, the same shape as plain
 prompt-completion text, plain text (every token scored) with two microbatches per step, and the
-MoE router aux loss of a MoE model through the same seam.
+MoE router aux loss of a MoE model through the same seam; the plain-text case also cuts each
+microbatch's forest into pieces (a budget below it: the engine's units, replayed in TRL's backward).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ TOL = 1e-5
 CASES = {
     "agent-conversations-checkpointing": dict(data="conversations", gradient_checkpointing=True),
     "prompt-completion": dict(data="prompt-completion"),
-    "text-two-microbatches": dict(data="text", gradient_accumulation_steps=2, per_device_train_batch_size=3),
+    "text-two-microbatches-pieces": dict(  # each microbatch's forest cut into pieces by the engine
+        data="text", gradient_accumulation_steps=2, per_device_train_batch_size=3, harts_max_tokens_per_microbatch=24
+    ),
     "moe-router-aux": dict(data="prompt-completion", model="qwen3_5_moe"),
 }
 
@@ -67,7 +70,7 @@ class Snapshots(TrainerCallback):
 def train(case: str, harts: bool, tmp_path) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    options = dict(CASES[case])
+    options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
     data, family = options.pop("data"), options.pop("model", "qwen3_5")
     config_cls, trainer_cls = (HARTSSFTConfig, HARTSSFTTrainer) if harts else (SFTConfig, SFTTrainer)
     args = dict(
@@ -105,13 +108,18 @@ def train(case: str, harts: bool, tmp_path) -> dict:
 def test_sft_matches_stock(case, tmp_path, monkeypatch):
     import harts_hf.trainers.fused as fused
 
-    forests, run = [], fused.fused_outputs
-    monkeypatch.setattr(
-        fused, "fused_outputs", lambda model, forest, *a, **k: forests.append(forest) or run(model, forest, *a, **k)
-    )
+    forests, slots, run = [], [], fused.fused_outputs
+
+    def recorded(model, forest, *args, **kwargs):
+        forests.append(forest)
+        slots.append(kwargs["pieces"].num_slots)
+        return run(model, forest, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_outputs", recorded)
     stock, harts = train(case, False, tmp_path), train(case, True, tmp_path)
     steps = CASES[case].get("gradient_accumulation_steps", 1) * 3
     assert len(forests) == steps  # every microbatch ran as a forest
+    assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
     assert sum(f.num_trajectory_tokens for f in forests) > 1.02 * sum(f.num_compact_tokens for f in forests)
     assert len(stock["params"]) == len(harts["params"]) == 4  # the start, then after each of the 3 steps
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights

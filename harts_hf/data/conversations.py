@@ -81,9 +81,19 @@ def sample_ids(tokenizer, sample: Mapping[str, list]) -> list[int]:
     )
 
 
-def conversation_forest(tokenizer, samples: Sequence[Mapping[str, list]]) -> RolloutForest:
-    """The prefix forest of the samples' token ids (its ``compression`` is what sharing saves)."""
-    return RolloutForest.from_sequences([sample_ids(tokenizer, s) for s in samples])
+def conversation_forest(
+    tokenizer, samples: Sequence[Mapping[str, list]], *, max_length: int | None = None
+) -> RolloutForest:
+    """The prefix forest of the samples' token ids (its ``compression`` is what sharing saves);
+    a sample longer than ``max_length`` (the model's context) is refused, naming it."""
+    ids = [sample_ids(tokenizer, s) for s in samples]
+    if max_length is not None and (long := [i for i, row in enumerate(ids) if len(row) > max_length]):
+        raise ValueError(
+            f"sample {long[0]} is {len(ids[long[0]]):,} tokens, longer than max_length={max_length:,} (the model's "
+            f"context; {len(long)} such sample(s)): drop or split those conversations, or train a model with a "
+            "longer context"
+        )
+    return RolloutForest.from_sequences(ids)
 
 
 @dataclass(frozen=True)

@@ -171,12 +171,17 @@ class TreeEngine:
         """No-grad per-trajectory log-probs: per forest [B_f, L_f - 1] in TRL's layout (rows this
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
         with torch.no_grad():
-            lp, ent, _ = self._record(Store(), return_entropy)
+            lp, ent, *_ = self._record(Store(), return_entropy)
         lp = self._layout(lp)
         return (lp, self._layout(ent)) if return_entropy else lp
 
     def record(
-        self, return_entropy: bool = False, *, keep_graph: bool = False, return_router_logits: bool = False
+        self,
+        return_entropy: bool = False,
+        *,
+        keep_graph: bool = False,
+        return_router_logits: bool = False,
+        statistics: tuple[str, ...] = (),
     ) -> Recording:
         """The recording pass alone: the :class:`Recording` of every unit, whose values are
         :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
@@ -185,40 +190,36 @@ class TreeEngine:
         graph for that backward instead of replaying it (one graph, as :meth:`backward` holds; only
         where the backward runs in the gradient-sync context of this forward).
         ``return_router_logits``: also the MoE layers' router logits of every compact token this
-        rank computes (for the router loss), differentiable through the same backward."""
+        rank computes (for the router loss), differentiable through the same backward.
+        ``statistics``: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other
+        than the entropy; no gradient), :attr:`Recording.statistics`."""
         _check_no_dropout(self.hf)
         if return_router_logits and not self.adapter.aux_loss:
             raise UnsupportedModelError(f"the {self.adapter.family} family computes no router load-balancing loss")
         store = Store()
         if keep_graph and len(self.units) == 1 and self._padding is None:
             unit = self.units[0]
-            lp, ent, router = self._run(unit, Handoff(store, unit, grad=True), return_entropy, return_router_logits)
+            handoff = Handoff(store, unit, grad=True)
+            lp, ent, router, stats = self._run(unit, handoff, return_entropy, return_router_logits, statistics)
             return Recording(
                 self,
                 None,
                 self._scatter([lp]),
                 self._scatter([ent]) if return_entropy else None,
                 self._scatter_tokens([router], router) if return_router_logits else None,
+                {name: self._scatter([value]) for name, value in stats.items()},
             )
         with torch.no_grad():
-            values, ents, routers = self._record(store, return_entropy, return_router_logits)
-        return Recording(self, store, values, ents, routers)
+            values, ents, routers, stats = self._record(store, return_entropy, return_router_logits, statistics)
+        return Recording(self, store, values, ents, routers, stats)
 
     def attached_logprobs(
         self, return_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`logprobs` attached to the autograd graph: the recording pass runs now, and
-        backpropagating any loss through the result replays the units in reverse (as
-        :meth:`backward` does), accumulating the parameters' ``.grad``. For callers that own the
-        loss and its ``backward()``, in one process (the replay runs inside that backward pass,
-        where a data-parallel wrapper cannot sync: use :meth:`record` there). Entropies carry no
-        gradient."""
+        """:meth:`logprobs` attached to the autograd graph (:meth:`Recording.attached` of a recording
+        made now); entropies carry no gradient."""
         recording = self.record(return_entropy)
-        values = recording.values
-        anchor = next((p for p in self.hf.parameters() if p.requires_grad), None)
-        if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
-            values = _Replay.apply(recording, anchor, *values)
-        lp = self._layout(list(values))
+        lp = recording.attached()
         return (lp, recording.entropies) if return_entropy else lp
 
     def backward(self, loss_fn: LossFn, *, per_token: bool = False, return_entropy: bool = False) -> torch.Tensor:
@@ -249,7 +250,7 @@ class TreeEngine:
         for unit in self.units:
             if unit.exports.size:
                 with torch.no_grad():
-                    lps[unit.index], ents[unit.index], _ = self._run(unit, Handoff(store, unit, grad=False), entropy)
+                    lps[unit.index], ents[unit.index], *_ = self._run(unit, Handoff(store, unit, grad=False), entropy)
                 deferred.append(unit)
             else:
                 with self._sync_last(done):
@@ -268,7 +269,7 @@ class TreeEngine:
         """Run ``unit`` with grad and backpropagate ``loss_fn`` of its own log-probs plus the
         gradients its consumers sent; returns its (detached) log-probs and entropies."""
         handoff = Handoff(store, unit, grad=True)
-        lp, ent, _ = self._run(unit, handoff, entropy)
+        lp, ent, *_ = self._run(unit, handoff, entropy)
         loss = self._apply(loss_fn, self._scatter([lp], [unit]), self._scatter([ent], [unit]) if entropy else None)
         self._send(store, handoff, [loss], [torch.ones_like(loss)])
         return lp.detach(), None if ent is None else ent.detach()
@@ -276,7 +277,7 @@ class TreeEngine:
     def _replay(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
         """Record every unit, apply the loss to whole trajectories, replay units in reverse."""
         with torch.no_grad():
-            values, ents, _ = self._record(store, entropy)
+            values, ents, *_ = self._record(store, entropy)
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
         if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
@@ -297,7 +298,7 @@ class TreeEngine:
         for done, unit in enumerate(reversed(self.units)):
             with self._sync_last(done):
                 handoff = Handoff(store, unit, grad=True)
-                lp, ent, router = self._run(unit, handoff, entropy_grads is not None, router_grads is not None)
+                lp, ent, router, _ = self._run(unit, handoff, entropy_grads is not None, router_grads is not None)
                 pairs = self._pair_index[unit.index]
                 tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
                 if ent is not None:
@@ -309,7 +310,7 @@ class TreeEngine:
                 self._send(store, handoff, tensors, unit_grads)
         for done in range(len(self.units), self.calls):
             with self._sync_last(done):
-                lp, _, _ = self._run_padding(grad=True)
+                lp, *_ = self._run_padding(grad=True)
                 torch.autograd.backward(lp, torch.zeros_like(lp))
 
     def _sync_last(self, done: int) -> AbstractContextManager:
@@ -364,39 +365,42 @@ class TreeEngine:
         return out
 
     def _record(
-        self, store: Store, entropy: bool, router: bool = False
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        lps, ents, routers = [], [], []
+        self, store: Store, entropy: bool, router: bool = False, statistics: tuple[str, ...] = ()
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, dict[str, list[torch.Tensor]]]:
+        lps, ents, routers, stats = [], [], [], []
         for unit in self.units:
-            lp, ent, logits = self._run(unit, Handoff(store, unit, grad=False), entropy, router)
+            lp, ent, logits, values = self._run(unit, Handoff(store, unit, grad=False), entropy, router, statistics)
             lps.append(lp)
             ents.append(ent)
             routers.append(logits)
+            stats.append(values)
         for _ in range(len(self.units), self.calls):
-            _, _, logits = self._run_padding(grad=False, router=router)
+            _, _, logits, _ = self._run_padding(grad=False, router=router)
             routers.append(logits)  # not scattered: the shape of a rank without units
         values, ents = self._scatter(lps), self._scatter(ents) if entropy else None
-        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None
+        per_name = {name: self._scatter([v[name] for v in stats]) for name in statistics}
+        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None, per_name
 
     def _run_padding(self, *, grad: bool, router: bool = False):
         """A padding call (:func:`_padding_unit`): records nothing any unit reads."""
         return self._run(self._padding, Handoff(Store(), self._padding, grad=grad), False, router)
 
     def _run(
-        self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False, statistics: tuple[str, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
         """[p] log-probs (and entropies) of the unit's pairs, the LM head inside the forward (a DDP
-        wrapper that looks for unused parameters walks back from what its forward returns), and
-        with ``router`` the MoE layers' router logits of its own tokens [layers, n, E]."""
+        wrapper that looks for unused parameters walks back from what its forward returns), with
+        ``router`` the MoE layers' router logits of its own tokens [layers, n, E], and the [p] head
+        ``statistics`` (``logprobs.PAIR_STATISTICS`` other than the entropy) by name."""
         batch = unit.batch.with_handoff(handoff)
         extra = {"output_router_logits": True} if router else {}
 
-        def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
             out = run_base(self.hf, self.adapter, unit.input_ids, batch, **extra)
             hidden = out.last_hidden_state[0]  # [N, H]
-            statistics = ("entropy",) if entropy else ()
-            lp, stats = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, statistics)
-            return lp, stats.get("entropy"), torch.stack(out.router_logits) if router else None
+            wanted = ("entropy",) * entropy + statistics
+            lp, stats = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, wanted)
+            return lp, stats.pop("entropy", None), torch.stack(out.router_logits) if router else None, stats
 
         return self._forward(run)
 
@@ -411,8 +415,9 @@ class Recording:
     """The recorded units of one pass (:meth:`TreeEngine.record`): ``logprobs`` (and
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
     does not own are 0), ``router_logits`` (None unless asked) per forest [layers, N_f, E] (0 for the
-    tokens other ranks compute), and the boundary values the replay reads (``store``; None: the
-    values carry the graph of the pass itself)."""
+    tokens other ranks compute), ``statistics`` (the head statistics asked for, by name, in the
+    log-probs' layout), and the boundary values the replay reads (``store``; None: the values carry
+    the graph of the pass itself)."""
 
     def __init__(
         self,
@@ -421,12 +426,26 @@ class Recording:
         values: list[torch.Tensor],
         ents: list[torch.Tensor] | None,
         router_logits: list[torch.Tensor] | None = None,
+        statistics: dict[str, list[torch.Tensor]] | None = None,
     ):
         self.engine, self._store, self._pending = engine, store, True
         self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.router_logits = router_logits
         self.logprobs = engine._layout(values)
         self.entropies = None if ents is None else engine._layout(ents)
+        self.statistics = {name: engine._layout(v) for name, v in (statistics or {}).items()}
+
+    def attached(self) -> list[torch.Tensor]:
+        """:attr:`logprobs` attached to the autograd graph: backpropagating any loss through them
+        replays the units in reverse (as :meth:`backward` does), accumulating the parameters'
+        ``.grad``. For callers that own the loss and its ``backward()``, in one process (the replay
+        runs inside that backward pass, where a data-parallel wrapper cannot sync: use
+        :meth:`backward` there)."""
+        values = self.values
+        anchor = next((p for p in self.engine.hf.parameters() if p.requires_grad), None)
+        if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
+            values = _Replay.apply(self, anchor, *values)
+        return self.engine._layout(list(values))
 
     @property
     def boundary_bytes(self) -> int:

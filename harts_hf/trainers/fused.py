@@ -20,8 +20,10 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl.trainer.utils import FusedCausalLMOutput
 
+from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import tree_forward
+from ..planner import Plan
 from ._compat import add_tree_fused_head
 from .base import HARTSTrainerMixin
 from .rows import rows_forest, to_shifted_layout
@@ -44,11 +46,14 @@ def fused_outputs(
     *,
     statistics: tuple[str, ...] = (),
     output_router_logits: bool = False,
+    pieces: Plan | None = None,
 ) -> FusedCausalLMOutput:
     """The fused head's outputs for the batch whose rows make ``forest`` (``rows.rows_forest``),
     from one pass of the patched ``model`` over it: ``log_probs`` and the per-token ``statistics``
     asked for (names of TRL's fused head: ``entropy``, ``is_top1``, ``mean_logits``,
-    ``log_sum_sq_probs``; the others are None, as TRL's)."""
+    ``log_sum_sq_probs``; the others are None, as TRL's). A plan of several slots (``pieces``: the
+    forest above the microbatch budget) runs through :class:`~harts_hf.engine.TreeEngine`: its
+    recording pass now, its units replayed in reverse inside the caller's ``loss.backward()``."""
     target = labels[:, 1:]
     label_mask = target != -100  # [B, S - 1]
     scored = label_mask & attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
@@ -59,24 +64,27 @@ def fused_outputs(
         )
     entropy = "entropy" in statistics
     others = tuple(name for name in statistics if name != "entropy")
-    out = tree_forward(
-        model, forest, return_entropy=entropy, statistics=others, output_router_logits=output_router_logits
-    )
+    if pieces is None or pieces.num_slots == 1:
+        out = tree_forward(
+            model, forest, return_entropy=entropy, statistics=others, output_router_logits=output_router_logits
+        )
+        values = {"log_probs": out.logprobs, "entropy": out.entropy, **{n: getattr(out, n) for n in others}}
+        aux_loss = out.aux_loss
+    else:
+        recording = TreeEngine(model, forest, pieces).record(return_entropy=entropy, statistics=others)
+        entropies = recording.entropies[0] if entropy else None
+        values = {"log_probs": recording.attached()[0], "entropy": entropies}
+        values |= {n: recording.statistics[n][0] for n in others}
+        aux_loss = None
     zero = lambda v: torch.zeros((), dtype=v.dtype, device=v.device)
     shifted = lambda v: torch.where(label_mask, to_shifted_layout(v, attention_mask), zero(v))
-    log_probs = shifted(out.logprobs)
-    loss = -log_probs.sum() / label_mask.sum().clamp(min=1)
-    if out.aux_loss is not None:  # as TRL's fused forward: the config's coefficient
-        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * out.aux_loss
-    stats = {name: shifted(getattr(out, name)) for name in others}
-    return FusedCausalLMOutput(
-        loss=loss,
-        log_probs=log_probs,
-        entropy=shifted(out.entropy) if entropy else None,
-        label_mask=label_mask,
-        aux_loss=out.aux_loss,
-        **stats,
-    )
+    outputs = {name: None if v is None else shifted(v) for name, v in values.items()}
+    if outputs.get("is_top1") is not None:  # the engine's layout holds it as 0. / 1.
+        outputs["is_top1"] = outputs["is_top1"].bool()
+    loss = -outputs["log_probs"].sum() / label_mask.sum().clamp(min=1)
+    if aux_loss is not None:  # as TRL's fused forward: the config's coefficient
+        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **outputs)
 
 
 class HARTSFusedHeadMixin(HARTSTrainerMixin):
@@ -113,12 +121,15 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
                 )
             return None
         forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
-        if (slots := self._plan(forest).num_slots) > 1:
+        pieces = self._plan(forest)
+        if pieces.num_slots > 1 and (self.accelerator.num_processes > 1 or inputs.get("output_router_logits")):
             ((name, budget),) = self.args.harts_budget.items()
+            why = "under several processes" if self.accelerator.num_processes > 1 else "with the router aux loss"
             raise ValueError(
                 f"a microbatch of {forest.num_trajectories} rows is {forest.num_compact_tokens:,} tokens as a forest "
-                f"({slots} microbatches under harts_{name}={budget:,}): raise the budget or lower "
-                f"per_device_train_batch_size ({type(self).__name__} does not cut a microbatch into pieces yet)"
+                f"({pieces.num_slots} microbatches under harts_{name}={budget:,}); {type(self).__name__} cuts a "
+                f"microbatch into pieces in one process without the router aux loss only, not {why}: raise the "
+                "budget or lower per_device_train_batch_size"
             )
         return fused_outputs(
             model,
@@ -128,4 +139,5 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
             inputs["labels"],
             statistics=statistics,
             output_router_logits=bool(inputs.get("output_router_logits")),
+            pieces=pieces,
         )

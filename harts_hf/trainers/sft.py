@@ -8,8 +8,8 @@ normalisation (``num_items_in_batch``, ``average_tokens_across_devices``), the l
 (``completion_only_loss``, ``assistant_only_loss``) and the metrics run unchanged on what it returns.
 
 Batches without an attention mask (``padding_free`` / packing) and multimodal inputs take TRL's
-own path. A microbatch whose forest is above the microbatch budget is refused for now: cutting it
-into pieces (the engine's plan, as GRPO's HARTS step does) is the next step.
+own path. A microbatch whose forest is above the microbatch budget runs in planned pieces (one
+process; ``fused.py``).
 """
 
 from __future__ import annotations
