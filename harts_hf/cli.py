@@ -88,7 +88,7 @@ def _check_config(args: argparse.Namespace) -> None:
         from .trainers.recipe import check_config
 
         try:
-            check_config(args.config)
+            check_config(args.config, args.trainer)
         except ValueError as err:
             raise SystemExit(f"harts-hf {args.command}: {err}") from err
 

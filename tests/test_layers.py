@@ -23,11 +23,12 @@ MAY_IMPORT = {  # top-level part of harts_hf -> the parts it may import (besides
     "workloads": BASE,
     "planner": BASE,
     "envs": BASE,
+    "data": BASE | {"envs"},
     "schedule": BASE | {"ops", "planner"},
     "modeling": BASE | {"ops", "schedule"},
     "engine": BASE | {"ops", "modeling", "planner", "schedule"},
     "bench": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads"},
-    "trainers": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads", "bench", "envs"},
+    "trainers": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads", "bench", "envs", "data"},
 }
 
 

@@ -1,4 +1,5 @@
-"""Training data as forests: agent conversations as per-turn SFT samples, and a built-in synthetic set."""
+"""Training data as forests: agent conversations as per-turn SFT samples, and built-in synthetic sets
+(conversations, per-turn preference pairs)."""
 
 from .conversations import (
     REASONING_KEY,
@@ -9,6 +10,7 @@ from .conversations import (
     sample_ids,
     turn_samples,
 )
+from .preferences import agent_preference_pairs
 from .synthetic import AGENT_CHAT_TEMPLATE, agent_conversations, agent_tokenizer
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "REASONING_KEY",
     "TemplateBreak",
     "agent_conversations",
+    "agent_preference_pairs",
     "agent_tokenizer",
     "check_prefix_stable",
     "conversation_forest",

@@ -14,11 +14,14 @@ AGENT_CHAT_TEMPLATE = (
     "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
     "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<|act|>{{ c['function']['name'] }}"
     "({{ c['function']['arguments']['row'] }}){% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 """Renders reasoning and tool calls, every message the same wherever it stands (prefix-stable);
-guards the keys ``datasets`` fills with None."""
+guards the keys ``datasets`` fills with None; ``<|assistant|>`` is the generation prompt, so TRL's
+prompt-completion and preference formats leave it in the prompt (not trained)."""
 
-_WORDS = ("ledger", "balance", "entry", "check", "total", "note", "sum", "row", "file", "value")
+WORDS = ("ledger", "balance", "entry", "check", "total", "note", "sum", "row", "file", "value")
+"""The vocabulary of the synthetic messages (the preference set draws its rejected turns from it too)."""
 
 
 def agent_conversations(n: int, *, turns: int = 3, seed: int = 0) -> list[list[dict]]:
@@ -27,7 +30,7 @@ def agent_conversations(n: int, *, turns: int = 3, seed: int = 0) -> list[list[d
     if n < 1 or turns < 0:
         raise ValueError(f"need n >= 1 conversations and turns >= 0, got n={n}, turns={turns}")
     rng = np.random.default_rng(seed)
-    words = lambda k: " ".join(rng.choice(_WORDS, k))
+    words = lambda k: " ".join(rng.choice(WORDS, k))
     out = []
     for _ in range(n):
         messages = [

@@ -2,12 +2,15 @@
 
 ``episode_rollout`` turns episodes that yield several samples each (per-turn samples, branches,
 sub-agent calls) into a TRL ``rollout_func``; ``LedgerEnv`` + ``LedgerRunner`` are the built-in
-multi-turn tool environment (no network) the ``train`` command and the tests use.
+multi-turn tool environment (no network) the ``train`` command and the tests use;
+``ledger_prompts`` + ``ledger_turn_reward`` play it one turn per episode for trainers that generate
+themselves (TRL's RLOO).
 """
 
 from .episodes import EpisodeRunner, Sample, episode_rollout, sample_reward
 from .ledger import SYSTEM_PROMPT, LedgerEnv
 from .ledger_rollout import MODES, LedgerRunner, ledger_dataset, ledger_rollout
+from .ledger_turn import ledger_prompts, ledger_turn_reward
 from .tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 __all__ = [
@@ -22,6 +25,8 @@ __all__ = [
     "build_tokenizer",
     "episode_rollout",
     "ledger_dataset",
+    "ledger_prompts",
     "ledger_rollout",
+    "ledger_turn_reward",
     "sample_reward",
 ]

@@ -1,4 +1,5 @@
-"""``harts-hf train`` and ``harts-hf train-compare``: the agentic GRPO run and its step-time comparison.
+"""``harts-hf train`` and ``harts-hf train-compare``: a recipe's run (GRPO, RLOO, SFT or DPO on
+built-in data) and the GRPO run's step-time comparison.
 
 Register with ``add_parser(subparsers)`` from ``harts_hf.cli``. Knobs live in the recipe YAML
 (``--config``: a file, a config directory or a Hub repo id); the flags only shorten a run.
@@ -15,14 +16,24 @@ __all__ = ["add_parser", "cmd_train", "cmd_train_compare"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``train-compare`` commands."""
-    p = sub.add_parser("train", help="HARTS GRPO on the built-in multi-turn tool environment (default: tiny Qwen3.5)")
+    from .recipe import RECIPES
+
+    p = sub.add_parser(
+        "train", help="a HARTS recipe on built-in data (default: GRPO of a tiny Qwen3.5, tool environment)"
+    )
+    p.add_argument(
+        "--trainer",
+        choices=sorted(RECIPES),
+        default="grpo",
+        help="grpo or rloo (built-in tool environment), sft or dpo (built-in agent conversations); default grpo",
+    )
     _common(p)
-    p.add_argument("--stock", action="store_true", help="run TRL's stock GRPO instead (harts_enable=False)")
+    p.add_argument("--stock", action="store_true", help="run TRL's stock trainer instead (harts_enable=False)")
     p.set_defaults(run=cmd_train)
     c = sub.add_parser("train-compare", help="step time of stock GRPOTrainer vs HARTSGRPOTrainer on the same rollouts")
     _common(c)
     c.add_argument("--json", type=Path, metavar="PATH", help="also write the comparison to this JSON file")
-    c.set_defaults(run=cmd_train_compare)
+    c.set_defaults(run=cmd_train_compare, trainer="grpo")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -33,38 +44,37 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _recipe(args: argparse.Namespace, **forced) -> tuple:
+    """(data arguments, trainer config) of ``args.trainer``: its embedded default, then ``--config``,
+    then the flags and ``forced``; a value the recipe refuses is the command's one-line error."""
     import yaml
 
-    from .recipe import DEFAULT_RECIPE, parse_recipe, resolve_config
+    from .recipe import get_recipe, parse_recipe, resolve_config
 
-    values = dict(DEFAULT_RECIPE)
-    if args.config is not None:
-        values.update(yaml.safe_load(resolve_config(args.config).read_text()))
-    if args.max_steps is not None:
-        values["max_steps"] = args.max_steps
-    if args.output_dir is not None:
-        values["output_dir"] = args.output_dir
-    values["verbose"] = values.get("verbose", False) or args.verbose
-    values.update(forced)
     try:
-        return parse_recipe(values)
+        values = dict(get_recipe(args.trainer).defaults)
+        if args.config is not None:
+            values.update(yaml.safe_load(resolve_config(args.config).read_text()))
+        if args.max_steps is not None:
+            values["max_steps"] = args.max_steps
+        if args.output_dir is not None:
+            values["output_dir"] = args.output_dir
+        values["verbose"] = values.get("verbose", False) or args.verbose
+        return parse_recipe(values | forced, args.trainer)
     except ValueError as err:
         raise SystemExit(f"harts-hf {args.command}: {err}") from err
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train, printing one line per step; save the model to the recipe's output_dir."""
-    from transformers.utils.logging import disable_progress_bar
-
-    from .console import quiet_third_party
+    from .console import no_progress_bars, quiet_third_party
     from .recipe import build_trainer
 
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True, **({"harts_enable": False} if args.stock else {}))
     trainer = build_trainer(script_args, training_args)
     trainer.train()
-    disable_progress_bar()  # saving one small checkpoint needs no bar
-    trainer.save_model(training_args.output_dir)
+    with no_progress_bars():  # saving one small checkpoint needs no bar
+        trainer.save_model(training_args.output_dir)
     print(f"model saved to {training_args.output_dir}")
     return 0
 

@@ -17,21 +17,27 @@ def _mean(logs: list[dict], key: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def _names(value: str | list[str]) -> str:
+    return "+".join(value) if isinstance(value, list) else str(value)
+
+
 class StepLine(TrainerCallback):
     """The console of a training run (module docstring). ``title`` names the model and the data
-    (e.g. ``"builtin:qwen3_5-quick on the ledger tool environment"``); the trainer, devices and budget
-    are read from the run's arguments."""
+    (e.g. ``"builtin:qwen3_5-quick on the ledger tool environment"``), ``method`` the trainer's
+    (``"GRPO"``, ``"SFT"``, ...); its loss type, the devices and the budget are read from the run's
+    arguments."""
 
     bar = None
 
-    def __init__(self, title: str = "") -> None:
-        self.title = title
+    def __init__(self, title: str = "", method: str = "GRPO") -> None:
+        self.title, self.method = title, method
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
         harts = getattr(args, "harts_enable", False)
-        what = f"{'HARTS' if harts else 'stock'} GRPO (loss {getattr(args, 'loss_type', '?')})"
+        loss = getattr(args, "loss_type", None)  # RLOO has none, DPO a list
+        what = f"{'HARTS' if harts else 'stock'} {self.method}" + (f" (loss {_names(loss)})" if loss else "")
         params = f", {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params" if model is not None else ""
         devices = f"{args.world_size} process{'es' if args.world_size > 1 else ''} on {args.device.type}"
         size = (
@@ -53,11 +59,10 @@ class StepLine(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is None or not logs or "loss" not in logs:
             return
-        parts = [
-            f"step {state.global_step:>3}/{state.max_steps}",
-            f"reward {logs.get('reward', float('nan')):.3f}",
-            f"loss {logs['loss']:+.4f}",
-        ]
+        parts = [f"step {state.global_step:>3}/{state.max_steps}"]
+        if "reward" in logs:  # RL trainers
+            parts.append(f"reward {logs['reward']:.3f}")
+        parts.append(f"loss {logs['loss']:+.4f}")
         if "harts/compression" in logs:
             parts.append(f"compression {logs['harts/compression']:.2f}x")
             parts.append(f"{logs['harts/tokens_per_second']:,.0f} traj tok/s in fwd+bwd")
@@ -65,7 +70,8 @@ class StepLine(TrainerCallback):
                 parts.append(f"{logs['harts/microbatches']:.0f} slot(s)")
             if args.world_size > 1:
                 parts.append(f"rank imbalance {logs['harts/rank_imbalance']:.2f}")
-        parts.append(f"step {logs.get('step_time', float('nan')):.1f} s (incl. rollout)")
+        if "step_time" in logs:  # TRL's RL trainers time each step
+            parts.append(f"step {logs['step_time']:.1f} s (incl. rollout)")
         tqdm.write("  ".join(parts))
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -80,6 +86,8 @@ class StepLine(TrainerCallback):
             parts[0] += f" in {runtime:.1f} s"
         if rewards:
             parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
+        elif logs:
+            parts.append(f"loss {logs[0]['loss']:.4f} -> {logs[-1]['loss']:.4f}")
         compression, speed = _mean(logs, "harts/compression"), _mean(logs, "harts/tokens_per_second")
         if compression is not None:
             parts.append(f"compression {compression:.2f}x (each shared token computed once)")

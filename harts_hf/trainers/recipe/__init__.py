@@ -1,0 +1,39 @@
+"""The recipes shared by ``harts-hf train --trainer KIND`` and ``recipes/<kind>_agentic.py``: GRPO and
+RLOO on the built-in tool environment, SFT and DPO on the built-in agent conversations.
+
+A recipe is one YAML file in TRL's conventions: the fields of the kind's HARTS config plus its data
+arguments (``arguments.py``), read with ``TrlParser`` (``--config``). A config may be a file, a
+directory holding ``config.yaml`` (the Hub-publishable layout: ``config.yaml`` + a model-card
+``README.md``), or a Hub repo id with that layout (``source.py``). The kinds differ only in their
+declaration (``kinds.py``); reading and checking (``parse.py``), building (``build.py``) and the
+script body (``launch.py``) are one path for all four.
+"""
+
+from .arguments import AgenticArguments, ConversationArguments, LedgerTurnArguments, ModelArguments, PreferenceArguments
+from .build import BUILTIN_PREFIX, build_trainer, load_model
+from .kinds import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe, recipe_for
+from .launch import launch
+from .parse import check_arguments, check_config, check_recipe, parse_recipe
+from .source import resolve_config
+
+__all__ = [
+    "BUILTIN_PREFIX",
+    "DEFAULT_RECIPE",
+    "RECIPES",
+    "AgenticArguments",
+    "ConversationArguments",
+    "LedgerTurnArguments",
+    "ModelArguments",
+    "PreferenceArguments",
+    "Recipe",
+    "build_trainer",
+    "check_arguments",
+    "check_config",
+    "check_recipe",
+    "get_recipe",
+    "launch",
+    "load_model",
+    "parse_recipe",
+    "recipe_for",
+    "resolve_config",
+]

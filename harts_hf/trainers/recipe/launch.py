@@ -1,0 +1,53 @@
+"""The body of the accelerate-launched recipe scripts (``recipes/<kind>_agentic.py``): TRL's parser
+on the kind's two dataclasses, the checks, training, saving.
+
+``--config`` is a TRL YAML (the trainer config's fields and the data arguments'); any field can also
+be given as a flag (``--max_steps 5``). A config directory or a Hub repo id holding ``config.yaml``
+works too. A missing config, an unknown key or flag and a value the recipe cannot run fail in one
+line (exit code 2) before the model is built.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from trl import TrlParser
+
+from ..console import no_progress_bars, quiet_third_party
+from .build import build_trainer
+from .kinds import get_recipe
+from .parse import check_arguments, check_config, check_recipe
+
+__all__ = ["launch"]
+
+
+class _Parser(TrlParser):
+    """TrlParser whose errors are one line (exit code 2): the usage argparse prints first lists every
+    field of the two dataclasses, hundreds of lines."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def launch(kind: str, argv: list[str]) -> None:
+    """Train recipe ``kind`` as ``argv`` (a script's command line) says, and save the model."""
+    quiet_third_party()
+    recipe = get_recipe(kind)
+    parser = _Parser((recipe.arguments, recipe.config))
+    try:
+        if "--config" in argv:  # a config directory or Hub repo id as well as a YAML file, its keys checked
+            i = argv.index("--config") + 1
+            if i == len(argv):
+                parser.error("argument --config: expected one argument")
+            argv[i] = str(check_config(argv[i], kind))
+        script_args, training_args, unused = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        check_arguments(unused, kind)
+        check_recipe(script_args, training_args)
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
+    trainer = build_trainer(script_args, training_args)
+    trainer.train()
+    with no_progress_bars():  # saving one small checkpoint needs no bar
+        trainer.save_model(training_args.output_dir)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group: gloo's threads abort the exit otherwise

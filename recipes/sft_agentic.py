@@ -1,0 +1,24 @@
+"""HARTS SFT on the built-in agent conversations cut into per-turn samples, launched by accelerate.
+
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml recipes/sft_agentic.py \
+        --config recipes/configs/qwen3_5_quick_sft/config.yaml
+
+``--config`` is a TRL YAML (HARTSSFTConfig + ConversationArguments fields); any field can also be given as a flag
+(``--max_steps 5``), a config directory or a Hub repo id holding ``config.yaml`` too; mistakes fail in
+one line (exit code 2) before the model is built, as in ``grpo_agentic.py`` (the body is shared:
+``harts_hf.trainers.recipe.launch``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from harts_hf.trainers.recipe import launch
+
+
+def main(argv: list[str]) -> None:
+    launch("sft", argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,163 @@
+"""The four recipes (GRPO, RLOO, SFT, DPO): each shipped config, loaded back from its local
+directory (the Hub layout), is its kind's embedded default and a loadable model card, and trains a
+step at tiny sizes, HARTS and stock; the built-in data they train on; and the new bad inputs, each
+refused in one line before any work (exit code 2)."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+from torch.utils.data import SequentialSampler
+from trl.data_utils import is_conversational
+
+from harts_hf.cli import main
+from harts_hf.data import agent_preference_pairs
+from harts_hf.envs import LedgerEnv, build_tokenizer, ledger_prompts, ledger_turn_reward
+from harts_hf.trainers.recipe import RECIPES, build_trainer, check_config, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"grpo": "agentic", "rloo": "rloo", "sft": "sft", "dpo": "dpo"}  # kind -> recipes/configs/qwen3_5_quick_*
+TINY = {  # a step in about a second: two tasks or conversations, short generations
+    "grpo": dict(num_tasks=2, max_turns=1, episodes_per_task=2, num_generations=2, per_device_train_batch_size=4,
+                 reasoning_tokens=4, action_tokens=4, max_completion_length=16),
+    "rloo": dict(num_tasks=2, num_generations=2, per_device_train_batch_size=4, max_completion_length=8),
+    "sft": dict(num_conversations=2, turns=1, per_device_train_batch_size=2),
+    "dpo": dict(num_conversations=2, turns=1, per_device_train_batch_size=2),
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _frozen_heap():
+    """accelerate runs ``gc.collect()`` at the end of every ``train()``: about a second over this
+    process's heap (torch, transformers, TRL); frozen, it scans only what a run allocated."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def config_dir(kind: str) -> Path:
+    return ROOT / "recipes" / "configs" / f"qwen3_5_quick_{CONFIGS[kind]}"
+
+
+def shipped(kind: str) -> dict:
+    return yaml.safe_load(check_config(config_dir(kind), kind).read_text())
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_shipped_config_is_the_embedded_default_and_a_model_card(kind):
+    from huggingface_hub import ModelCard
+
+    values, defaults = shipped(kind), RECIPES[kind].defaults
+    assert {k: values[k] for k in defaults} == defaults
+    from_file, embedded = parse_recipe(values, kind), parse_recipe(dict(defaults), kind)
+    assert from_file[0] == embedded[0] and from_file[1].to_dict() == embedded[1].to_dict()
+    card = ModelCard.load(config_dir(kind) / "README.md")
+    assert {"harts", kind} <= set(card.data.tags) and f"recipes/{kind}_agentic.py" in card.text
+
+
+@pytest.mark.parametrize("harts", [True, False], ids=["harts", "stock"])
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_each_recipe_trains_a_step_from_its_config(kind, harts, tmp_path):
+    values = shipped(kind) | TINY[kind] | dict(max_steps=1, output_dir=str(tmp_path), disable_tqdm=True)
+    args, training_args = parse_recipe(values | dict(harts_enable=harts), kind)
+    trainer = build_trainer(args, training_args)
+    assert type(trainer) is RECIPES[kind].trainer and trainer.args.harts_enable is harts
+    if kind in ("sft", "dpo"):  # conversation order: whole conversations per microbatch
+        assert isinstance(trainer._get_train_sampler(), SequentialSampler)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["loss"] == log["loss"]  # not NaN
+    assert ("harts/compression" in log) is (harts and kind in ("grpo", "rloo"))
+
+
+def test_preference_pairs_are_trls_conversational_format():
+    pairs = agent_preference_pairs(2, turns=2, seed=3)
+    assert len(pairs) == 2 * 3
+    assert all(is_conversational(p) and set(p) == {"prompt", "chosen", "rejected"} for p in pairs)
+    assert [p["prompt"][-1]["role"] for p in pairs[:3]] == ["user", "tool", "tool"]
+    for p in pairs:
+        (chosen,), (rejected,) = p["chosen"], p["rejected"]
+        assert chosen["role"] == rejected["role"] == "assistant" and chosen != rejected
+        assert bool(chosen.get("tool_calls")) is not bool(rejected.get("tool_calls"))  # the other move
+    assert pairs[1]["prompt"][:4] == pairs[2]["prompt"][:4]  # a conversation's pairs share its history
+    assert "reasoning_content" not in pairs[1]["prompt"][2]  # earlier reasoning dropped
+    assert agent_preference_pairs(2, turns=2, seed=3) == pairs
+
+
+def test_ledger_turn_reward_plays_the_call():
+    tok, env = build_tokenizer(), LedgerEnv()
+    env.reset(5)
+    row = ledger_prompts(1, start=5)[0]
+    assert row["task"] == 5 and row["prompt"][1]["content"] == LedgerEnv().reset(5)
+    right = tok(f"sum it<|act|>answer {env.target}<eos>")["input_ids"]
+    no_reasoning = tok(f"answer {env.target}")["input_ids"]
+    assert ledger_turn_reward([right, no_reasoning, []], [5, 5, 5]) == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        pytest.param(
+            ["--trainer", "ppo"],
+            "harts-hf train: error: argument --trainer: invalid choice: 'ppo' (choose from 'dpo', 'grpo', 'rloo', "
+            "'sft')",
+            id="unknown-trainer",
+        ),
+        pytest.param(
+            ["--config", str(config_dir("sft"))],
+            "unknown key 'num_conversations' in {sft} (a key of the sft and dpo recipes, not of grpo)",
+            id="config-of-another-trainer",
+        ),
+        pytest.param(
+            ["--trainer", "sft", "--config", "{dir}/batch.yaml"],
+            "harts-hf train: error: per_device_train_batch_size must be a multiple of the per-turn samples per "
+            "conversation = turns + 1 = 4 (whole conversations per microbatch), got 6",
+            id="sft-batch-splits-conversations",
+        ),
+        pytest.param(
+            ["--trainer", "rloo", "--config", "{dir}/no_tasks.yaml"],
+            "LedgerTurnArguments: num_tasks must be a positive integer, got 0",
+            id="rloo-no-tasks",
+        ),
+    ],
+)
+def test_train_refuses_in_one_line(argv, line, tmp_path, capsys):
+    (tmp_path / "batch.yaml").write_text("per_device_train_batch_size: 6\n")
+    (tmp_path / "no_tasks.yaml").write_text("num_tasks: 0\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *(a.format(dir=tmp_path) for a in argv), "--output-dir", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert line.format(dir=tmp_path, sft=config_dir("sft")) in err
+    assert not out.exists()
+
+
+def test_an_unknown_trainer_kind_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"^unknown trainer 'ppo'; choose one of dpo, grpo, rloo, sft$"):
+        parse_recipe({}, "ppo")
+
+
+@pytest.mark.parametrize(
+    ("kind", "flag", "line"),
+    [
+        ("sft", ["--per_device_train_batch_size", "3"], "multiple of the per-turn samples per conversation = turns"),
+        ("dpo", ["--turns", "0"], "PreferenceArguments: turns must be a positive integer, got 0"),
+        ("rloo", ["--num_conversations", "2"], "unknown argument '--num_conversations' (a key of the sft and dpo"),
+    ],
+    ids=["sft", "dpo", "rloo"],
+)
+def test_launch_scripts_refuse_in_one_line(kind, flag, line, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(f"{kind}_agentic", ROOT / f"recipes/{kind}_agentic.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--config", str(config_dir(kind)), "--output_dir", str(tmp_path / "out"), *flag])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and line in err, err
