@@ -15,7 +15,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_trainer_sft import Snapshots
-from tiny_models import tiny_model
+from trainer_args import saved_model, sgd_args
 from trl import DPOConfig, DPOTrainer
 
 from harts_hf.data import agent_conversations, agent_tokenizer
@@ -50,30 +50,13 @@ def preference_pairs(n: int) -> Dataset:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_qwen3_5_dpo")
-    tiny_model("qwen3_5", seed=0).save_pretrained(path)
-    agent_tokenizer().save_pretrained(path)
-    return str(path)
+    return saved_model(tmp_path_factory.mktemp("tiny_qwen3_5_dpo"), agent_tokenizer())
 
 
 def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
     config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
     options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
-    args = dict(
-        output_dir=str(tmp_path / f"{case}-{harts}"),
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
-        max_steps=2,
-        learning_rate=0.5,
-        optim="sgd",
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-    )
+    args = sgd_args(tmp_path / f"{case}-{harts}", per_device_train_batch_size=4, max_steps=2, learning_rate=0.5)
     snaps = Snapshots()
     trainer = trainer_cls(
         model=model_dir,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_models import tiny_model
+from trainer_args import saved_model, sgd_args
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf.envs.tokenizer import build_tokenizer
@@ -32,10 +33,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_qwen3_5")
-    tiny_model("qwen3_5").save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return str(path)
+    return saved_model(tmp_path_factory.mktemp("tiny_qwen3_5"), build_tokenizer())
 
 
 def branching_rollout(prompts: list[str], trainer) -> dict:
@@ -65,24 +63,8 @@ def id_reward(completion_ids, **kwargs) -> list[float]:
 
 def config_kwargs(output_dir: str, **overrides) -> dict:
     """The settings both trainers share (fp32 CPU, SGD, 2 steps), with ``overrides``."""
-    args = dict(
-        output_dir=output_dir,
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=8,
-        num_generations=GROUP,
-        max_steps=2,
-        learning_rate=0.05,
-        optim="sgd",
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        max_completion_length=16,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    return args | overrides
+    grpo = dict(per_device_train_batch_size=8, num_generations=GROUP, max_steps=2, max_completion_length=16)
+    return sgd_args(output_dir, learning_rate=0.05, **(grpo | overrides))
 
 
 def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None, **overrides):

@@ -16,6 +16,7 @@ import pytest
 from datasets import Dataset
 from test_trainer_exactness import TOL, max_param_diff
 from tiny_models import tiny_model
+from trainer_args import saved_model, sgd_args
 from trl import RLOOConfig, RLOOTrainer
 
 from harts_hf.envs.tokenizer import build_tokenizer
@@ -29,10 +30,7 @@ PROMPTS = [SYSTEM + "solve: 12+7=", SYSTEM + "list the files in /srv"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_qwen3_5_rloo")
-    tiny_model("qwen3_5").save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return str(path)
+    return saved_model(tmp_path_factory.mktemp("tiny_qwen3_5_rloo"), build_tokenizer())
 
 
 def length_reward(completion_ids, **kwargs) -> list[float]:
@@ -40,22 +38,13 @@ def length_reward(completion_ids, **kwargs) -> list[float]:
 
 
 def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
-    args = dict(
-        output_dir=str(tmp_path / trainer_cls.__name__),
-        use_cpu=True,
-        bf16=False,
+    args = sgd_args(
+        tmp_path / trainer_cls.__name__,
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=8,
         max_steps=2,
         learning_rate=0.05,
-        optim="sgd",
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
     )
     trainer = trainer_cls(
         model=model_dir,

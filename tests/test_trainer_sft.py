@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_models import tiny_model
+from trainer_args import sgd_args
 from transformers import TrainerCallback
 
 from harts_hf.data import agent_conversations, agent_tokenizer, turn_samples
@@ -73,20 +74,11 @@ def train(case: str, harts: bool, tmp_path) -> dict:
     options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
     data, family = options.pop("data"), options.pop("model", "qwen3_5")
     config_cls, trainer_cls = (HARTSSFTConfig, HARTSSFTTrainer) if harts else (SFTConfig, SFTTrainer)
-    args = dict(
-        output_dir=str(tmp_path / f"{case}-{harts}"),
-        use_cpu=True,
-        bf16=False,
+    args = sgd_args(
+        tmp_path / f"{case}-{harts}",
         per_device_train_batch_size=6,
         max_steps=3,
         learning_rate=0.1,
-        optim="sgd",
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
         dataloader_drop_last=True,
     )
     snaps = Snapshots()

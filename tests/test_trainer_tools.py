@@ -26,6 +26,7 @@ import torch
 from datasets import Dataset
 from tiny_models import tiny_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from trainer_args import sgd_args
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import qwen3_5_nothink_chat_template
@@ -224,22 +225,19 @@ def train(trainer_cls, config_cls, kind: str, model_dir: str, output_dir: str, *
     else:  # the environment's own reward (``Doubler.get_reward``); ``seen`` only records the rollouts
         tool_args = dict(reward_funcs=seen, environment_factory=lambda: Doubler(run.calls))
     args = config_cls(
-        output_dir=output_dir,
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=2 * GROUP,
-        num_generations=GROUP,
-        max_steps=2,
-        learning_rate=0.01,
-        optim="sgd",
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        max_completion_length=32,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        **overrides,
+        **sgd_args(
+            output_dir,
+            **(
+                dict(
+                    per_device_train_batch_size=2 * GROUP,
+                    num_generations=GROUP,
+                    max_steps=2,
+                    learning_rate=0.01,
+                    max_completion_length=32,
+                )
+                | overrides
+            ),
+        )
     )
     prompts = [[{"role": "user", "content": p}] for p in ARGUMENTS] * 2
     answers = [double(args[0]) for args in ARGUMENTS.values()] * 2

@@ -1,0 +1,36 @@
+"""What every trainer-against-stock test shares: the training arguments (fp32 on CPU, SGD, a log line
+per step, nothing saved; SGD because Adam divides each update by the gradient's own magnitude and
+would amplify rounding noise, see test_trainer_exactness) and a tiny model saved where TRL can
+reload it (the reference model of beta > 0, DPO's reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiny_models import tiny_model
+
+
+def sgd_args(output_dir: str | Path, **overrides) -> dict:
+    """Keyword arguments of a TRL config both trainers of a comparison take, with ``overrides``."""
+    return (
+        dict(
+            output_dir=str(output_dir),
+            use_cpu=True,
+            bf16=False,
+            optim="sgd",
+            logging_steps=1,
+            report_to=[],
+            seed=0,
+            save_strategy="no",
+            disable_tqdm=True,
+            gradient_checkpointing=False,
+        )
+        | overrides
+    )
+
+
+def saved_model(path: Path, tokenizer, family: str = "qwen3_5") -> str:
+    """``tiny_model(family)`` and ``tokenizer`` saved in ``path``: a model id TRL loads and reloads."""
+    tiny_model(family).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
