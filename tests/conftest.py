@@ -1,7 +1,10 @@
 """Shared test settings: hypothesis runs derandomised (fixed examples) and without deadlines;
-torch uses one thread (tiny shapes gain nothing from more and stall on shared cores)."""
+torch uses one thread (tiny shapes gain nothing from more and stall on shared cores); the heap a
+test module starts with is frozen for the module (``_frozen_heap``)."""
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
@@ -17,3 +20,14 @@ torch.set_num_threads(1)
 def rng() -> np.random.Generator:
     """A fixed-seed generator, fresh for every test."""
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """Every ``Trainer.train()`` runs full ``gc.collect()`` passes (accelerate's ``free_memory``) over
+    the session's heap, hundreds of thousands of objects (torch, transformers, TRL): about a second
+    each on a 2-core machine. Frozen while a module runs, what existed before it is skipped and only
+    what its tests allocate is scanned; unfrozen after it, so nothing is kept for good."""
+    gc.freeze()
+    yield
+    gc.unfreeze()

@@ -5,7 +5,6 @@ refused in one line before any work (exit code 2)."""
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 from pathlib import Path
 
@@ -28,15 +27,6 @@ TINY = {  # a step in about a second: two tasks or conversations, short generati
     "sft": dict(num_conversations=2, turns=1, per_device_train_batch_size=2),
     "dpo": dict(num_conversations=2, turns=1, per_device_train_batch_size=2),
 }  # fmt: skip
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _frozen_heap():
-    """accelerate runs ``gc.collect()`` at the end of every ``train()``: about a second over this
-    process's heap (torch, transformers, TRL); frozen, it scans only what a run allocated."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def config_dir(kind: str) -> Path:

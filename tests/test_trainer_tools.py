@@ -15,7 +15,6 @@ them generated). fp32 on CPU, SGD (see ``test_trainer_exactness``).
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import os
 from dataclasses import dataclass, field
@@ -135,19 +134,6 @@ def tool_model(tok: PreTrainedTokenizerFast) -> torch.nn.Module:
     coin_flips = len(ids) * math.log(2) / len(targets)  # the loss left: each row's argument is one of two
     assert loss.item() < 1.25 * coin_flips, (loss.item(), coin_flips)
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
-    """Every ``Trainer.train()`` starts with ``accelerator.free_memory()``, a full ``gc.collect()``
-    over the test session's ~430k objects (a second on a loaded 2-core machine), and the runs' own
-    full collections scan them again: frozen, they are skipped (this file ran 4x faster)."""
-    if gc.get_freeze_count():  # frozen by someone above
-        yield
-        return
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")
