@@ -88,7 +88,7 @@ class TreeEngine:
             :data:`~harts_hf.planner.TOKEN_MEMORY`, context at an own token's price): pass the
             model's, ``harts_hf.engine.memory_model(model)``, to cut trajectories longer than the budget.
         temperature: divides the logits before the log-softmax (as TRL does).
-        head_chunk_tokens: pairs per checkpointed LM-head chunk (default: 64 MiB of logits).
+        head_chunk_tokens: pairs per checkpointed LM-head chunk (default: 16 MiB of logits).
         forward: runs a closure as the forward of the wrapper being trained, e.g.
             ``lambda run: wrapped(harts_call=run)`` (``harts_hf.trainers``); None calls ``model``.
         no_sync: a context in which backward passes skip the wrapper's gradient sync (e.g.
