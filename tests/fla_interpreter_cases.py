@@ -27,7 +27,7 @@ from fla.modules.causal_conv1d import ops as fla_conv_ops
 from fla.ops.kda import chunk_intra as fla_kda_intra
 from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
-from triton.runtime import autotuner
+from triton.runtime import autotuner, interpreter
 
 from harts_hf.bench.fla_report import fallback_note, sequential_calls
 from harts_hf.forest import RolloutForest
@@ -46,6 +46,38 @@ from harts_hf.ops.tree_batch import TreeBatch
 
 # fla's kernels autotune over several configs; the interpreter cannot time them: take the first.
 autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles: [0.0, 0.0, 0.0])
+
+# The interpreter patches triton.language anew at every call of a @triton.jit helper (fla's kernels
+# call exp, sum, ... thousands of times per launch; a third of this file's time), though the
+# launch patched it first and nothing restores it before the launch returns: within one launch,
+# patch each language module once. Checked against triton 3.9.0 (constraints.txt).
+_patch_lang, _run_grid, _patched_by_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+
+def _language_modules(fn) -> set[int]:
+    return {id(m) for m in fn.__globals__.values() if m is interpreter.tl or m is interpreter.tl.core}
+
+
+def _patch_lang_once(fn):
+    langs = _language_modules(fn)
+    if langs and _patched_by_launch and _patched_by_launch[-1] is not None and langs <= _patched_by_launch[-1]:
+        return interpreter._LangPatchScope()  # already patched: nothing to restore
+    scope = _patch_lang(fn)
+    if _patched_by_launch:
+        _patched_by_launch[-1] = (_patched_by_launch[-1] or set()) | langs
+    return scope
+
+
+def _run_grid_patching_once(self, *args, **kwargs):
+    _patched_by_launch.append(None)  # the launch's own patch comes first
+    try:
+        return _run_grid(self, *args, **kwargs)
+    finally:
+        _patched_by_launch.pop()
+
+
+interpreter._patch_lang = _patch_lang_once
+interpreter.GridExecutor.__call__ = _run_grid_patching_once
 
 H, K, V, C = 2, 16, 8, 16
 
