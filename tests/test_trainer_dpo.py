@@ -15,7 +15,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_trainer_sft import Snapshots
-from trainer_args import saved_model, sgd_args
+from trainer_args import saved_model, sgd_args, spy_fused_outputs
 from trl import DPOConfig, DPOTrainer
 
 from harts_hf.data import agent_conversations, agent_tokenizer
@@ -72,16 +72,7 @@ def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
-    import harts_hf.trainers.fused as fused
-
-    forests, slots, run = [], [], fused.fused_outputs
-
-    def recorded(model, forest, *args, **kwargs):
-        forests.append(forest)
-        slots.append(kwargs["pieces"].num_slots)
-        return run(model, forest, *args, **kwargs)
-
-    monkeypatch.setattr(fused, "fused_outputs", recorded)
+    forests, slots = spy_fused_outputs(monkeypatch)
     stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
     calls = CASES[case].get("gradient_accumulation_steps", 1) * 2 * 2  # policy and reference, every microbatch
     assert len(forests) == calls  # every pass ran as a forest

@@ -18,7 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_models import tiny_model
-from trainer_args import sgd_args
+from trainer_args import sgd_args, spy_fused_outputs
 from transformers import TrainerCallback
 
 from harts_hf.data import agent_conversations, agent_tokenizer, turn_samples
@@ -98,16 +98,7 @@ def train(case: str, harts: bool, tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_matches_stock(case, tmp_path, monkeypatch):
-    import harts_hf.trainers.fused as fused
-
-    forests, slots, run = [], [], fused.fused_outputs
-
-    def recorded(model, forest, *args, **kwargs):
-        forests.append(forest)
-        slots.append(kwargs["pieces"].num_slots)
-        return run(model, forest, *args, **kwargs)
-
-    monkeypatch.setattr(fused, "fused_outputs", recorded)
+    forests, slots = spy_fused_outputs(monkeypatch)
     stock, harts = train(case, False, tmp_path), train(case, True, tmp_path)
     steps = CASES[case].get("gradient_accumulation_steps", 1) * 3
     assert len(forests) == steps  # every microbatch ran as a forest

@@ -1,7 +1,7 @@
 """What every trainer-against-stock test shares: the training arguments (fp32 on CPU, SGD, a log line
 per step, nothing saved; SGD because Adam divides each update by the gradient's own magnitude and
-would amplify rounding noise, see test_trainer_exactness) and a tiny model saved where TRL can
-reload it (the reference model of beta > 0, DPO's reference)."""
+would amplify rounding noise, see test_trainer_exactness), a tiny model saved where TRL can
+reload it (the reference model of beta > 0, DPO's reference) and a spy on the fused-head seam."""
 
 from __future__ import annotations
 
@@ -34,3 +34,19 @@ def saved_model(path: Path, tokenizer, family: str = "qwen3_5") -> str:
     tiny_model(family).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def spy_fused_outputs(monkeypatch) -> tuple[list, list[int]]:
+    """(forests, slots): every fused-head call's forest and its plan's slot count, recorded as
+    ``harts_hf.trainers.fused.fused_outputs`` runs (proof that a pass ran as a forest, in pieces or not)."""
+    import harts_hf.trainers.fused as fused
+
+    forests, slots, run = [], [], fused.fused_outputs
+
+    def recorded(model, forest, *args, **kwargs):
+        forests.append(forest)
+        slots.append(kwargs["pieces"].num_slots)
+        return run(model, forest, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_outputs", recorded)
+    return forests, slots
