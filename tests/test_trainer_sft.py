@@ -138,3 +138,11 @@ def test_labels_that_are_not_the_inputs_are_refused():
     assert out.entropy is None and out.mean_logits.shape == (2, 3)  # what was asked, as TRL's head
     with pytest.raises(ValueError, match="labels must be the input ids"):
         fused_outputs(model, forest, ids, mask, labels.masked_fill(labels == 5, 9))
+
+
+def test_pieces_with_the_router_aux_loss_are_refused(tmp_path, monkeypatch):
+    """The router loss needs a microbatch's forest in one pass: above the budget, one clear error."""
+    case = dict(data="prompt-completion", model="qwen3_5_moe", harts_max_tokens_per_microbatch=24)
+    monkeypatch.setitem(CASES, "moe-pieces", case)
+    with pytest.raises(ValueError, match=r"microbatches under harts_max_tokens_per_microbatch=24\).*router aux loss"):
+        train("moe-pieces", True, tmp_path)

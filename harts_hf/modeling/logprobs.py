@@ -203,17 +203,17 @@ def tree_forward(
 ) -> TreeOutput:
     """Run a patched model over ``forest`` once; see :class:`TreeOutput`.
 
-        ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
-        computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
-        routing depends only on its own hidden state, so each compact token stands for all of its
-        ``multiplicity`` trajectory copies. ``return_top1`` adds whether each target is the most
-        likely token (TRL's token accuracy), ``return_mean_logits`` the mean of the logits predicting
-    it (TRL's ``logits/*`` metrics). ``head_chunk_tokens`` overrides the pairs per head chunk.
+    ``output_router_logits`` adds the MoE router loss and expert load (families whose CausalLM
+    computes ``load_balancing_loss_func``), assuming deterministic no-drop routing: a token's
+    routing depends only on its own hidden state, so each compact token stands for all of its
+    ``multiplicity`` trajectory copies. ``statistics`` adds per-token :data:`PAIR_STATISTICS`
+    other than the entropy (TRL's token accuracy, ``logits/*`` metrics, WPO weights), without
+    gradient. ``head_chunk_tokens`` overrides the pairs per head chunk.
 
-        In train mode, dropout and router noise draw once per compact token, so trajectories that share a
-        prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
-        trajectory-wise training) but the trajectories' noise is correlated. A warning says so (TRL's
-        ``disable_dropout=True`` switches dropout off).
+    In train mode, dropout and router noise draw once per compact token, so trajectories that share a
+    prefix share its draw: each trajectory still sees a valid draw (the same expected gradient as
+    trajectory-wise training) but the trajectories' noise is correlated. A warning says so (TRL's
+    ``disable_dropout=True`` switches dropout off).
     """
     validate_temperature(temperature)
     hf, adapter = patched_adapter(model)

@@ -55,6 +55,23 @@ class HARTSTrainerMixin:
         """This rank's own forest, planned alone (the per-microbatch path)."""
         return plan(forest, world_size=1, **self._plan_options())
 
+    def _check_attached_pieces(self, forest: RolloutForest, pieces: Plan, router: bool) -> None:
+        """A forest above the budget outside a HARTS step runs in pieces replayed inside TRL's own
+        ``loss.backward()`` (``Recording.attached``): one process only (a data-parallel wrapper
+        cannot sync inside that backward) and without the router aux loss (it needs the forest in
+        one pass). Anything else is refused here, with the numbers."""
+        several = self.accelerator.num_processes > 1
+        if pieces.num_slots == 1 or not (several or router):
+            return
+        ((name, budget),) = self.args.harts_budget.items()
+        why = "under several processes" if several else "with the router aux loss"
+        raise ValueError(
+            f"a microbatch of {forest.num_trajectories} rows is {forest.num_compact_tokens:,} tokens as a forest "
+            f"({pieces.num_slots} microbatches under harts_{name}={budget:,}); {type(self).__name__} cuts such a "
+            f"microbatch into pieces in one process without the router aux loss only, not {why}: raise the budget "
+            "or lower per_device_train_batch_size"
+        )
+
     def _plan_options(self) -> dict:
         return dict(
             **self.args.harts_budget,

@@ -122,15 +122,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
             return None
         forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
         pieces = self._plan(forest)
-        if pieces.num_slots > 1 and (self.accelerator.num_processes > 1 or inputs.get("output_router_logits")):
-            ((name, budget),) = self.args.harts_budget.items()
-            why = "under several processes" if self.accelerator.num_processes > 1 else "with the router aux loss"
-            raise ValueError(
-                f"a microbatch of {forest.num_trajectories} rows is {forest.num_compact_tokens:,} tokens as a forest "
-                f"({pieces.num_slots} microbatches under harts_{name}={budget:,}); {type(self).__name__} cuts a "
-                f"microbatch into pieces in one process without the router aux loss only, not {why}: raise the "
-                "budget or lower per_device_train_batch_size"
-            )
+        self._check_attached_pieces(forest, pieces, router=bool(inputs.get("output_router_logits")))
         return fused_outputs(
             model,
             forest,

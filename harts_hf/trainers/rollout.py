@@ -136,17 +136,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A microbatch forest above the budget with grad outside a HARTS step: the engine runs the
         planned pieces; TRL's ``loss.backward()`` replays them (one process)."""
-        ((name, budget),) = self.args.harts_budget.items()
-        if compute_aux_loss:
-            raise ValueError(
-                f"the router aux loss needs the microbatch's forest in one pass, but it does not fit harts_{name}="
-                f"{budget}: raise it or lower per_device_train_batch_size"
-            )
-        if self.accelerator.num_processes > 1:
-            raise ValueError(
-                f"a microbatch forest above harts_{name}={budget} with grad outside an optimizer step's loss pass "
-                "runs in one process only: raise the budget"
-            )
+        self._check_attached_pieces(forest, pieces, router=compute_aux_loss)
         engine = TreeEngine(self.accelerator.unwrap_model(model), forest, pieces, temperature=self.temperature)
         with self.accelerator.autocast():
             lps, ents = engine.attached_logprobs(return_entropy=True)
