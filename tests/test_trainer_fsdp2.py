@@ -15,7 +15,9 @@ FSDP2 (``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the 
   reduce-scatters with averaging);
 * with several units on a rank, every backward pass but the last ran with FSDP2 gradient sync off
   (``set_requires_gradient_sync(False)``, then back on) and left no sharded parameter a gradient
-  (no reduce-scatter before the last pass), and a one-unit plan never turns sync off;
+  (no reduce-scatter before the last pass), and a one-unit plan never turns sync off; the
+  recording's last call, which keeps its graph for the first backward pass, runs its forward in
+  that pass's ``no_sync``;
 
 once under a budget every rank's share fits in one slot, once under one just above the longest
 trajectory (several slots per rank, trees cut into pieces joined by handoffs), once under one that
@@ -126,6 +128,9 @@ def test_fsdp2_step_matches_stock(budget, fsdp2_run):
         units, calls = got["calls"], got["sync_calls"]
         assert calls == [False, True] * (units - 1), (units, calls)
         assert len(got["unsynced"]) == units - 1 and all(got["unsynced"])  # only the last pass reduced
+        # the last call of the recording keeps its graph: its forward runs in the no_sync of the first
+        # backward pass (its own), unless it is the rank's only call
+        assert got["record_sync_calls"] == ([False, True] if units > 1 else []), got["record_sync_calls"]
         if budget == "slots":
             assert units >= 2 and False in calls
     if budget == "uneven":  # a rank with fewer units pads its model calls (FSDP2 gathers in each)
@@ -198,7 +203,9 @@ def _worker(out: Path) -> None:
         unsynced.clear()
         options = {"max_tokens_per_microbatch": budget or longest + 2, "cost_model": None, "chunk_size": 64}
         step = HARTSStep(trainer, model, batches, options)  # with grad: a loss pass
-        assert not sync_calls  # the recording pass runs no backward
+        record_sync_calls = list(sync_calls)  # the recording pass runs no backward but the kept call's forward
+        sync_calls.clear()
+        unsynced.clear()
         for j, batch in enumerate(batches):
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             width = batch["completion_ids"].size(1)
@@ -215,6 +222,7 @@ def _worker(out: Path) -> None:
             "num_slots": int(step.plan.num_slots),
             "plan_ranks": len({int(r) for r in np.asarray(step.plan.traj_rank[0]).ravel()}),
             "sync_calls": list(sync_calls),
+            "record_sync_calls": record_sync_calls,
             "unsynced": list(unsynced),
         }
 

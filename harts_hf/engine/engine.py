@@ -15,9 +15,10 @@ Backward policy (bounded, exact for every objective):
   applied to the complete per-trajectory log-probs (so sequence-level objectives such as GSPO's
   see whole trajectories), and units then rerun with grad in reverse slot order, each
   backpropagating its log-prob gradients plus the boundary gradients its consumers sent, and
-  sending its own context gradients to its producers. Every unit is backpropagated once; at most
-  one unit's graph is alive, so peak activation memory is one microbatch's (plus the boundary
-  values), at the price of one extra forward per token;
+  sending its own context gradients to its producers. The last unit is recorded with grad and
+  keeps its graph: its backward comes first, without a rerun. Every unit is backpropagated once; at
+  most one unit's graph is alive, so peak activation memory is one microbatch's (plus the boundary
+  values), at the price of one extra forward per token of every unit but the last;
 - a per-token objective (``per_token=True``: a sum of per-token terms with fixed normalisers)
   streams instead: a unit no later unit reads from runs forward, loss and backward at once; only
   units with consumers are recorded first and replayed, in reverse order, after them.
@@ -36,7 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -186,9 +187,11 @@ class TreeEngine:
         """The recording pass alone: the :class:`Recording` of every unit, whose values are
         :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
         through the units later (a caller that owns the loss and gathers its gradients first: the
-        trainer's HARTS step). ``keep_graph``: a plan of one unit runs it with grad and keeps its
-        graph for that backward instead of replaying it (one graph, as :meth:`backward` holds; only
-        where the backward runs in the gradient-sync context of this forward).
+        trainer's HARTS step). Made with grad enabled, the last model call runs with grad and keeps
+        its graph for that backward, whose first pass it is, instead of being replayed (one graph
+        alive, as in the replay; it runs in that pass's sync context, ``no_sync`` unless it is the
+        rank's only call). ``keep_graph``: the caller's context is the gradient-sync context of the
+        backward, so a rank's only call keeps its graph too.
         ``return_router_logits``: also the MoE layers' router logits of every compact token this
         rank computes (for the router loss), differentiable through the same backward.
         ``statistics``: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other
@@ -197,21 +200,11 @@ class TreeEngine:
         if return_router_logits and not self.adapter.aux_loss:
             raise UnsupportedModelError(f"the {self.adapter.family} family computes no router load-balancing loss")
         store = Store()
-        if keep_graph and len(self.units) == 1 and self._padding is None:
-            unit = self.units[0]
-            handoff = Handoff(store, unit, grad=True)
-            lp, ent, router, stats = self._run(unit, handoff, return_entropy, return_router_logits, statistics)
-            return Recording(
-                self,
-                None,
-                self._scatter([lp]),
-                self._scatter([ent]) if return_entropy else None,
-                self._scatter_tokens([router], router) if return_router_logits else None,
-                {name: self._scatter([value]) for name, value in stats.items()},
-            )
-        with torch.no_grad():
-            values, ents, routers, stats = self._record(store, return_entropy, return_router_logits, statistics)
-        return Recording(self, store, values, ents, routers, stats)
+        keep = torch.is_grad_enabled() and (self.calls > 1 or keep_graph)
+        values, ents, routers, stats, kept = self._record(
+            store, return_entropy, return_router_logits, statistics, keep_last=keep
+        )
+        return Recording(self, store, values, ents, routers, stats, kept)
 
     def attached_logprobs(
         self, return_entropy: bool = False
@@ -275,14 +268,14 @@ class TreeEngine:
         return lp.detach(), None if ent is None else ent.detach()
 
     def _replay(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
-        """Record every unit, apply the loss to whole trajectories, replay units in reverse."""
-        with torch.no_grad():
-            values, ents, *_ = self._record(store, entropy)
+        """Record every unit (the last keeps its graph), apply the loss to whole trajectories,
+        replay the others in reverse."""
+        values, ents, _, _, kept = self._record(store, entropy, keep_last=True)
         values = [v.requires_grad_(True) for v in values]
         loss = self._apply(loss_fn, values, ents)
         if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
             loss.backward()
-            self._replay_units(store, [torch.zeros_like(v) if v.grad is None else v.grad for v in values])
+            self._replay_units(store, [torch.zeros_like(v) if v.grad is None else v.grad for v in values], kept=kept)
         return loss.detach()
 
     def _replay_units(
@@ -291,27 +284,56 @@ class TreeEngine:
         grads: list[torch.Tensor],
         entropy_grads: list[torch.Tensor] | None = None,
         router_grads: list[torch.Tensor] | None = None,
+        *,
+        kept: _Kept | None = None,
     ) -> None:
-        """Every unit with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and, given,
-        ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per forest
-        [layers, N_f, E], w.r.t. the router logits)."""
-        for done, unit in enumerate(reversed(self.units)):
+        """Every model call with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and,
+        given, ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per
+        forest [layers, N_f, E], w.r.t. the router logits); the ``kept`` call first, from its graph."""
+        entropy, router = entropy_grads is not None, router_grads is not None
+        units, padding = list(reversed(self.units)), self.calls - len(self.units)
+        done = 0
+        if kept is not None:
+            with self._sync_last(done):
+                if kept.handoff.unit is self._padding:
+                    torch.autograd.backward(kept.outputs[0], torch.zeros_like(kept.outputs[0]))
+                    padding -= 1
+                else:
+                    units.pop(0)
+                    self._send_unit(store, kept, grads, entropy_grads, router_grads)
+            done += 1
+        for unit in units:
             with self._sync_last(done):
                 handoff = Handoff(store, unit, grad=True)
-                lp, ent, router, _ = self._run(unit, handoff, entropy_grads is not None, router_grads is not None)
-                pairs = self._pair_index[unit.index]
-                tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
-                if ent is not None:
-                    tensors.append(ent)
-                    unit_grads.append(entropy_grads[unit.forest][pairs])
-                if router is not None:
-                    tensors.append(router)
-                    unit_grads.append(router_grads[unit.forest][:, self._token_index[unit.index]].to(router.dtype))
-                self._send(store, handoff, tensors, unit_grads)
-        for done in range(len(self.units), self.calls):
+                lp, ent, logits, _ = self._run(unit, handoff, entropy, router)
+                self._send_unit(store, _Kept(handoff, (lp, ent, logits)), grads, entropy_grads, router_grads)
+            done += 1
+        for _ in range(padding):
             with self._sync_last(done):
                 lp, *_ = self._run_padding(grad=True)
                 torch.autograd.backward(lp, torch.zeros_like(lp))
+            done += 1
+
+    def _send_unit(
+        self,
+        store: Store,
+        run: _Kept,
+        grads: list[torch.Tensor],
+        entropy_grads: list[torch.Tensor] | None,
+        router_grads: list[torch.Tensor] | None,
+    ) -> None:
+        """Backpropagate a unit's run: its outputs with their shares of the pass's gradients."""
+        unit = run.handoff.unit
+        lp, ent, logits = run.outputs
+        pairs = self._pair_index[unit.index]
+        tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
+        if entropy_grads is not None:
+            tensors.append(ent)
+            unit_grads.append(entropy_grads[unit.forest][pairs])
+        if router_grads is not None:
+            tensors.append(logits)
+            unit_grads.append(router_grads[unit.forest][:, self._token_index[unit.index]].to(logits.dtype))
+        self._send(store, run.handoff, tensors, unit_grads)
 
     def _sync_last(self, done: int) -> AbstractContextManager:
         """``no_sync`` for every backward pass of a step but the last (``done`` passes so far)."""
@@ -365,21 +387,43 @@ class TreeEngine:
         return out
 
     def _record(
-        self, store: Store, entropy: bool, router: bool = False, statistics: tuple[str, ...] = ()
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, dict[str, list[torch.Tensor]]]:
-        lps, ents, routers, stats = [], [], [], []
-        for unit in self.units:
-            lp, ent, logits, values = self._run(unit, Handoff(store, unit, grad=False), entropy, router, statistics)
-            lps.append(lp)
-            ents.append(ent)
-            routers.append(logits)
-            stats.append(values)
-        for _ in range(len(self.units), self.calls):
-            _, _, logits, _ = self._run_padding(grad=False, router=router)
-            routers.append(logits)  # not scattered: the shape of a rank without units
+        self,
+        store: Store,
+        entropy: bool,
+        router: bool = False,
+        statistics: tuple[str, ...] = (),
+        *,
+        keep_last: bool = False,
+    ) -> tuple[
+        list[torch.Tensor],
+        list[torch.Tensor] | None,
+        list[torch.Tensor] | None,
+        dict[str, list[torch.Tensor]],
+        _Kept | None,
+    ]:
+        """Every model call of the rank (its units, then its padding calls) without grad, but, with
+        ``keep_last``, the last, which runs with grad in the sync context of the replay's first
+        backward pass and is returned with its graph; the values come detached."""
+        calls = [*self.units, *[self._padding] * (self.calls - len(self.units))]
+        lps, ents, routers, stats, kept = [], [], [], [], None
+        for i, unit in enumerate(calls):
+            keep = keep_last and i == len(calls) - 1
+            padding = unit is self._padding
+            with torch.set_grad_enabled(keep), self._sync_last(0) if keep else contextlib.nullcontext():
+                handoff = Handoff(Store() if padding else store, unit, grad=keep)
+                wanted = () if padding else statistics
+                lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
+            if keep:
+                kept = _Kept(handoff, (lp, ent, logits))
+            routers.append(None if logits is None else logits.detach())  # a padding call's: the shape only
+            if padding:
+                continue
+            lps.append(lp.detach())
+            ents.append(None if ent is None else ent.detach())
+            stats.append({name: value.detach() for name, value in values.items()})
         values, ents = self._scatter(lps), self._scatter(ents) if entropy else None
         per_name = {name: self._scatter([v[name] for v in stats]) for name in statistics}
-        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None, per_name
+        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None, per_name, kept
 
     def _run_padding(self, *, grad: bool, router: bool = False):
         """A padding call (:func:`_padding_unit`): records nothing any unit reads."""
@@ -405,6 +449,14 @@ class TreeEngine:
         return self._forward(run)
 
 
+class _Kept(NamedTuple):
+    """One run of a model call with grad: its handoff and (log-probs, entropies, router logits),
+    the graph alive until its backward."""
+
+    handoff: Handoff
+    outputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 def _padding_unit(tables: Builders, device: torch.device) -> Unit:
     """A two-token chain in one unit: what a rank runs for a model call it has no unit for."""
     forest = RolloutForest.from_sequences([[0, 0]])
@@ -416,19 +468,20 @@ class Recording:
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
     does not own are 0), ``router_logits`` (None unless asked) per forest [layers, N_f, E] (0 for the
     tokens other ranks compute), ``statistics`` (the head statistics asked for, by name, in the
-    log-probs' layout), and the boundary values the replay reads (``store``; None: the values carry
-    the graph of the pass itself)."""
+    log-probs' layout), the boundary values the replay reads (``store``) and the run of the last
+    call that kept its graph (``kept``, None if none did)."""
 
     def __init__(
         self,
         engine: TreeEngine,
-        store: Store | None,
+        store: Store,
         values: list[torch.Tensor],
         ents: list[torch.Tensor] | None,
         router_logits: list[torch.Tensor] | None = None,
         statistics: dict[str, list[torch.Tensor]] | None = None,
+        kept: _Kept | None = None,
     ):
-        self.engine, self._store, self._pending = engine, store, True
+        self.engine, self._store, self._kept, self._pending = engine, store, kept, True
         self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.router_logits = router_logits
         self.logprobs = engine._layout(values)
@@ -495,20 +548,9 @@ class Recording:
             raise ValueError("entropy gradients need a recording made with return_entropy=True")
         if router_grads is not None and self.router_logits is None:
             raise ValueError("router gradients need a recording made with return_router_logits=True")
-        if self._store is None:  # the pass kept its graph
-            tensors = [
-                *self.values,
-                *(self._ents if entropy_grads is not None else []),
-                *(self.router_logits if router_grads is not None else []),
-            ]
-            grads = [*grads, *(entropy_grads or []), *(router_grads or [])]
-            live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-            if live:
-                torch.autograd.backward(*zip(*live))
-        else:
-            with torch.enable_grad():
-                self.engine._replay_units(self._store, grads, entropy_grads, router_grads)
-        self._store, self._pending = None, False
+        with torch.enable_grad():
+            self.engine._replay_units(self._store, grads, entropy_grads, router_grads, kept=self._kept)
+        self._store, self._kept, self._pending = None, None, False
 
 
 class _Replay(torch.autograd.Function):

@@ -117,9 +117,9 @@ class HARTSStep:
             calls=needed if acc.num_processes > 1 else 0,
         )
         self.grad = torch.is_grad_enabled()
-        # One unit per rank keeps its graph (no replay) where its backward runs in this forward's sync
-        # context; the same decision on every rank (each forward of the wrapper is collective).
-        keep_graph = (calls == 1).all() and (acc.num_processes == 1 or len(self.microbatches) == 1)
+        # A rank's only call keeps its graph (no replay) where its backward runs in this forward's
+        # sync context: one process, or a block of one microbatch (no accelerate no_sync around it).
+        keep_graph = acc.num_processes == 1 or len(self.microbatches) == 1
         routers = None
         with acc.autocast():
             if self.grad or router:  # a recording: the router logits come with it
