@@ -151,3 +151,22 @@ def test_launch_scripts_refuse_in_one_line(kind, flag, line, tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.splitlines()) == 1 and line in err, err
+
+
+def test_the_step_time_config_is_the_grpo_recipe_on_the_default_model_under_a_smaller_budget():
+    """``qwen3_5_default_agentic`` (what the README's train-compare figures run) changes the GRPO
+    recipe only in its model, its microbatches (stock's of 2 rows, HARTS' budget), its calibrated
+    cost model, its steps and its output."""
+    from huggingface_hub import ModelCard
+
+    directory = ROOT / "recipes" / "configs" / "qwen3_5_default_agentic"
+    values = yaml.safe_load(check_config(directory, "grpo").read_text())
+    changed = {k for k in values.keys() | shipped("grpo").keys() if values.get(k) != shipped("grpo").get(k)}
+    assert changed == {
+        "model_name_or_path", "per_device_train_batch_size", "gradient_accumulation_steps",
+        "harts_max_tokens_per_microbatch", "harts_cost_model", "max_steps", "output_dir",
+    }  # fmt: skip
+    args, training_args = parse_recipe(values, "grpo")
+    assert args.model_name_or_path == "builtin:qwen3_5-default" and training_args.harts_max_tokens_per_microbatch == 768
+    assert training_args.harts_cost_model["token"] > 0
+    assert "train-compare" in ModelCard.load(directory / "README.md").text

@@ -87,6 +87,8 @@ def cmd_train_compare(args: argparse.Namespace) -> int:
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True)
     record = compare(script_args, training_args)
+    if training_args.process_index != 0:  # every rank ran both trainers; the main process reports
+        return 0
     print(format_comparison(record))
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
