@@ -142,8 +142,9 @@ def test_stock_rows_is_a_power_of_two_that_fits():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 def test_modes_agree_with_the_stock_model(family):
-    """Stock microbatches, unshared and harts give the trajectory-wise log-probs and the same
-    parameter gradients on a caterpillar (the agentic shape)."""
+    """Stock microbatches, unshared and harts (in one call, and in pieces under a budget below the
+    forest) give the trajectory-wise log-probs and the same parameter gradients on a caterpillar
+    (the agentic shape)."""
     bench = build_model(family, "tiny")
     model = bench.model
     work = get_workload("caterpillar", turns=5, trunk_len=[40, 30, 1, 70, 9], leaf_len=[3, 64, 1, 5, 20], vocab=128)
@@ -156,10 +157,12 @@ def test_modes_agree_with_the_stock_model(family):
         StockMode(batch, cpu, rows=2),
         TreeMode("unshared", batch, unshared, cpu),
         TreeMode("harts", batch, forest, cpu),
+        pieces := TreeMode("harts in pieces", batch, forest, cpu, max_tokens=forest.num_compact_tokens // 3),
     ):
         model.zero_grad(set_to_none=True)
         results[mode.name] = mode.step(model).logprobs
         grads[mode.name] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert pieces.plan.num_slots >= 3
     single = trajectory_logprobs(model, forest, cpu)
     for name, logprobs in results.items():
         torch.testing.assert_close(logprobs, single, atol=2e-5, rtol=0)

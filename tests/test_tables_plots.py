@@ -132,6 +132,7 @@ def bench_record_of_a_tiny_run() -> dict:
         rounds=2,
         flops=FlopModel.of(bench.model, bench.arch),
         stock_rows=4,
+        harts_microbatches=1,
         samples=samples,
         peak_bytes={"stock": 30 << 20, "unshared": 12 << 20, "harts": None},
         numerics={"max_abs_logprob_diff": 1e-7, "stock_self_diff": 2e-7, "grad_cosine": 1.0},

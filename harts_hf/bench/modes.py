@@ -4,7 +4,9 @@
   trainer feeds them (rows shuffled, split into microbatches, each right-padded to its longest
   row, forward and backward per microbatch);
 - ``unshared``: harts-hf on the forest with prefix sharing off (every trajectory its own root);
-- ``harts``: harts-hf on the prefix forest.
+- ``harts``: harts-hf on the prefix forest, under a budget of the tokens of stock's padded
+  microbatch: a forest above it runs as the engine's planned pieces (the trainer's path), one
+  graph alive at a time.
 
 Every mode back-propagates the same policy loss (``loss.py``) and returns the per-trajectory
 log-probs in one layout, ``[B, max_len - 1]``, so their numerics compare entry by entry.
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..engine import TreeEngine, memory_model
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_logprobs, unpatch_model
+from ..planner import Plan, plan
 from .loss import policy_loss
 
 __all__ = [
@@ -142,20 +146,37 @@ class StockMode:
 
 
 class TreeMode:
-    """harts-hf on ``forest`` (the prefix forest, or every trajectory its own root)."""
+    """harts-hf on ``forest`` (the prefix forest, or every trajectory its own root), in one model
+    call, or with ``max_tokens`` in the microbatches the plan makes under that budget (context
+    priced by the model's memory model, as the trainer prices it; planned at the first step)."""
 
-    def __init__(self, name: str, batch: Batch, forest: RolloutForest, device: torch.device):
+    def __init__(
+        self, name: str, batch: Batch, forest: RolloutForest, device: torch.device, max_tokens: int | None = None
+    ):
         self.name = name
         self.forest = forest
         self.trained = batch.trained_tokens
         self.mask = torch.as_tensor(batch.loss_mask, device=device)
         self.advantages = torch.as_tensor(batch.advantages, device=device)
         self.device = device
+        self.max_tokens = max_tokens
+        self.plan: Plan | None = None
+
+    def microbatches(self, model: torch.nn.Module) -> Plan | None:
+        """The plan under ``max_tokens`` of the patched ``model``, None if there is no budget."""
+        if self.max_tokens is not None and self.plan is None:
+            budget = dict(max_tokens_per_microbatch=self.max_tokens, memory_model=memory_model(model))
+            self.plan = plan(self.forest, world_size=1, **budget)
+        return self.plan
 
     def step(self, model: torch.nn.Module) -> StepResult:
         patch_model(model)
+        pieces = self.microbatches(model)
         t0 = step_clock(self.device)
-        lp = tree_logprobs(model, self.forest)
+        if pieces is None or pieces.num_slots == 1:
+            lp = tree_logprobs(model, self.forest)
+        else:  # recorded now; the backward replays every piece but the last, in reverse
+            lp = TreeEngine(model, self.forest, pieces).attached_logprobs()[0]
         loss = policy_loss(lp, self.advantages, self.mask, self.trained)
         t1 = step_clock(self.device)
         loss.backward()

@@ -18,7 +18,7 @@ _MB = 1 << 20
 MODE_MEANINGS = {
     "stock": "the unpatched transformers model on TRL-style padded rows: what a user runs instead",
     "unshared": "our kernels, one root per trajectory: no prefix sharing",
-    "harts": "our kernels on the prefix forest: every shared prefix computed once",
+    "harts": "our kernels on the prefix forest: every shared prefix computed once, in microbatches of stock's tokens",
 }
 """What each mode is, for the table's legend and the plot's caption."""
 
@@ -100,6 +100,7 @@ def bench_record(run: BenchRun) -> dict:
             "work": {m: dataclasses.asdict(w) for m, w in work.items()},
         },
         "stock_microbatch_rows": run.stock_rows,
+        "harts_microbatches": run.harts_microbatches,
         "config": dataclasses.asdict(run.config),
         "seconds": run.seconds,
         "machine": _machine(),
@@ -115,10 +116,17 @@ def table(record: dict) -> str:
         f"{w['trajectories']} trajectories, {w['trajectory_tokens']:,} -> {w['compact_tokens']:,} tokens "
         f"(compression {w['compression']:.2f}x, height {w['height']}, {w['rounds']} rounds)"
     )
-    lines = [head, "", f"{'mode':<10}{'forward s':>11}{'backward s':>12}{'step s':>10}{'peak MB':>10}"]
+    shape = (
+        f"stock: microbatches of {record['stock_microbatch_rows']} rows padded to {w['max_length']} tokens; "
+        f"harts: {record['harts_microbatches']} microbatch(es) of at most as many tokens "
+        f"({record['stock_microbatch_rows'] * w['max_length']:,})"
+    )
+    lines = [head, shape, "", f"{'mode':<10}{'forward s':>11}{'backward s':>12}{'step s':>10}{'peak MB':>10}"]
     for mode in MODES:
         peak = "n/a" if mem[mode] is None else f"{mem[mode]:.0f}"
-        lines.append(f"{mode:<10}{t[mode]['forward']:>11.3f}{t[mode]['backward']:>12.3f}{t[mode]['step']:>10.3f}{peak:>10}")
+        lines.append(
+            f"{mode:<10}{t[mode]['forward']:>11.3f}{t[mode]['backward']:>12.3f}{t[mode]['step']:>10.3f}{peak:>10}"
+        )
     s, v = record["speedup"], record["speedup_vs_stock"]
     cpu = (
         f"process CPU time: step {record['speedup_cpu']['step']:.2f}x vs unshared, "

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..forest import RolloutForest
+from ..modeling import patch_model
 from ..ops.rounds import rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..workloads import get_workload
@@ -52,6 +53,7 @@ class BenchRun:
     rounds: int
     flops: FlopModel
     stock_rows: int
+    harts_microbatches: int
     samples: dict[str, list[StepResult]] = field(default_factory=dict)
     peak_bytes: dict[str, int | None] = field(default_factory=dict)
     numerics: dict[str, float] = field(default_factory=dict)
@@ -96,6 +98,12 @@ def _numerics(
     }
 
 
+def _planned_microbatches(mode: TreeMode, model: torch.nn.Module) -> int:
+    """Plan ``mode`` before any step (the memory model's probe stays out of the measured peaks)."""
+    patch_model(model)
+    return mode.microbatches(model).num_slots
+
+
 def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
     """Time stock, unshared and harts training steps of ``config``'s model on its workload."""
     started = time.perf_counter()
@@ -112,7 +120,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
     modes = [
         StockMode(batch, device, rows, config.seed),
         TreeMode("unshared", batch, unshared, device),
-        TreeMode("harts", batch, forest, device),
+        # harts' budget: the tokens of stock's padded microbatch (its memory), not stock_tokens' cap
+        TreeMode("harts", batch, forest, device, max_tokens=rows * forest.max_length),
     ]
     run = BenchRun(
         config=config,
@@ -121,6 +130,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchRun:
         rounds=rounds_of(TreeBatch.from_forest(forest), bench_model.arch.chunk).num_rounds,
         flops=FlopModel.of(model, bench_model.arch),
         stock_rows=rows,
+        harts_microbatches=_planned_microbatches(modes[-1], model),
         samples={m.name: [] for m in modes},
         peak_bytes={m.name: None for m in modes},
     )

@@ -6,6 +6,7 @@ Legend: R ranks, S slots.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,12 +32,17 @@ def _packed(
     return merge(equal_cost_cuts(geo, rest, world_size, slots, chunk, extra), trees)
 
 
+LAST_SLOT_FILLS = (0.95, 0.85, 0.7)
+"""Fractions of its room in the budget the last slot is asked to fill, largest first (:func:`_fill_last_slot`)."""
+
+
 def slot_pieces(
     geo: Geometry, iv: RankIntervals, world_size: int, budget: Budget, chunk: int, cost: CostModel
 ) -> Pieces:
     """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
     the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
-    rounds and launch overhead; when quantile cuts never fit, budget-capped cuts in the greedy
+    rounds and launch overhead, and the last slot then filled towards the budget
+    (:func:`_fill_last_slot`); when quantile cuts never fit, budget-capped cuts in the greedy
     count of slots, or the greedy cuts themselves (they always fit)."""
     greedy = budget_cuts(geo, iv, world_size, budget)
     fewest = greedy.num_slots
@@ -52,9 +58,50 @@ def slot_pieces(
             busy = np.bincount(pieces.microbatch, minlength=num_mb) > 0
             overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
             tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
-            return _without_idle_slots(tuned if fits(tuned) else pieces)
+            pieces = tuned if fits(tuned) else pieces
+            filled = _fill_last_slot(geo, iv, world_size, budget, chunk, pieces, overhead, fits)
+            return _without_idle_slots(pieces if filled is None else filled)
     capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
     return _without_idle_slots(capped if fits(capped) else greedy)
+
+
+def _fill_last_slot(
+    geo: Geometry,
+    iv: RankIntervals,
+    world_size: int,
+    budget: Budget,
+    chunk: int,
+    pieces: Pieces,
+    overhead: np.ndarray,
+    fits: Callable[[Pieces], bool],
+) -> Pieces | None:
+    """``pieces``' slots with every rank's last one holding a :data:`LAST_SLOT_FILLS` share of the
+    budget's room beside its context (the largest that fits; None if none does, or with one slot),
+    the other slots sharing
+    the rest equally. A step of several slots records every microbatch but its last without grad
+    and reruns it in the backward (``harts_hf.engine``): the tokens the last slot takes are the
+    tokens not run twice. Per slot, the ranks stay as even as before: every rank fills its last."""
+    slots = pieces.num_slots
+    if slots == 1:
+        return None
+    unit = geo.prefix(iv.hi) - geo.prefix(iv.lo)  # [I] cost of each interval
+    total = np.bincount(iv.rank, weights=unit, minlength=world_size)  # [R]
+    tokens = np.bincount(iv.rank, weights=iv.hi - iv.lo, minlength=world_size)
+    per_token = np.divide(total, tokens, out=np.zeros_like(total), where=tokens > 0)
+    # the room the budget leaves the last slot beside the context its current start reads
+    last_mb = np.arange(world_size) * slots + slots - 1
+    own = np.bincount(pieces.microbatch, weights=pieces.hi - pieces.lo, minlength=world_size * slots)[last_mb]
+    room = budget.tokens - (footprint(geo, pieces, world_size, budget)[last_mb] - own)
+    for fill in LAST_SLOT_FILLS:
+        last = np.minimum(fill * room * per_token, total)  # [R] the last slot's cost
+        # equal quantiles of (cost + overhead) with `lift` added to every slot but the last leave the
+        # last slot `last` and split the rest equally
+        lift = np.maximum(slots * last - total, 0.0) / (slots - 1)
+        extra = overhead + np.where(np.arange(slots) < slots - 1, lift[:, None], 0.0)
+        filled = _packed(geo, iv, world_size, slots, chunk, extra)
+        if fits(filled):
+            return filled
+    return None
 
 
 def _without_idle_slots(pieces: Pieces) -> Pieces:
