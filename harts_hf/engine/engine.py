@@ -285,7 +285,7 @@ class TreeEngine:
         entropy_grads: list[torch.Tensor] | None = None,
         router_grads: list[torch.Tensor] | None = None,
         *,
-        kept: _Kept | None = None,
+        kept: _GradRun | None = None,
     ) -> None:
         """Every model call with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and,
         given, ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per
@@ -306,7 +306,7 @@ class TreeEngine:
             with self._sync_last(done):
                 handoff = Handoff(store, unit, grad=True)
                 lp, ent, logits, _ = self._run(unit, handoff, entropy, router)
-                self._send_unit(store, _Kept(handoff, (lp, ent, logits)), grads, entropy_grads, router_grads)
+                self._send_unit(store, _GradRun(handoff, (lp, ent, logits)), grads, entropy_grads, router_grads)
             done += 1
         for _ in range(padding):
             with self._sync_last(done):
@@ -317,7 +317,7 @@ class TreeEngine:
     def _send_unit(
         self,
         store: Store,
-        run: _Kept,
+        run: _GradRun,
         grads: list[torch.Tensor],
         entropy_grads: list[torch.Tensor] | None,
         router_grads: list[torch.Tensor] | None,
@@ -399,7 +399,7 @@ class TreeEngine:
         list[torch.Tensor] | None,
         list[torch.Tensor] | None,
         dict[str, list[torch.Tensor]],
-        _Kept | None,
+        _GradRun | None,
     ]:
         """Every model call of the rank (its units, then its padding calls) without grad, but, with
         ``keep_last``, the last, which runs with grad in the sync context of the replay's first
@@ -414,7 +414,7 @@ class TreeEngine:
                 wanted = () if padding else statistics
                 lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
             if keep:
-                kept = _Kept(handoff, (lp, ent, logits))
+                kept = _GradRun(handoff, (lp, ent, logits))
             routers.append(None if logits is None else logits.detach())  # a padding call's: the shape only
             if padding:
                 continue
@@ -449,7 +449,7 @@ class TreeEngine:
         return self._forward(run)
 
 
-class _Kept(NamedTuple):
+class _GradRun(NamedTuple):
     """One run of a model call with grad: its handoff and (log-probs, entropies, router logits),
     the graph alive until its backward."""
 
@@ -479,7 +479,7 @@ class Recording:
         ents: list[torch.Tensor] | None,
         router_logits: list[torch.Tensor] | None = None,
         statistics: dict[str, list[torch.Tensor]] | None = None,
-        kept: _Kept | None = None,
+        kept: _GradRun | None = None,
     ):
         self.engine, self._store, self._kept, self._pending = engine, store, kept, True
         self.values, self._ents = values, ents  # per forest [P_f] pair values
