@@ -127,6 +127,31 @@ def test_random_cuts_sequence_level_objective():
         assert_same(ref, engine_run(model, forest, dfs_cut_plan(forest, cuts), loss_fn))
 
 
+def test_the_last_piece_keeps_its_graph_and_runs_once():
+    """The recording's last unit keeps its graph for the backward: U units make 2U - 1 model calls
+    (every unit but the last recorded and rerun), through the replay and through a caller's own
+    backward, with the oracle's gradients."""
+    model = patch_model(tiny_model("qwen3_5"))
+    seqs, forest = _forest(1)
+    loss_fn = sequence_loss(forest)
+    ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+    cuts = dfs_cut_plan(forest, np.array([9, 40, 70]))
+    for attached in (False, True):
+        for p in trainable(model):
+            p.grad = None
+        calls, seen = [], []
+        engine = TreeEngine(model, forest, cuts, forward=lambda run: calls.append(1) or run())
+        calls.clear()  # the construction's probe call
+        if attached:
+            lps = engine.attached_logprobs()
+            loss_fn(lps).backward()
+            seen.append(lps[0].detach())
+        else:
+            engine.backward(lambda lps: seen.append(lps[0].detach()) or loss_fn(lps))
+        assert len(engine.units) == 4 and len(calls) == 2 * 4 - 1
+        assert_same(ref, (seen[0], [torch.zeros_like(p) if p.grad is None else p.grad for p in trainable(model)]))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("shape", [caterpillar, many_roots, one_token_nodes], ids=lambda f: f.__name__)
 def test_planned_pieces_and_ranks(world_size, shape):

@@ -77,10 +77,10 @@ def _fill_last_slot(
 ) -> Pieces | None:
     """``pieces``' slots with every rank's last one holding a :data:`LAST_SLOT_FILLS` share of the
     budget's room beside its context (the largest that fits; None if none does, or with one slot),
-    the other slots sharing
-    the rest equally. A step of several slots records every microbatch but its last without grad
-    and reruns it in the backward (``harts_hf.engine``): the tokens the last slot takes are the
-    tokens not run twice. Per slot, the ranks stay as even as before: every rank fills its last."""
+    the other slots sharing the rest equally. A step of several slots records every microbatch but
+    its last without grad and reruns it in the backward (``harts_hf.engine``): the tokens the last
+    slot takes are the tokens not run twice. Per slot, the ranks stay as even as before: every rank
+    fills its last."""
     slots = pieces.num_slots
     if slots == 1:
         return None
