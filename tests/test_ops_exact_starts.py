@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from chunk_scan_cases import assert_close, check_piece, check_tree, fla_naive
-from test_ops_tail_chunks import KINDS, NAMES, leaves_of, oracle, tree_op
+from test_ops_ragged_layout import CHUNK, KINDS, NAMES, forest_of, leaves_of, oracle, tree_op, walk
 
 from harts_hf.forest import RolloutForest
 from harts_hf.ops.gated_delta import GDN_KERNEL
 from harts_hf.ops.gla import GLA_KERNEL, SIMPLE_GLA_KERNEL
 from harts_hf.ops.kda import KDA_KERNEL
+from harts_hf.ops.ragged_layout import ragged_layout_of
 from harts_hf.ops.rounds import rounds_of
-from harts_hf.ops.tail_chunks import ragged_rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
 
 H, K, V = 2, 8, 6
@@ -96,28 +96,28 @@ def every_offset(chunk: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("chunk", [12, 16])
 def test_children_start_from_the_mid_chunk_state_of_their_branch_point(chunk: int) -> None:
-    """A path branching at depth d > a asks its parent's round for the state after depth d - 1 (one
-    request per branch point, shared by siblings); a path starting on the grid takes a chunk-start state."""
+    """A path branching at depth d > a starts from the mid-chunk state after depth d - 1 that its
+    parent's round computes (one per branch point, shared by siblings, each read); a path starting on
+    the grid takes a chunk-start state. The walk checks that every chunk starts after its first
+    token's parent."""
     forest = RolloutForest.from_sequences(every_offset(chunk))
     batch = TreeBatch.from_forest(forest)
-    rs = rounds_of(batch, chunk)
-    ragged = ragged_rounds_of(batch, chunk)
+    rs, layout, seen = rounds_of(batch, chunk), ragged_layout_of(batch, chunk), walk(batch, chunk)
     offsets = set()
     for r in range(1, rs.num_rounds):
-        prev, rnd = ragged[r - 1], rs.rounds[r]
-        base = sum(rs.rounds[r - 1].step_counts) + rs.rounds[r - 1].step_counts[0]  # Tc + P of round r - 1
-        asked = torch.cat([req.tokens.gather(1, req.row[:, None])[:, 0] for req in prev.requests]).numpy()
-        assert np.unique(asked).size == asked.size, "one request per branch point"
+        mids = seen.mids[r - 1]
+        assert len(set(mids)) == len(mids), "one mid-chunk state per branch point"
+        base = len(seen.kept[r - 1]) + len(seen.finals[r - 1])
+        h0 = layout.rounds[r].h0.numpy()
         paths = np.flatnonzero(rs.path_round == r)
-        paths = paths[np.argsort(rs.path_rank[paths])]
-        first = rnd.gather.view(-1, chunk)[np.arange(paths.size), rs.path_replay[paths]].numpy()  # own tokens
-        depth = forest.position[first]
-        h0 = ragged[r].h0_index.numpy()
+        first_depth = {int(rs.path_rank[p]): int(rs.path_start[p] + rs.path_replay[p]) for p in paths}
+        head = [s for s in layout.rounds[r].steps[0].visits]  # step 0's visits: every path of the round
+        assert sum(n for _, n in head) == paths.size == h0.size
         mid = h0 >= base
-        np.testing.assert_array_equal(mid, depth % chunk > 0)
-        np.testing.assert_array_equal(asked[h0[mid] - base], forest.prev[first[mid]])
-        assert np.isin(asked, forest.prev[first[mid]]).all(), "every requested state is used"
-        offsets |= set((depth[mid] % chunk).tolist())
+        assert set(h0[mid] - base) == set(range(len(mids))), "every mid-chunk state is read"
+        depths = np.asarray(sorted(first_depth.values()))
+        assert mid.sum() == (depths % chunk > 0).sum(), "off the grid: a mid-chunk state; on it: a boundary state"
+        offsets |= set((depths[depths % chunk > 0] % chunk).tolist())
     assert offsets == set(range(1, chunk)), "children start at every offset of a chunk"
 
 
@@ -149,6 +149,26 @@ def test_piece_with_mid_chunk_children_equals_whole_forest(kind: str) -> None:
         return tree_op(kind, leaves, lambda x: x[own], batch, chunk, **kwargs)
 
     assert any(
-        req.row.numel() for rag in ragged_rounds_of(TreeBatch.from_forest(forest, piece), chunk) for req in rag.requests
+        mid.row.numel()
+        for rnd in ragged_layout_of(TreeBatch.from_forest(forest, piece), chunk).rounds
+        for mid in rnd.mids
     )
     check_piece(forest, piece, chunk, leaves, run)
+
+
+@pytest.mark.parametrize("name", ["short_leaves", "every_offset"])
+def test_piece_layout_replays_context_only_on_external_paths(name: str) -> None:
+    """In a piece cut 7 tokens into the second chunk, every piece token is computed once; the only
+    replayed tokens are context tokens, at the head of the external paths, which start from the
+    caller's states (the walk checks every chunk's start)."""
+    forest = forest_of("short_leaves") if name == "short_leaves" else RolloutForest.from_sequences(every_offset(16))
+    chunk = CHUNK if name == "short_leaves" else 16
+    batch = TreeBatch.from_forest(forest, np.flatnonzero(forest.position >= chunk + 7))
+    rows, nc = walk(batch, chunk).chunks, batch.num_context
+    own = sorted(t for row in rows for t in row if t >= nc)
+    assert own == list(range(nc, nc + batch.num_tokens)), "every piece token computed once"
+    for row in rows:
+        replayed = sum(t < nc for t in row)
+        assert all(t < nc for t in row[:replayed]), "context tokens only at a chunk's head"
+    replayed = {t for row in rows for t in row if t < nc}
+    assert sorted(replayed) == rounds_of(batch, chunk).context_replay.tolist() and replayed

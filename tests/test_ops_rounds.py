@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 from trees import NASTY_TREES, nasty_tree_params
 
 from harts_hf.forest import RolloutForest
@@ -71,42 +70,40 @@ def test_round_count_is_minimal(seed: int) -> None:
     assert rounds_of(TreeBatch.from_forest(forest), 4).num_rounds == brute_force_rounds(forest)
 
 
-def packed_paths(rnd, chunk: int) -> list[np.ndarray]:
-    """Combined token index sequence of every path of a round, padding stripped."""
-    gather = rnd.gather.numpy().reshape(-1, chunk)
-    offsets = np.concatenate(([0], np.cumsum(rnd.step_counts)))
-    out = []
-    for i in range(rnd.step_counts[0]):
-        steps = [m for m, n in enumerate(rnd.step_counts) if n > i]
-        seq = np.concatenate([gather[offsets[m] + i] for m in steps])
-        last = np.flatnonzero(seq >= 0)[-1]
-        out.append(seq[: last + 1])
-    return out
+def grid_paths(rs: Rounds) -> list[np.ndarray]:
+    """Combined token sequence each path computes on its grid, by offset."""
+    grid = rs.grid
+    order = np.lexsort((grid.offset, grid.path))
+    return np.split(grid.token[order], np.cumsum(np.bincount(grid.path, minlength=rs.num_paths))[:-1])
 
 
 @pytest.mark.parametrize("build", nasty_tree_params())
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_packed_layout(build, chunk: int) -> None:
+def test_paths_on_the_grid(build, chunk: int) -> None:
     forest = RolloutForest.from_sequences(build(np.random.default_rng(0)))
     batch = TreeBatch.from_forest(forest)
     rs = rounds_of(batch, chunk)
     pos, prev = forest.position, forest.prev
-    owned = []
-    for rnd in rs.rounds:
-        counts = rnd.step_counts
-        assert counts == sorted(counts, reverse=True) and rnd.h0_index.numel() == counts[0]
-        own = rnd.gather[rnd.own_slot].numpy()
-        for seq in packed_paths(rnd, chunk):
-            assert (seq >= 0).all(), "padding only at a path's tail"
-            assert pos[seq[0]] % chunk == 0, "paths start on the chunk grid"
-            assert (pos[seq] == pos[seq[0]] + np.arange(seq.size)).all()
-            assert (prev[seq[1:]] == seq[:-1]).all(), "a path is a root-ward chain"
-            replay = np.flatnonzero(np.isin(seq, own))[0]
-            assert replay < chunk and np.isin(seq[replay:], own).all(), "< C replayed tokens, then own ones"
-        owned.append(own)
-    owned = np.concatenate(owned)
+    grid = rs.grid
+    for p, seq in enumerate(grid_paths(rs)):
+        assert pos[seq[0]] == rs.path_start[p] and rs.path_start[p] % chunk == 0, "paths start on the chunk grid"
+        assert (pos[seq] == pos[seq[0]] + np.arange(seq.size)).all() and seq.size == rs.path_length[p]
+        assert (prev[seq[1:]] == seq[:-1]).all(), "a path is a root-ward chain"
+        assert rs.path_chunks[p] == -(-seq.size // chunk)
+        own = grid.own[grid.path == p]
+        assert rs.path_replay[p] == (~own).sum() < chunk, "< C replayed tokens, then own ones"
+        assert (rs.token_path[seq[rs.path_replay[p] :]] == p).all()
+        q = rs.path_parent[p]
+        assert (q < 0) == (prev[seq[rs.path_replay[p]]] < 0), "only roots have no parent path"
+        if q >= 0:
+            assert rs.token_path[prev[seq[rs.path_replay[p]]]] == q and rs.path_round[p] == rs.path_round[q] + 1
+    for r in range(rs.num_rounds):  # ranks by chunk count, descending
+        paths = np.flatnonzero(rs.path_round == r)
+        by_rank = paths[np.argsort(rs.path_rank[paths])]
+        assert sorted(rs.path_rank[paths]) == list(range(paths.size))
+        assert (np.diff(rs.path_chunks[by_rank]) <= 0).all()
+    owned = grid.token[grid.own]
     assert np.array_equal(np.sort(owned), np.arange(forest.num_compact_tokens)), "every token is own exactly once"
-    assert np.array_equal(owned[rs.restore.numpy()], np.arange(forest.num_compact_tokens))
     assert batch.cached(("rounds", chunk), lambda b: None) is rs, "derived once per batch"
 
 
@@ -120,5 +117,6 @@ def test_piece_external_paths() -> None:
     ext = batch.global_index[rs.external_tokens].numpy()
     np.testing.assert_array_equal(forest.position[ext], [31])  # the state after depth 31 (boundary 32)
     np.testing.assert_array_equal(forest.position[batch.global_index[rs.context_replay].numpy()], [32, 33, 34])
-    assert rs.num_rounds == 2 and rs.rounds[0].h0_index.tolist() == [1]
-    assert torch.equal(rs.rounds[0].gather[:3], rs.context_replay)
+    assert rs.num_rounds == 2 and rs.path_h0[rs.path_round == 0].tolist() == [1]
+    trunk = grid_paths(rs)[int(np.flatnonzero(rs.path_round == 0)[0])]
+    assert np.array_equal(trunk[:3], rs.context_replay.numpy())

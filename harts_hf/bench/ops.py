@@ -15,7 +15,7 @@ scales paths are not much longer than a chunk and the grid ideal lies far below 
 0.05); the cheaper a kind's per-token work (simple GLA), the nearer its speedup lands to the grid
 ideal. (Where the trajectory-wise tensors outgrow the caches, a speedup can pass the token ideal: KDA
 and GLA at 0.02.) The torch backend computes the ragged layout of
-:func:`~harts_hf.ops.tail_chunks.ragged_rounds_of` (exact starts, no replay of piece tokens, chunks at
+:func:`~harts_hf.ops.ragged_layout.ragged_layout_of` (exact starts, no replay of piece tokens, chunks at
 their length rounded up to 8): ``slot_ideal`` is the ratio of its slots, ``replayed``
 and ``padding`` count the tree run's slots that hold no own token (replayed context tokens; padding).
 
@@ -57,9 +57,8 @@ from ..ops.gated_delta import GDN_KERNEL, tree_gated_delta_rule
 from ..ops.gla import GLA_KERNEL, SIMPLE_GLA_KERNEL, tree_gla, tree_simple_gla
 from ..ops.kda import KDA_KERNEL, tree_kda
 from ..ops.linear_attention import ChunkKernel
+from ..ops.ragged_layout import ragged_layout_of
 from ..ops.rounds import rounds_of
-from ..ops.scan_plan import scan_plan_of
-from ..ops.tail_chunks import ragged_rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.report import legend
 from .fla_report import fallback_note, sequential_calls
@@ -147,11 +146,9 @@ def _case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
 def _intra_case(kind: str, batch: TreeBatch, gen: torch.Generator) -> _Case:
     """The chunk-local half of linear ``kind`` alone (``ChunkKernel.intra``), as the torch driver runs
     it on ``batch``: once per chunk length of the ragged layout, on that length's chunks of every round."""
-    kernel, plan = KERNELS[kind], scan_plan_of(batch, CHUNK_SIZE)
+    kernel, layout = KERNELS[kind], ragged_layout_of(batch, CHUNK_SIZE)
     blocks = [  # per chunk length: q, k, v, g[, beta] [T, L, H, ...]
-        _linear_inputs(kind, gen, sum(counts), length)
-        for length, counts in zip(plan.lengths, plan.counts)
-        if sum(counts)
+        _linear_inputs(kind, gen, n, length) for length, n in zip(layout.lengths, layout.chunks)
     ]
     inputs, width = [x for block in blocks for x in block], len(blocks[0])
 
@@ -183,14 +180,15 @@ def _attended_pairs(forest: RolloutForest) -> int:
 
 
 def _chunk_slots(batch: TreeBatch) -> int:
-    """Packed token slots of the C-slot layout: every round's chunks times the chunk size."""
-    return sum(r.gather.numel() for r in rounds_of(batch, CHUNK_SIZE).rounds)
+    """Packed token slots of the C-slot layout: every path's chunks times the chunk size."""
+    return int(rounds_of(batch, CHUNK_SIZE).path_chunks.sum()) * CHUNK_SIZE
 
 
 def _ragged_slots(batch: TreeBatch) -> tuple[int, int]:
-    """(slots, slots holding a token) the torch backend's linear kinds compute (``ragged_rounds_of``)."""
-    layout = ragged_rounds_of(batch, CHUNK_SIZE)
-    return sum(r.gather.numel() for r in layout), sum(int((r.gather >= 0).sum()) for r in layout)
+    """(slots, slots holding a token) the torch backend's linear kinds compute (``ragged_layout_of``)."""
+    gather = ragged_layout_of(batch, CHUNK_SIZE).gather
+    zero_row = rounds_of(batch, CHUNK_SIZE).context_replay.numel() + batch.num_tokens
+    return gather.numel(), int((gather < zero_row).sum())
 
 
 def bench_ops(

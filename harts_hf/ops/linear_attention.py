@@ -1,26 +1,23 @@
 """The tree driver shared by every chunkwise linear-attention kind (GDN, KDA, GLA, simple GLA).
 
 ``rounds.py`` cuts the tree into paths grouped into rounds; this driver runs the rounds in order, each
-as ONE scan of the kind's kernel over all of its paths packed *step-major*: chunk 0 of paths
-0..n_0-1, then chunk 1 of paths 0..n_1-1, ... (paths sorted by chunk count, descending;
-``step_counts = [n_0, n_1, ...]``; padding slots hold the neutral token q=k=v=0, g=0, beta=0). A
-path's initial state is a state of its parent path from the previous round (or zeros / a
-caller-given state for root paths).
+as ONE scan of the kind's kernel over all of its paths. A path's initial state is a state of its
+parent path from the previous round (or zeros / a caller-given state for root paths).
 
 A kind's kernel is a :class:`ChunkKernel`: ``intra`` does the intra-chunk work batched over chunks,
 ``step`` one inter-chunk step of the active paths, ``state_at`` the state after a given row of a
-chunk. :func:`chunk_scan` runs the first two on a step-major round of full chunks (the
-``<kind>_chunk_scan`` functions); the tree driver runs them on the round's *ragged* layout
-(``tail_chunks.py``): a child path starts exactly at its branch point from the mid-chunk state
-``state_at`` computed in its parent's round (no replay of the parent's tokens), and every chunk runs
-at its true length rounded up to 8 (:func:`scan_ragged`).
+chunk. :func:`chunk_scan` runs the first two on one step-major round of full chunks (chunk 0 of
+paths 0..n_0-1, then chunk 1 of paths 0..n_1-1, ...: the ``<kind>_chunk_scan`` functions); the tree
+driver runs them on the ragged layout (``ragged_layout.py``): a child path starts exactly at its
+branch point from the mid-chunk state ``state_at`` computed in its parent's round (no replay of the
+parent's tokens), and every chunk runs at its true length rounded up to 8 (:func:`scan_ragged`).
 
-Short chunks make the per-chunk overhead, not the token work, the cost of a tree, so the driver follows a
-:class:`~harts_hf.ops.tail_chunks.ScanPlan`: one gather of every input for the whole run, ``intra`` once
-per chunk length for all rounds together, states kept in visiting order (a visit's states are a view),
-and only the states a later use reads are materialised: the chunk-start states a request or the next
-round reads, the end states only where the next round or ``batch.state_out`` reads one (the other
-last chunks run ``output``). A request reuses its chunk's ``step`` values instead of recomputing them.
+Short chunks make the per-chunk overhead, not the token work, the cost of a tree, so the layout gives
+one gather of every input for the whole run, ``intra`` once per chunk length for all rounds together,
+states kept in visiting order (a visit's states are a view), and only the states a later use reads
+materialised: the chunk-start states a mid-chunk state or the next round reads, the end states only
+where the next round or ``batch.state_out`` reads one (the other last chunks run ``output``). A
+mid-chunk state reuses its chunk's ``step`` values instead of recomputing them.
 
 Signature (stable; the per-kind wrappers in ``gated_delta.py``, ``kda.py``, ``gla.py`` call it)::
 
@@ -50,9 +47,8 @@ from typing import NamedTuple
 
 import torch
 
+from .ragged_layout import ScanRound, ragged_layout_of
 from .rounds import context_replay_of, input_table, rounds_of
-from .scan_plan import RoundPlan, scan_plan_of
-from .tail_chunks import RaggedRound, ragged_rounds_of
 from .take_rows import take_rows
 from .tree_batch import TreeBatch
 
@@ -214,39 +210,38 @@ def chunk_scan(
 
 def scan_ragged(
     h0: torch.Tensor,
-    rnd: RaggedRound,
-    plan: RoundPlan,
+    rnd: ScanRound,
     rows: Sequence[Iterator[tuple[torch.Tensor, ...]]],
     kernel: ChunkKernel,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
-    """:func:`scan_steps` on a ragged round (``tail_chunks.py``): ``rows[s]`` yields the per-chunk tensors
-    of stream s visit by visit (``rnd.sections[s]`` chunks each); h0 [P, H, K, V] in step 0's visiting order.
-    Only the states ``plan`` keeps are materialised, and the paths' end states only if ``plan.finals`` (else
-    the ending visits compute their outputs alone). Returns (per stream the outputs [n, H, L_s, V] of its
-    visits, per stream the ``step`` values of its visits (empty where None), the kept chunk-start states
+    """:func:`scan_steps` on a round of the ragged layout (``ragged_layout.py``): ``rows[j]`` yields the
+    per-chunk tensors of length j visit by visit; h0 [P, H, K, V] in step 0's visiting order. Only the
+    states ``rnd`` keeps are materialised, and the paths' end states only if ``rnd.finals`` (else the
+    ending visits compute their outputs alone). Returns (per length the outputs [n, H, L, V] of its
+    visits, per length the ``step`` values of its visits (empty where None), the kept chunk-start states
     [Ks, H, K, V] or None, h_final [P, H, K, V] by rank or None)."""
     state = h0  # [n_m, H, K, V] in visiting order
-    outs: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
-    values: list[list[torch.Tensor]] = [[] for _ in rnd.lengths]
+    outs: list[list[torch.Tensor]] = [[] for _ in rows]
+    values: list[list[torch.Tensor]] = [[] for _ in rows]
     kept, finals = [], []
-    for visit, keep in zip(rnd.steps, plan.keep):
-        if keep is not None:
-            kept.append(state if isinstance(keep, slice) else take_rows(state, keep))
+    for step in rnd.steps:
+        if step.keep is not None:
+            kept.append(state if isinstance(step.keep, slice) else take_rows(state, step.keep))
         ends = []
-        for i, (states, (s, _)) in enumerate(zip(state.split([n for _, n in visit.visits]), visit.visits)):
-            if i < visit.following or plan.finals:
-                o, end, vals = kernel.step(states, *next(rows[s]))
-                (ends if i < visit.following else finals).append(end)
+        for i, (states, (j, _)) in enumerate(zip(state.split([n for _, n in step.visits]), step.visits)):
+            if i < step.following or rnd.finals:
+                o, end, vals = kernel.step(states, *next(rows[j]))
+                (ends if i < step.following else finals).append(end)
             else:
-                o, vals = kernel.output(states, *next(rows[s]))
-            outs[s].append(o)
+                o, vals = kernel.output(states, *next(rows[j]))
+            outs[j].append(o)
             if vals is not None:
-                values[s].append(vals)
+                values[j].append(vals)
         if ends:
             state = torch.cat(ends) if len(ends) > 1 else ends[0]
-            state = state if visit.order is None else take_rows(state, visit.order)
+            state = state if step.order is None else take_rows(state, step.order)
     h_start = torch.cat(kept) if kept else None
-    h_final = take_rows(torch.cat(finals), rnd.final_order) if plan.finals else None
+    h_final = take_rows(torch.cat(finals), rnd.final_order) if rnd.finals else None
     return outs, values, h_start, h_final
 
 
@@ -269,56 +264,51 @@ def run_tree_linear_attention(
     Handoffs stay in autograd: a state given to several child paths is gathered once per child, so
     its gradient is the sum of theirs.
     """
-    rounds = rounds_of(batch, chunk_size)
     own = {"q": q, "k": k, "v": v, "g": g} | ({} if beta is None else {"beta": beta})
-    rounds.check_inputs(own, context, initial_states)
+    rounds_of(batch, chunk_size).check_inputs(own, context, initial_states)
     H, K, V = v.shape[1], k.shape[-1], v.shape[-1]
     zeros = q.new_zeros(1, H, K, V)
     h_in = zeros if initial_states is None else torch.cat((zeros, initial_states.to(zeros)))
-    plan = scan_plan_of(batch, chunk_size)
+    layout = ragged_layout_of(batch, chunk_size)
 
     replayed = context_replay_of(batch, chunk_size).numel()
     tables = {
         name: input_table(x, None if context is None or name == "q" else context[name], replayed)
         for name, x in own.items()
     }
-    layout = ragged_rounds_of(batch, chunk_size)
-    sizes = [length * sum(counts) for length, counts in zip(plan.lengths, plan.counts)]
-    split = {name: take_rows(t, plan.gather).split(sizes) for name, t in tables.items()}
+    sizes = [length * n for length, n in zip(layout.lengths, layout.chunks)]
+    split = {name: take_rows(t, layout.gather).split(sizes) for name, t in tables.items()}
     inputs, rows = [], []  # per length: prepared inputs {name: [T, L, H, ...]}; the intra rows, visit by visit
-    for j, (length, counts) in enumerate(zip(plan.lengths, plan.counts)):
-        x = {name: parts[j].unflatten(0, (sum(counts), length)) for name, parts in split.items()}
-        per_chunk = kernel.intra(x["q"], x["k"], x["v"], x["g"], x.get("beta"), scale=scale) if sum(counts) else ()
+    for j, (length, n) in enumerate(zip(layout.lengths, layout.chunks)):
+        x = {name: parts[j].unflatten(0, (n, length)) for name, parts in split.items()}
+        per_chunk = kernel.intra(x["q"], x["k"], x["v"], x["g"], x.get("beta"), scale=scale)
         inputs.append(x)
-        rows.append(iter(list(zip(*(t.split(plan.sections[j]) for t in per_chunk)))))
+        rows.append(iter(list(zip(*(t.split(layout.sections[j]) for t in per_chunk)))))
 
-    outs: list[list[torch.Tensor]] = [[] for _ in plan.lengths]  # per length, every visit's [n, H, L, V]
+    outs: list[list[torch.Tensor]] = [[] for _ in layout.lengths]  # per length, every visit's [n, H, L, V]
     picked = []
-    for r, (ragged, rplan) in enumerate(zip(layout, plan.rounds)):
-        streams = [plan.lengths.index(length) for length in ragged.lengths]
-        o, values, h_start, h_final = scan_ragged(
-            take_rows(h_in, rplan.h0), ragged, rplan, [rows[j] for j in streams], kernel
-        )
-        for j, out in zip(streams, o):
+    for rnd in layout.rounds:
+        o, values, h_start, h_final = scan_ragged(take_rows(h_in, rnd.h0), rnd, rows, kernel)
+        for j, out in enumerate(o):
             outs[j] += out
-        mids = [  # [R_s, H, K, V] states after rows of this round's chunks, for the next round's paths
+        mids = [  # [R, H, K, V] states after rows of this round's chunks, for the next round's paths
             kernel.state_at(
-                take_rows(h_start, start),
-                take_rows(torch.cat(values[req.stream]), req.chunk) if values[req.stream] else None,
-                lambda name, x=inputs[streams[req.stream]], chunk=chunk: take_rows(x[name].transpose(1, 2), chunk),
-                req.row,
+                take_rows(h_start, mid.start),
+                take_rows(torch.cat(values[mid.length]), mid.local) if values[mid.length] else None,
+                lambda name, x=inputs[mid.length], chunk=mid.chunk: take_rows(x[name].transpose(1, 2), chunk),
+                mid.row,
             )
-            for req, start, chunk in zip(ragged.requests, rplan.request_start, rplan.request_chunk)
+            for mid in rnd.mids
         ]
         later = [x for x in (h_start, h_final, *mids) if x is not None]  # the states later rounds read
         h_in = later[0] if len(later) == 1 else torch.cat(later) if later else None
-        if rplan.picks is not None:
-            picked.append(take_rows(h_in, rplan.picks))
-    flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs if o]  # [T_j * L_j, H, V]
-    o = take_rows(torch.cat(flat), plan.output)  # [N, H, V]
+        if rnd.picks is not None:
+            picked.append(take_rows(h_in, rnd.picks))
+    flat = [torch.cat(o).transpose(1, 2).flatten(0, 1) for o in outs]  # [T_j * L_j, H, V]
+    o = take_rows(torch.cat(flat), layout.output)  # [N, H, V]
     if chunk_size not in batch.state_out:
         return o, None
-    return o, take_rows(torch.cat(picked), plan.pick_order) if picked else zeros[:0]
+    return o, take_rows(torch.cat(picked), layout.pick_order) if picked else zeros[:0]
 
 
 def run_tree_kind(

@@ -1,4 +1,4 @@
-"""Path decomposition of a tree batch into rounds of packed chunkwise linear-attention calls.
+"""Path decomposition of a tree batch into rounds: the one source of the linear-attention layouts.
 
 A tree is cut into *paths*: at every token with several children, ONE child continues the
 parent's path and the others start new paths one round later. Continuing the child whose
@@ -7,13 +7,15 @@ r(leaf) = 1, r(x) = max(r(c*), max_{c != c*} r(c) + 1) with c* = argmax r(c), i.
 child round count, plus one when two children tie for it. A chain needs 1 round; a GRPO group,
 a caterpillar of any length, 2.
 
-Chunkwise kernels keep states at chunk boundaries only, so a path whose first own token sits at
-depth d starts at the aligned depth a = floor(d / C) * C from its parent's boundary state and
-*replays* the < C ancestors at depths [a, d) (outputs discarded). Every path then runs on the
-chunk grid of trajectory-wise training. Rounds pack their paths step-major (see
-``linear_attention.py``): chunk 0 of every path, then chunk 1 of those that have one, ...
-The torch backend runs the layout ``tail_chunks.py`` derives from these rounds instead, where a child
-path starts exactly at d from its parent's mid-chunk state (no replay of piece tokens).
+Chunkwise kernels keep states at chunk boundaries, so every path lives on the chunk grid of
+trajectory-wise training: a path whose first own token sits at depth d has the aligned start
+a = floor(d / C) * C, and its < C ancestors at depths [a, d) are its *replay*. Within a round,
+paths are ranked by chunk count, descending, so the paths still running at chunk step m are
+ranks [0, n_m). :class:`Rounds` holds these facts as numpy arrays, and every token each path
+computes on its grid (:class:`GridTokens`); each backend builds its layout directly from them:
+``ragged_layout.py`` (torch: a child starts exactly at d from its parent's mid-chunk state, no
+piece token replayed, chunks at their true length) and ``fla/waves.py`` (fla: whole C-chunks,
+replay included).
 
 In a piece (``batch.num_context > 0``), tokens whose parent is a context token start *external*
 root paths: their state at boundary a is the state after the context token at depth a - 1, which
@@ -22,14 +24,14 @@ the caller passes (``external_tokens``); replayed context tokens need the caller
 The kernels' input tables hold the rows ``[replayed context tokens, piece tokens, zero row]``
 (:meth:`Rounds.input_rows`).
 
-Legend: Nc context tokens, N piece tokens, M piece nodes, P paths, C chunk size,
-Tc chunks of a round.
+Legend: Nc context tokens, N piece tokens, M piece nodes, P paths, C chunk size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +42,7 @@ from .tree_batch import TreeBatch
 __all__ = [
     "REPLAY_KEY",
     "ROUNDS_KEY",
-    "Round",
+    "GridTokens",
     "Rounds",
     "build_rounds",
     "context_replay_of",
@@ -52,51 +54,47 @@ ROUNDS_KEY = "rounds"  # the table key of a batch's rounds: (ROUNDS_KEY, chunk_s
 REPLAY_KEY = "context_replay"  # the table key of the context tokens its paths replay: (REPLAY_KEY, chunk_size)
 
 
-@dataclass(frozen=True, eq=False)
-class Round:
-    """Index tensors of one packed kernel call.
+class GridTokens(NamedTuple):
+    """Every token each path computes on its chunk grid: replayed ancestors, then own tokens
+    (numpy, one entry per computed token).
 
     Args:
-        step_counts: [n_0, n_1, ...] paths still running at chunk step m (non-increasing).
-        gather: [Tc * C] combined index of the token in each packed slot, -1 for padding.
-        own_slot: [n] packed slot (flat ``chunk * C + position``) of each own token of the round.
-        h0_index: [P] where each path's initial state comes from. Round 0: row of
-            ``cat([zeros(1), initial_states])``; later rounds: row of the previous round's
-            ``cat([h_start, h_final])``.
+        path: the path computing it.
+        offset: its depth minus the path's aligned start (``Rounds.path_start``).
+        token: its combined index (context tokens first, then piece tokens).
+        own: whether it is the path's own token (not a replayed ancestor).
     """
 
-    step_counts: list[int]
-    gather: torch.Tensor
-    own_slot: torch.Tensor
-    h0_index: torch.Tensor
+    path: np.ndarray
+    offset: np.ndarray
+    token: np.ndarray
+    own: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
 class Rounds:
-    """The rounds of one batch and chunk size; build with :func:`rounds_of`.
+    """The paths and rounds of one batch and chunk size; build with :func:`rounds_of`.
 
     Args:
         chunk_size: C.
-        rounds: one :class:`Round` per sequential kernel call.
-        restore: [N] row of ``cat([own outputs of round 0, round 1, ...])`` holding each piece
-            token's output.
         external_tokens: [E] combined indices of the context tokens after which the caller
             provides the boundary state (``initial_states``), in that order.
         context_replay: [R] combined indices (ascending) of the context tokens replayed by
             external paths: the context rows the inputs take (``context``).
         num_context: Nc; position: [Nc + N] absolute depth of every combined token.
-        token_path, path_round, path_rank, path_start, path_chunks: numpy arrays locating every
-            piece token's path (its round, rank within the round, aligned start depth, chunks),
-            used to find boundary states (:meth:`state_index`).
-        path_replay: [P] replayed tokens at the head of each path (its first own depth minus
-            ``path_start``).
+        token_path: [N] the path owning each piece token.
+        path_round, path_rank: [P] each path's round and rank within it (by chunk count, descending).
+        path_start: [P] aligned start depth a; path_replay: [P] replayed tokens at its head (its
+            first own depth minus a); path_length: [P] replayed plus own tokens;
+            path_chunks: [P] its chunks on the grid.
         path_parent: [P] the path holding each path's parent token (in the previous round), -1 for a
             root or external path.
+        path_h0: [P] row of ``cat([zeros(1), initial_states])`` holding the initial state of a path
+            without a parent path (0 for a root; ignored where ``path_parent >= 0``).
+        grid: every token each path computes (:class:`GridTokens`).
     """
 
     chunk_size: int
-    rounds: list[Round]
-    restore: torch.Tensor
     external_tokens: torch.Tensor
     context_replay: torch.Tensor
     num_context: int
@@ -105,13 +103,16 @@ class Rounds:
     path_round: np.ndarray
     path_rank: np.ndarray
     path_start: np.ndarray
-    path_chunks: np.ndarray
     path_replay: np.ndarray
+    path_length: np.ndarray
+    path_chunks: np.ndarray
     path_parent: np.ndarray
+    path_h0: np.ndarray
+    grid: GridTokens
 
     @property
     def num_rounds(self) -> int:
-        return len(self.rounds)
+        return int(self.path_round.max()) + 1
 
     @property
     def num_paths(self) -> int:
@@ -157,27 +158,25 @@ class Rounds:
         if initial_states is not None and tuple(initial_states.shape[1:]) != state:
             raise ValueError(f"initial_states must be [E, H, K, V] = [{num_ext}, {', '.join(map(str, state))}]")
 
-    def input_rows(self, combined: torch.Tensor) -> torch.Tensor:
-        """Combined indices (replayed context tokens, piece tokens; -1 or Nk for padding) as rows
-        of the kernels' input tables ``[replayed context, piece tokens, zero row]`` (built with the
-        tables, on the host)."""
-        replay, nc, n = self.context_replay, self.num_context, self.token_path.size
-        r = replay.numel()
-        pad = (combined < 0) | (combined >= nc + n)
-        ctx = ~pad & (combined < nc)
-        at = torch.searchsorted(replay, combined).clamp(max=max(r - 1, 0))
+    def input_rows(self, combined: np.ndarray) -> np.ndarray:
+        """Combined indices (replayed context tokens, piece tokens; -1 for padding) as rows of the
+        kernels' input tables ``[replayed context, piece tokens, zero row]`` (numpy, on the host)."""
+        replay = self.context_replay.cpu().numpy()
+        nc, n, r = self.num_context, self.token_path.size, replay.size
+        ctx = (combined >= 0) & (combined < nc)
+        at = np.minimum(np.searchsorted(replay, combined), max(r - 1, 0))
         if ctx.any() and (r == 0 or (replay[at[ctx]] != combined[ctx]).any()):
             raise RuntimeError("a linear-attention table reads a context token its paths do not replay")
-        rows = torch.where(ctx, at, combined - nc + r)
-        return torch.where(pad, r + n, rows)
+        rows = np.where(ctx, at, combined - nc + r)
+        return np.where((combined < 0) | (combined >= nc + n), r + n, rows)
 
-    def state_index(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(round, row of that round's ``cat([h_start, h_final])``) holding the state after each
-        of ``tokens`` (combined indices of piece tokens t with (position[t] + 1) % C == 0)."""
+    def boundary_of(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(path, chunk boundary m) of the state after each of ``tokens`` (combined indices of piece
+        tokens t with (position[t] + 1) % C == 0): m = 0 is a path's initial state, m =
+        ``path_chunks`` its final state."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         local = tokens - self.num_context
-        n = self.token_path.size
-        if ((local < 0) | (local >= n)).any():
+        if ((local < 0) | (local >= self.token_path.size)).any():
             raise ValueError("state_out tokens must be piece tokens (combined indices >= num_context)")
         after = self.position[tokens] + 1
         if (after % self.chunk_size).any():
@@ -185,18 +184,7 @@ class Rounds:
                 f"state_out tokens must sit just before a chunk boundary ((position + 1) % {self.chunk_size} == 0)"
             )
         path = self.token_path[local]
-        rnd = self.path_round[path]
-        step = (after - self.path_start[path]) // self.chunk_size
-        offsets = [np.concatenate(([0], np.cumsum(r.step_counts))) for r in self.rounds]
-        off = np.zeros(tokens.size, dtype=np.int64)
-        total = np.zeros(tokens.size, dtype=np.int64)
-        for r, o in enumerate(offsets):
-            sel = rnd == r
-            off[sel] = o[np.minimum(step[sel], o.size - 1)]
-            total[sel] = o[-1]
-        rank = self.path_rank[path]
-        row = np.where(step < self.path_chunks[path], off + rank, total + rank)
-        return rnd, row
+        return path, (after - self.path_start[path]) // self.chunk_size
 
 
 def _pointer_jump(parent: np.ndarray) -> np.ndarray:
@@ -285,7 +273,7 @@ def _replay(prev: np.ndarray, first: np.ndarray, replay_len: np.ndarray, C: int)
 
 
 def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
-    """Decompose ``batch`` into min-rounds paths and pack each round (see module docstring)."""
+    """Decompose ``batch`` into min-rounds paths on the chunk grid (see module docstring)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     C = chunk_size
@@ -335,48 +323,19 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
     round_off = np.searchsorted(path_round[order], np.arange(num_rounds + 1))
     path_rank = np.empty(num_paths, dtype=np.int64)
     path_rank[order] = np.arange(num_paths) - round_off[path_round[order]]
-    parent_path = np.where(parent_tok >= 0, token_path[np.maximum(parent_tok, 0)], -1)
 
-    # Every computed token as (path, u = depth - a), replayed ones first, grouped by round.
+    # Every computed token as (path, offset = depth - a), replayed ones first.
     rp, ru = np.nonzero(replay >= 0)
     own_path = token_path[own_order]
-    comp_path = np.concatenate((rp, own_path))
-    comp_u = np.concatenate((ru, replay_len[own_path] + np.arange(n) - own_off[own_path]))
-    comp_tok = np.concatenate((replay[rp, ru], nc + own_order))
-    comp_own = np.arange(comp_tok.size) >= rp.size
-    by_round = np.argsort(path_round[comp_path], kind="stable")
-    comp_off = np.searchsorted(path_round[comp_path][by_round], np.arange(num_rounds + 1))
-
+    grid = GridTokens(
+        path=np.concatenate((rp, own_path)),
+        offset=np.concatenate((ru, replay_len[own_path] + np.arange(n) - own_off[own_path])),
+        token=np.concatenate((replay[rp, ru], nc + own_order)),
+        own=np.arange(rp.size + n) >= rp.size,
+    )
     as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=batch.device)
-    rounds: list[Round] = []
-    own_tokens: list[np.ndarray] = []
-    prev_offsets = np.zeros(1, dtype=np.int64)  # chunk offsets of the previous round's steps
-    for r in range(num_rounds):
-        paths = order[round_off[r] : round_off[r + 1]]  # by rank
-        step_counts = (chunks[paths][None, :] > np.arange(chunks[paths[0]])[:, None]).sum(1)
-        offsets = np.concatenate(([0], np.cumsum(step_counts)))
-        sel = by_round[comp_off[r] : comp_off[r + 1]]
-        slot = (offsets[comp_u[sel] // C] + path_rank[comp_path[sel]]) * C + comp_u[sel] % C
-        gather = np.full(int(offsets[-1]) * C, -1, dtype=np.int64)
-        gather[slot] = comp_tok[sel]
-        own = comp_own[sel]
-        own_tokens.append(comp_tok[sel][own] - nc)
-        if r == 0:
-            h0 = root_h0[paths]
-        else:  # the parent path ran in the previous round: its state at boundary a
-            q = parent_path[paths]
-            step = (a[paths] - a[q]) // C
-            inner = step < chunks[q]
-            h0 = np.where(inner, prev_offsets[np.where(inner, step, 0)], prev_offsets[-1]) + path_rank[q]
-        rounds.append(Round([int(c) for c in step_counts], as_t(gather), as_t(slot[own]), as_t(h0)))
-        prev_offsets = offsets
-
-    restore = np.empty(n, dtype=np.int64)
-    restore[np.concatenate(own_tokens)] = np.arange(n)
     return Rounds(
         chunk_size=C,
-        rounds=rounds,
-        restore=as_t(restore),
         external_tokens=as_t(external_tokens),
         context_replay=as_t(context_replay),
         num_context=nc,
@@ -385,9 +344,12 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
         path_round=path_round,
         path_rank=path_rank,
         path_start=a,
-        path_chunks=chunks,
         path_replay=replay_len,
-        path_parent=parent_path,
+        path_length=replay_len + own_len,
+        path_chunks=chunks,
+        path_parent=np.where(parent_tok >= 0, token_path[np.maximum(parent_tok, 0)], -1),
+        path_h0=root_h0,
+        grid=grid,
     )
 
 

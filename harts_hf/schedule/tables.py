@@ -1,7 +1,7 @@
 """A unit's tree tables, built on the host before the model runs and moved to the device once.
 
 The op modules build their index tables (attention blocks, conv gathers, linear-attention rounds,
-ragged layouts, scan plans, fla waves) through :meth:`TreeBatch.cached`, which keeps each
+ragged layouts, fla waves) through :meth:`TreeBatch.cached`, which keeps each
 builder. The builders a model's layers use (``harts_hf.modeling.tables.model_tables`` finds them
 once per model) are replayed here on a host copy of every new batch, so the layers only read
 ready device tensors: no table is built, and no index pulled back to the host, while the model runs.

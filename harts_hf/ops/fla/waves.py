@@ -1,12 +1,12 @@
 """Path-major varlen layout of a tree batch's rounds, for fla's ``cu_seqlens`` calls.
 
-``rounds.py`` packs a round step-major (chunk 0 of every path, then chunk 1, ...) for the torch
-kernels; fla wants each sequence contiguous. Here every path of :func:`rounds_of` becomes one or
-more *segments* (contiguous runs of its chunks, each a multiple of C tokens long, tails padded
-with the neutral token), and segments run in *waves*: one packed fla call per wave.
+fla wants each sequence contiguous. Here every path of :func:`rounds_of` (``Rounds``: the path
+decomposition, every path on its aligned chunk grid, replay included) becomes one or more
+*segments* (contiguous runs of its whole C-chunks, tails padded with the zero row of the input
+tables, :meth:`Rounds.input_rows`), and segments run in *waves*: one packed fla call per wave.
 
 Two layouts:
-- ``cut=False``: one segment per path, waves == rounds. The per-chunk states of a wave's call
+- ``cut=False``: one segment per path, waves <= rounds. The per-chunk states of a wave's call
   feed children that start mid-parent; their gradients must enter the parent's backward at
   interior chunk boundaries (a backward that can do that: ``gla.py``, ``gated_delta.py``).
 - ``cut=True`` (exact fallback for any kind): a path is cut at every interior boundary whose
@@ -24,6 +24,7 @@ Legend: P paths, S segments, W waves, C chunk size, N piece tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -140,171 +141,109 @@ class Waves:
         return len(self.waves)
 
 
-def _path_ids(rounds: Rounds) -> np.ndarray:
-    """[R, max paths per round] global path index of (round, rank)."""
-    width = np.bincount(rounds.path_round).max()
-    table = np.full((rounds.num_rounds, width), -1, dtype=np.int64)
-    table[rounds.path_round, rounds.path_rank] = np.arange(rounds.num_paths)
-    return table
+def _by_round(rounds: Rounds) -> list[np.ndarray]:
+    """The paths of every round, in round order (a path's parent path is in the previous one)."""
+    order = np.argsort(rounds.path_round, kind="stable")
+    bounds = np.searchsorted(rounds.path_round[order], np.arange(rounds.num_rounds + 1))
+    return [order[lo:hi] for lo, hi in pairwise(bounds)]
 
 
-def _row_to_boundary(rounds: Rounds, r: int, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(path, chunk boundary) of rows of round r's ``cat([h_start, h_final])``."""
-    steps = rounds.rounds[r].step_counts
-    offsets = np.concatenate(([0], np.cumsum(steps)))
-    total = offsets[-1]
-    inner = rows < total
-    step = np.searchsorted(offsets, np.minimum(rows, total - 1), side="right") - 1
-    rank = np.where(inner, rows - offsets[step], rows - total)
-    path = ids[r, rank]
-    return path, np.where(inner, step, rounds.path_chunks[path])
-
-
-def _boundary_of(rounds: Rounds, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(path, chunk boundary) of the state after each piece token (``Rounds.state_index`` rows)."""
-    rnd, row = rounds.state_index(tokens)
-    ids = _path_ids(rounds)
-    path = np.empty(tokens.size, dtype=np.int64)
-    boundary = np.empty(tokens.size, dtype=np.int64)
-    for r in np.unique(rnd):
-        sel = rnd == r
-        path[sel], boundary[sel] = _row_to_boundary(rounds, int(r), row[sel], ids)
-    return path, boundary
+def _group(key: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Elements grouped by key in [0, num), in index order within a group: (the order, [num + 1]
+    group offsets in it, each element's rank within its group)."""
+    order = np.argsort(key, kind="stable")
+    off = np.searchsorted(key[order], np.arange(num + 1))
+    rank = np.empty(key.size, dtype=np.int64)
+    rank[order] = np.arange(key.size) - off[key[order]]
+    return order, off, rank
 
 
 def build_waves(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
     """Segments and waves of ``batch`` (module docstring); with ``cut``, the boundaries of the
-    states ``batch.state_out[chunk_size]`` asks for are cut too."""
+    states ``batch.state_out[chunk_size]`` asks for are cut too.
+
+    Chunks are path-major: chunk (p, m), the C tokens of path p at offsets [mC, (m + 1)C) from its
+    aligned start, is chunk ``first[p] + m``. A wave's tokens are its chunks in that order, so its
+    segments are contiguous and in (path, start) order."""
     C = chunk_size
-    state_out = batch.state_out.get(C)
     rounds = rounds_of(batch, C)
-    num_paths, chunks = rounds.num_paths, rounds.path_chunks
-    ids = _path_ids(rounds)
+    num_paths, chunks, grid = rounds.num_paths, rounds.path_chunks, rounds.grid
     width = int(chunks.max()) + 1
-    all_paths = np.arange(num_paths)
+    first = np.cumsum(chunks) - chunks
+    chunk_path = np.repeat(np.arange(num_paths), chunks)
+    chunk_m = np.arange(chunk_path.size) - first[chunk_path]
 
-    # Where every path's initial state comes from: (parent path, boundary) or an input bank row.
-    parent = np.full(num_paths, -1, dtype=np.int64)
-    parent_boundary = np.zeros(num_paths, dtype=np.int64)
-    input_row = np.zeros(num_paths, dtype=np.int64)
-    for r, rnd in enumerate(rounds.rounds):
-        paths = ids[r, : rnd.step_counts[0]]
-        h0 = rnd.h0_index.cpu().numpy()
-        if r == 0:
-            input_row[paths] = h0
-        else:
-            parent[paths], parent_boundary[paths] = _row_to_boundary(rounds, r - 1, h0, ids)
+    # Where every path's initial state comes from: its parent's boundary, or path_h0 of the inputs.
+    parent = rounds.path_parent
+    has_parent = parent >= 0
+    q = np.maximum(parent, 0)
+    parent_boundary = np.where(has_parent, (rounds.path_start - rounds.path_start[q]) // C, 0)
+    state_out = batch.state_out.get(C)
+    out_path, out_m = rounds.boundary_of(np.zeros(0, dtype=np.int64) if state_out is None else state_out)
 
-    # Cut points (a segment ends at every cut): 0, the path's end, and needed interior boundaries.
-    cuts = np.zeros((num_paths, width), dtype=bool)
-    cuts[all_paths, 0] = cuts[all_paths, chunks] = True
+    # Segments start at every path's chunk 0 and, with ``cut``, at every needed interior boundary.
+    starts = np.zeros(chunk_path.size, dtype=bool)
+    starts[first] = True
     if cut:
-        has_parent = parent >= 0
-        cuts[parent[has_parent], parent_boundary[has_parent]] = True
-        if state_out is not None and state_out.size:
-            p, m = _boundary_of(rounds, state_out)
-            cuts[p, m] = True
-    cuts &= np.arange(width) <= chunks[:, None]
-    seg_path, seg_start = np.nonzero(cuts & (np.arange(width) < chunks[:, None]))  # path order, then chunk
-    later = np.where(cuts, np.arange(width), width)
-    next_cut = np.minimum.accumulate(later[:, ::-1], axis=1)[:, ::-1]  # first cut at or after m
-    seg_end = next_cut[seg_path, seg_start + 1]
-    seg_index = np.arange(seg_path.size) - np.searchsorted(seg_path, seg_path)  # within its path
+        need_p = np.concatenate((parent[has_parent], out_path))
+        need_m = np.concatenate((parent_boundary[has_parent], out_m))
+        inner = (need_m > 0) & (need_m < chunks[need_p])
+        starts[first[need_p[inner]] + need_m[inner]] = True
+    chunk_seg = np.cumsum(starts) - 1
+    seg_index = chunk_seg - chunk_seg[first[chunk_path]]  # of each chunk's segment within its path
 
-    # Waves, one round at a time (parents ran in the previous round): a path starts one wave after
-    # the wave that yields its initial state; its segments follow one wave apart.
-    avail = np.full((num_paths, width), -1, dtype=np.int64)  # wave after which state (p, m) exists
+    # A path starts in the wave after the one yielding its initial state (the wave of the parent's
+    # chunk ending at that boundary; at the parent's boundary 0, the parent's own start wave), and
+    # its segments run one wave apart.
+    before = np.maximum(first[q] + parent_boundary - 1, 0)  # the parent's chunk ending there
+    delay = np.where(has_parent & (parent_boundary > 0), 1 + seg_index[before], 0)
     start_wave = np.zeros(num_paths, dtype=np.int64)
-    seg_wave = np.zeros(seg_path.size, dtype=np.int64)
-    for r in range(rounds.num_rounds):
-        paths = ids[r][ids[r] >= 0]
-        has_parent = parent[paths] >= 0
-        start_wave[paths] = np.where(has_parent, avail[parent[paths], parent_boundary[paths]] + 1, 0)
-        avail[paths, 0] = start_wave[paths] - 1
-        sel = np.isin(seg_path, paths)
-        seg_wave[sel] = start_wave[seg_path[sel]] + seg_index[sel]
-        avail[seg_path[sel], seg_end[sel]] = seg_wave[sel]
-        if not cut:
-            inner = paths[:, None], np.arange(1, width)[None, :]
-            avail[inner] = np.where(np.arange(1, width) < chunks[paths, None], start_wave[paths, None], avail[inner])
-    return _assemble(
-        batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
+    for paths in _by_round(rounds):
+        start_wave[paths] = np.where(has_parent[paths], start_wave[q[paths]] + delay[paths], 0)
+    chunk_wave = start_wave[chunk_path] + seg_index
+    num_waves = int(chunk_wave.max()) + 1
+
+    seg_first = np.flatnonzero(starts)
+    seg_path, seg_start, seg_wave = chunk_path[seg_first], chunk_m[seg_first], chunk_wave[seg_first]
+    seg_end = seg_start + np.diff(np.append(seg_first, chunk_path.size))
+    seg_order, seg_off, seg_rank = _group(seg_wave, num_waves)  # a wave's segments: by path, then start
+    chunk_order, chunk_off, chunk_rank = _group(chunk_wave, num_waves)  # its chunks, as its call packs them
+
+    # Token slots: the grid's tokens at chunk first[p] + offset // C, slot offset % C.
+    combined = np.full(chunk_path.size * C, -1, dtype=np.int64)
+    combined[first[grid.path] * C + grid.offset] = grid.token
+    gather = rounds.input_rows(combined).reshape(-1, C)[chunk_order].reshape(-1)  # cat(waves) slots
+    chunk_slot = (chunk_off[chunk_wave] + chunk_rank) * C  # first slot of each chunk in cat(waves)
+    own_path, own_offset = grid.path[grid.own], grid.offset[grid.own]
+    own_index = np.empty(rounds.token_path.size, dtype=np.int64)
+    own_index[grid.token[grid.own] - rounds.num_context] = (
+        chunk_slot[first[own_path] + own_offset // C] + own_offset % C
     )
 
-
-def _assemble(
-    batch, rounds, ids, C, cut, seg_path, seg_start, seg_end, seg_wave, parent, parent_boundary, input_row, width
-) -> Waves:
-    """Token gathers, cu_seqlens, output index and state bank addresses of the waves."""
-    num_paths = rounds.num_paths
-    num_waves = int(seg_wave.max()) + 1
-    order = np.lexsort((seg_start, seg_path, seg_wave))  # segments by wave, then path order
-    wave_off = np.searchsorted(seg_wave[order], np.arange(num_waves + 1))
-    seg_rank = np.empty(order.size, dtype=np.int64)
-    seg_rank[order] = np.arange(order.size) - wave_off[seg_wave[order]]
-
-    # Chunks of every segment, in wave order: their rows in the rounds' step-major chunk tables.
-    seg_chunks = (seg_end - seg_start)[order]
-    chunk_seg = np.repeat(order, seg_chunks)
-    chunk_m = (
-        seg_start[chunk_seg] + np.arange(chunk_seg.size) - np.repeat(np.cumsum(seg_chunks) - seg_chunks, seg_chunks)
-    )
-    path = seg_path[chunk_seg]
-    rnd = rounds.path_round[path]
-    step_off = np.zeros((rounds.num_rounds, width + 1), dtype=np.int64)
-    round_chunk_off = np.zeros(rounds.num_rounds + 1, dtype=np.int64)
-    for r, rd in enumerate(rounds.rounds):
-        off = np.cumsum(rd.step_counts)
-        step_off[r, 1 : off.size + 1] = off
-        round_chunk_off[r + 1] = round_chunk_off[r] + off[-1]
-    chunk_row = round_chunk_off[rnd] + step_off[rnd, chunk_m] + rounds.path_rank[path]  # [chunks]
-    chunk_pos = np.empty(chunk_row.size, dtype=np.int64)  # flat token slot of each step-major chunk
-    chunk_pos[chunk_row] = np.arange(chunk_row.size) * C
-    wave_chunk_off = np.searchsorted(seg_wave[chunk_seg], np.arange(num_waves + 1))
-    seg_chunk_pos = np.empty(order.size, dtype=np.int64)  # first chunk of each segment, within its wave
-    seg_chunk_pos[order] = np.cumsum(seg_chunks) - seg_chunks - wave_chunk_off[seg_wave[order]]
-
-    device = batch.device
-    table = rounds.input_rows(torch.cat([rd.gather for rd in rounds.rounds])).view(-1, C)  # [all chunks, C]
-    rows = torch.as_tensor(chunk_row, device=device)
-    packed = []  # per wave: (token gather, cu_seqlens on the CPU)
-    for w in range(num_waves):
-        segs = order[wave_off[w] : wave_off[w + 1]]
-        cu = np.concatenate(([0], np.cumsum(seg_end[segs] - seg_start[segs]) * C))
-        packed.append(
-            (table[rows[wave_chunk_off[w] : wave_chunk_off[w + 1]]].flatten(), torch.as_tensor(cu, dtype=torch.int32))
-        )
-
-    # Own outputs: token -> its step-major slot -> its wave slot.
-    slot_off = round_chunk_off * C
-    own_slot = np.concatenate([slot_off[r] + rd.own_slot.cpu().numpy() for r, rd in enumerate(rounds.rounds)])
-    slot = own_slot[rounds.restore.cpu().numpy()]
-    own_index = chunk_pos[slot // C] + slot % C
-
-    # Bank address of every state (p, m), rounds in order so parents are known first.
+    # Bank address of every state (p, m): a segment's final state, a chunk-start state (uncut),
+    # or the initial state, resolved round by round so that parents are known first.
     source = np.full((num_paths, width), -1, dtype=np.int64)
     row = np.full((num_paths, width), -1, dtype=np.int64)
     source[seg_path, seg_end] = 2 + 2 * seg_wave
     row[seg_path, seg_end] = seg_rank
     if not cut:
-        p, m = np.nonzero((np.arange(width) > 0) & (np.arange(width) < rounds.path_chunks[:, None]))
-        s = np.searchsorted(seg_path, p)  # the path's only segment
-        source[p, m] = 1 + 2 * seg_wave[s]
-        row[p, m] = seg_chunk_pos[s] + m
-    for r in range(rounds.num_rounds):
-        paths = ids[r][ids[r] >= 0]
-        has = parent[paths] >= 0
-        source[paths, 0] = np.where(has, source[parent[paths], parent_boundary[paths]], 0)
-        row[paths, 0] = np.where(has, row[parent[paths], parent_boundary[paths]], input_row[paths])
+        inner = chunk_m > 0
+        source[chunk_path[inner], chunk_m[inner]] = 1 + 2 * chunk_wave[inner]
+        row[chunk_path[inner], chunk_m[inner]] = chunk_rank[inner]
+    for paths in _by_round(rounds):
+        p, b = q[paths], parent_boundary[paths]
+        source[paths, 0] = np.where(has_parent[paths], source[p, b], 0)
+        row[paths, 0] = np.where(has_parent[paths], row[p, b], rounds.path_h0[paths])
+
+    device = batch.device
     waves = []
-    for w, (gather, cu_cpu) in enumerate(packed):
-        segs = order[wave_off[w] : wave_off[w + 1]]
+    for w in range(num_waves):
+        segs = seg_order[seg_off[w] : seg_off[w + 1]]
+        cu = torch.as_tensor(np.concatenate(([0], np.cumsum(seg_end[segs] - seg_start[segs]) * C)), dtype=torch.int32)
+        slots = torch.as_tensor(gather[chunk_off[w] * C : chunk_off[w + 1] * C], dtype=torch.long, device=device)
         h0 = BankRows.of(source[seg_path[segs], seg_start[segs]], row[seg_path[segs], seg_start[segs]], device)
-        waves.append(Wave(gather, cu_cpu.to(device), cu_cpu, h0, ChunkSteps.of(cu_cpu.numpy(), BT, device)))
-    out, state_out = None, batch.state_out.get(C)
-    if state_out is not None:
-        path, boundary = _boundary_of(rounds, state_out)
-        out = BankRows.of(source[path, boundary], row[path, boundary], device)
+        waves.append(Wave(slots, cu.to(device), cu, h0, ChunkSteps.of(cu.numpy(), BT, device)))
+    out = None if state_out is None else BankRows.of(source[out_path, out_m], row[out_path, out_m], device)
     return Waves(waves, torch.as_tensor(own_index, device=device), rounds, source, row, out)
 
 
