@@ -18,7 +18,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-__all__ = ["RolloutForest", "chain_starts", "tree_levels", "trie_order"]
+__all__ = ["RolloutForest", "chain_starts", "sorted_unique", "tree_levels", "trie_order"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -38,6 +38,13 @@ def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
     extensions: the order of their leaves in the trie's DFS pre-order."""
     keys = [np.asarray(s, dtype=np.int64).astype(">u8").tobytes() for s in seqs]  # big-endian compares like ids
     return np.asarray(sorted(range(len(seqs)), key=keys.__getitem__), dtype=np.int64)
+
+
+def sorted_unique(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)`` (int64), skipping its hashing pass where ``x`` is already strictly increasing
+    (a plan's compact indices: ranges in DFS order)."""
+    x = np.asarray(x, dtype=np.int64)
+    return x if x.size < 2 or bool((x[1:] > x[:-1]).all()) else np.unique(x)
 
 
 def chain_starts(prev: np.ndarray) -> np.ndarray:

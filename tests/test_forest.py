@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts_hf.forest import RolloutForest
+from harts_hf.forest import RolloutForest, sorted_unique
 
 
 @st.composite
@@ -212,3 +212,11 @@ def test_iterables_and_lists_are_taken():
     np.testing.assert_array_equal(forest.padded([5, 6, 7, 8]), [[5, 6], [7, 8]])
     with pytest.raises(ValueError, match="one value per trajectory token"):
         forest.padded([5, 6])
+
+
+@pytest.mark.parametrize("x", [[], [3], [0, 2, 5, 9], [5, 2, 2, 9, 0], [1, 1], [4, 3]])
+def test_sorted_unique_is_np_unique(x: list[int]) -> None:
+    """The fast path (already strictly increasing) and the fallback both give np.unique's answer."""
+    np.testing.assert_array_equal(
+        sorted_unique(np.asarray(x, dtype=np.int64)), np.unique(np.asarray(x, dtype=np.int64))
+    )

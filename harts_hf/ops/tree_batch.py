@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..forest import RolloutForest
+from ..forest import RolloutForest, sorted_unique
 
 __all__ = ["TreeBatch"]
 
@@ -71,7 +71,7 @@ class TreeBatch:
             num_context = 0
             prev = forest.prev
         else:
-            tokens = np.unique(np.asarray(tokens, dtype=np.int64))
+            tokens = sorted_unique(tokens)
             if tokens.size == 0 or tokens[0] < 0 or tokens[-1] >= n:
                 raise ValueError(f"piece tokens must be non-empty compact indices in [0, {n})")
             context = _context(forest, tokens)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..checks import is_integer
-from ..forest import RolloutForest
+from ..forest import RolloutForest, sorted_unique
 from ..ops.rounds import ROUNDS_KEY, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
@@ -163,7 +163,7 @@ def rank_units(
     for slot in range(plan.num_slots):
         first = len(calls)
         for f, tokens in plan.microbatch(rank, slot):
-            tokens = np.unique(tokens)
+            tokens = sorted_unique(tokens)
             if (owner[f][tokens] >= 0).any():
                 raise ValueError(f"the plan computes some tokens of forest {f} twice on rank {rank}")
             batch = TreeBatch.from_forest(forests[f], tokens)  # on the host until its tables are built
