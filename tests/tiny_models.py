@@ -225,7 +225,8 @@ def tiny_model(
     family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str = "sdpa"
 ) -> tf.PreTrainedModel:
     """A freshly initialised tiny ``family`` causal LM (eval mode), reproducible from ``seed``;
-    ``attn`` falls back to "eager" for families without sdpa support (gemma2)."""
+    ``attn`` falls back to "eager" for families without sdpa support (gemma2); float64 MoE
+    experts run eagerly."""
     config_cls, model_cls, extra = FAMILIES[family]
     kwargs = {**_SHARED, **extra}
     for key in ("layer_types", "layers_block_type", "mlp_layer_types"):
@@ -234,6 +235,8 @@ def tiny_model(
     config = getattr(tf, config_cls)(**kwargs)
     cls = getattr(tf, model_cls)
     config._attn_implementation = attn if cls._supports_sdpa or attn != "sdpa" else "eager"
+    if dtype == torch.float64:
+        config._experts_implementation = "eager"  # torch's grouped_mm has no float64 kernel
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     return model.eval()
