@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine import engine_run, per_token_loss
+from test_engine import assert_same, engine_run, per_token_loss
 from tiny_models import FAMILIES, family_forest, loss_weights, max_diffs, oracle_run, tiny_model, tree_run
 
 from harts_hf import RolloutForest, patch_model, plan
@@ -61,8 +61,4 @@ def test_tree_equals_trajectories_in_float64(family, float64_everywhere):
 
     the_plan = plan(forest, world_size=2, max_tokens_per_microbatch=forest.max_length + 8)
     assert the_plan.num_pieces >= 3
-    got_lp, got_grads = engine_run(model, forest, the_plan, per_token_loss(weights))
-    lp = float((got_lp - ref.logprobs).abs().max())
-    scale = max(float(g.abs().max()) for g in ref.grads)
-    grad = max(float((g - r).abs().max()) for g, r in zip(got_grads, ref.grads)) / scale
-    assert max(lp, grad) <= TOL, f"{family}, planned pieces: log-prob {lp:.1e}, relative grad {grad:.1e}"
+    assert_same((ref.logprobs, ref.grads), engine_run(model, forest, the_plan, per_token_loss(weights)), tol=TOL)
