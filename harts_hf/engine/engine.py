@@ -52,6 +52,7 @@ from ..modeling.logprobs import (
 )
 from ..modeling.registry import patched_adapter
 from ..modeling.tables import model_tables, run_base
+from ..ops.precision import AutocastState
 from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
@@ -482,6 +483,7 @@ class Recording:
         kept: _GradRun | None = None,
     ):
         self.engine, self._store, self._kept, self._pending = engine, store, kept, True
+        self._autocast = AutocastState.current(engine.device)  # the replay runs the units under it again
         self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.router_logits = router_logits
         self.logprobs = engine._layout(values)
@@ -548,7 +550,7 @@ class Recording:
             raise ValueError("entropy gradients need a recording made with return_entropy=True")
         if router_grads is not None and self.router_logits is None:
             raise ValueError("router gradients need a recording made with return_router_logits=True")
-        with torch.enable_grad():
+        with torch.enable_grad(), self._autocast.restored():
             self.engine._replay_units(self._store, grads, entropy_grads, router_grads, kept=self._kept)
         self._store, self._kept, self._pending = None, None, False
 

@@ -28,6 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends import dispatch, register
+from .precision import without_autocast
 from .tree_batch import TreeBatch
 
 __all__ = ["tree_attention", "tree_attention_torch"]
@@ -284,6 +285,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @without_autocast
     def backward(ctx, grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         blocks, scale, softcap, window, dropout, seed, group_elements = ctx.args
@@ -385,7 +387,7 @@ def tree_attention_torch(
     return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, sliding_window, dropout, seed, group_elements)
 
 
-@dispatch("attention")
+@dispatch("attention", autocast_casts=("q", "k", "v", "context_kv"))
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -415,5 +417,6 @@ def tree_attention(
             (transformers' ``sliding_window_overlay``); None attends to every ancestor.
 
     Returns:
-        [N, Hq, Dv] in q's dtype; the softmax runs in fp32.
+        [N, Hq, Dv] in q's dtype; the softmax runs in fp32. Under autocast q, k, v and context_kv
+        run in the autocast dtype, as ``scaled_dot_product_attention`` does.
     """

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .precision import autocast_dtype, cast_to, no_autocast
+
 __all__ = ["dispatch", "implementation", "register", "registered", "requested"]
 
 logger = logging.getLogger(__name__)
@@ -91,22 +93,33 @@ def implementation(kind: str, *args, **kwargs) -> Callable:
     )
 
 
-def dispatch(kind: str, check: Callable[..., None] | None = None) -> Callable[[Callable], Callable]:
+def dispatch(
+    kind: str, check: Callable[..., None] | None = None, autocast_casts: tuple[str, ...] = ()
+) -> Callable[[Callable], Callable]:
     """Decorator for a public op: it keeps the op's signature and docstring (its body is only the
     docstring) and runs each call on the implementation :func:`implementation` picks for it.
     ``check`` gets the call's arguments by name (defaults filled in) and refuses bad inputs once,
-    before any backend sees them."""
+    before any backend sees them. Under autocast (``harts_hf.ops.precision``) the arguments named in
+    ``autocast_casts`` are cast to the autocast dtype, the others left as given, and the op runs
+    with autocast off."""
 
     def wrap(public: Callable) -> Callable:
         signature = inspect.signature(public)
 
         @functools.wraps(public)
         def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
             if check is not None:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
                 check(**bound.arguments)
-            return implementation(kind, *args, **kwargs)(*args, **kwargs)
+            device = next(iter(bound.arguments.values())).device  # the op's first tensor
+            dtype = autocast_dtype(device)
+            if dtype is None:
+                return implementation(kind, *args, **kwargs)(*args, **kwargs)
+            for name in autocast_casts:
+                bound.arguments[name] = cast_to(bound.arguments[name], dtype)
+            with no_autocast(device):
+                return implementation(kind, *bound.args, **bound.kwargs)(*bound.args, **bound.kwargs)
 
         return call
 

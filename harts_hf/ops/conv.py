@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from transformers.activations import ACT2FN
 
 from .backends import dispatch, register
+from .precision import without_autocast
 from .tree_batch import TreeBatch
 
 __all__ = ["CONV_HALO_KEY", "conv_halo", "local_rows", "tree_causal_conv1d", "tree_causal_conv1d_torch"]
@@ -82,6 +83,7 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @without_autocast
     def backward(ctx, grad: torch.Tensor):
         xa, weight, table = ctx.saved_tensors
         acc = _acc(xa)
@@ -136,7 +138,7 @@ def tree_causal_conv1d_torch(
     return out.to(x.dtype)
 
 
-@dispatch("conv")
+@dispatch("conv", autocast_casts=("x", "weight", "bias", "context_x"))
 def tree_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -159,5 +161,6 @@ def tree_causal_conv1d(
             within W - 1 steps of a piece token, from an earlier microbatch); gradients flow into it.
 
     Returns:
-        [N, D] in x's dtype (computed in weight's dtype, like ``causal_conv1d_fn``).
+        [N, D] in x's dtype (computed in weight's dtype, like ``causal_conv1d_fn``; under autocast
+        all in the autocast dtype, as ``F.conv1d`` there).
     """

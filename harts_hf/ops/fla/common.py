@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ...chunking import CHUNK_SIZE
+from ..precision import without_autocast
 
 __all__ = ["BT", "fla_chunks", "fla_function"]
 
@@ -36,6 +37,7 @@ class _FlaChunks(torch.autograd.Function):
         return input_guard(steps[0])(ctx, *args)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, do: torch.Tensor | None, dh_ext: torch.Tensor | None, dht: torch.Tensor | None):
         from fla.utils import input_guard
 
