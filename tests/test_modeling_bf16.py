@@ -32,25 +32,13 @@ from tiny_models import (
     sharpen_routers,
     tiny_model,
     tree_run,
+    variation,
 )
 
 from harts_hf.forest import RolloutForest
 from harts_hf.modeling import patch_model
 
 SLACK = 2.0
-
-
-def _variation(ref: Run, other: Run, real: torch.Tensor) -> np.ndarray:
-    """(mean |log-prob diff|, mean |entropy diff|, ||grad diff|| / ||ref grad|| over all parameters)."""
-    diff = torch.cat([(a.float() - b.float()).flatten() for a, b in zip(other.grads, ref.grads)])
-    norm = torch.cat([b.float().flatten() for b in ref.grads]).norm()
-    return np.array(
-        [
-            float((other.logprobs - ref.logprobs)[real].abs().mean()),
-            float((other.entropy - ref.entropy)[real].abs().mean()),
-            float(diff.norm() / norm),
-        ]
-    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -64,11 +52,11 @@ def test_bf16_within_baseline_variation(family):
     wide = oracle_run(copy.deepcopy(model).float(), seqs, weights)
     baseline = np.maximum.reduce(
         [
-            _variation(ref, padded_run(model, seqs, weights), real),
-            _variation(ref, padded_run(model, seqs, weights, left=True), real),
-            _variation(ref, Run(wide.logprobs, [g.to(torch.bfloat16) for g in wide.grads], wide.entropy), real),
+            variation(ref, padded_run(model, seqs, weights), real),
+            variation(ref, padded_run(model, seqs, weights, left=True), real),
+            variation(ref, Run(wide.logprobs, [g.to(torch.bfloat16) for g in wide.grads], wide.entropy), real),
         ]
     )
-    got = _variation(ref, tree_run(model, forest, weights), real)
+    got = variation(ref, tree_run(model, forest, weights), real)
     for name, value, bound in zip(("mean log-prob", "mean entropy", "relative grad norm"), got, baseline):
         assert value <= SLACK * bound, f"{family}: {name} diff {value:.2e} > {SLACK} x baseline variation {bound:.2e}"

@@ -34,6 +34,7 @@ __all__ = [
     "trainable",
     "trajectory_logprobs",
     "tree_run",
+    "variation",
 ]
 
 VOCAB = 128
@@ -369,6 +370,21 @@ def max_diffs(ref: Run, got: Run) -> tuple[float, float, float]:
     scale = max(float(g.abs().max()) for g in ref.grads)
     grad = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got.grads, ref.grads))
     return lp, ent, grad / scale
+
+
+def variation(ref: Run, other: Run, real: torch.Tensor) -> np.ndarray:
+    """(mean |log-prob diff|, mean |entropy diff|, ||grad diff|| / ||ref grad|| over all parameters),
+    log-probs and entropies over the ``real`` [B, W] tokens: how far ``other`` lies from ``ref`` in
+    low precision, where single tokens move more than the rest (an MoE near-tie flips anywhere)."""
+    diff = torch.cat([(a.float() - b.float()).flatten() for a, b in zip(other.grads, ref.grads)])
+    norm = torch.cat([b.float().flatten() for b in ref.grads]).norm()
+    return np.array(
+        [
+            float((other.logprobs - ref.logprobs)[real].abs().mean()),
+            float((other.entropy - ref.entropy)[real].abs().mean()),
+            float(diff.norm() / norm),
+        ]
+    )
 
 
 def padding_is_zero(forest: RolloutForest, run: Run) -> bool:
