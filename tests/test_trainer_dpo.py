@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from datasets import Dataset
-from test_trainer_sft import Snapshots
-from trainer_args import saved_model, sgd_args, spy_fused_outputs
+from trainer_args import Snapshots, saved_model, sgd_args, spy_fused_outputs
 from trl import DPOConfig, DPOTrainer
 
 from harts_hf.data import agent_conversations, agent_tokenizer
@@ -53,9 +51,9 @@ def model_dir(tmp_path_factory) -> str:
     return saved_model(tmp_path_factory.mktemp("tiny_qwen3_5_dpo"), agent_tokenizer())
 
 
-def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
+def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict:
     config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
-    options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
+    options = {k: v for k, v in (CASES[case] | overrides).items() if harts or not k.startswith("harts_")}
     args = sgd_args(tmp_path / f"{case}-{harts}", per_device_train_batch_size=4, max_steps=2, learning_rate=0.5)
     snaps = Snapshots()
     trainer = trainer_cls(
@@ -65,7 +63,6 @@ def train(case: str, harts: bool, model_dir: str, tmp_path) -> dict:
         train_dataset=preference_pairs(8),
         callbacks=[snaps],
     )
-    snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
     trainer.train()
     return {"params": snaps.params, "history": [h for h in trainer.state.log_history if "loss" in h]}
 

@@ -67,7 +67,7 @@ def config_kwargs(output_dir: str, **overrides) -> dict:
     return sgd_args(output_dir, learning_rate=0.05, **(grpo | overrides))
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None, **overrides):
+def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None, callbacks=None, **overrides):
     args = config_kwargs(str(tmp_path / trainer_cls.__name__), **overrides)
     trainer = trainer_cls(
         model=model_dir,
@@ -77,6 +77,7 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
         rollout_func=branching_rollout,
         peft_config=peft_config,
+        callbacks=callbacks,
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

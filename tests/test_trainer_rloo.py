@@ -37,7 +37,7 @@ def length_reward(completion_ids, **kwargs) -> list[float]:
     return [float(sum(c) % 7) / 7 for c in completion_ids]
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
+def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, callbacks=None, **overrides):
     args = sgd_args(
         tmp_path / trainer_cls.__name__,
         per_device_train_batch_size=8,
@@ -52,6 +52,7 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, **overrides):
         args=config_cls(**(args | overrides)),
         processing_class=build_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -18,8 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_models import tiny_model
-from trainer_args import sgd_args, spy_fused_outputs
-from transformers import TrainerCallback
+from trainer_args import Snapshots, sgd_args, spy_fused_outputs
 
 from harts_hf.data import agent_conversations, agent_tokenizer, turn_samples
 from harts_hf.envs.tokenizer import build_tokenizer
@@ -60,18 +59,10 @@ def dataset(kind: str) -> Dataset:
     return Dataset.from_dict({"prompt": [p for p, _ in samples], "completion": [c for _, c in samples]})
 
 
-class Snapshots(TrainerCallback):
-    def __init__(self):
-        self.params = []
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
-
-
-def train(case: str, harts: bool, tmp_path) -> dict:
+def train(case: str, harts: bool, tmp_path, **overrides) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    options = {k: v for k, v in CASES[case].items() if harts or not k.startswith("harts_")}
+    options = {k: v for k, v in (CASES[case] | overrides).items() if harts or not k.startswith("harts_")}
     data, family = options.pop("data"), options.pop("model", "qwen3_5")
     config_cls, trainer_cls = (HARTSSFTConfig, HARTSSFTTrainer) if harts else (SFTConfig, SFTTrainer)
     args = sgd_args(
@@ -89,7 +80,6 @@ def train(case: str, harts: bool, tmp_path) -> dict:
         train_dataset=dataset(data),
         callbacks=[snaps],
     )
-    snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     return {"params": snaps.params, "history": history}

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from tiny_models import tiny_model
+from transformers import TrainerCallback
 
 
 def sgd_args(output_dir: str | Path, **overrides) -> dict:
@@ -50,3 +52,17 @@ def spy_fused_outputs(monkeypatch) -> tuple[list, list[int]]:
 
     monkeypatch.setattr(fused, "fused_outputs", recorded)
     return forests, slots
+
+
+class Snapshots(TrainerCallback):
+    """The trained parameters (a LoRA model's: its adapters), flat, at the start and after every step."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params = [self._flat(model)]
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.params.append(self._flat(model))
+
+    @staticmethod
+    def _flat(model) -> torch.Tensor:
+        return torch.cat([p.detach().float().flatten().clone() for p in model.parameters() if p.requires_grad])

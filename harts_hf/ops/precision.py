@@ -69,7 +69,9 @@ class AutocastState:
     @classmethod
     def current(cls, device: torch.device) -> AutocastState:
         kind = device.type
-        return cls(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+        return cls(
+            kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled()
+        )
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:

@@ -52,8 +52,9 @@ class HARTSTrainerMixin:
             add_tree_forward(base)
 
     def _plan(self, forest: RolloutForest) -> Plan:
-        """This rank's own forest, planned alone (the per-microbatch path)."""
-        return plan(forest, world_size=1, **self._plan_options())
+        """This rank's own forest, planned alone (the per-microbatch path, which runs inside the
+        model's forward: the fused head's seam)."""
+        return plan(forest, world_size=1, **self._plan_options(inside_forward=True))
 
     def _check_attached_pieces(self, forest: RolloutForest, pieces: Plan, router: bool) -> None:
         """A forest above the budget outside a HARTS step runs in pieces replayed inside TRL's own
@@ -72,24 +73,30 @@ class HARTSTrainerMixin:
             "or lower per_device_train_batch_size"
         )
 
-    def _plan_options(self) -> dict:
+    def _plan_options(self, inside_forward: bool = False) -> dict:
         return dict(
             **self.args.harts_budget,
-            memory_model=self._memory_model(),
+            memory_model=self._memory_model(inside_forward),
             cost_model=self.args.harts_planner_cost_model,
             chunk_size=self.args.harts_chunk_size,
         )
 
-    def _memory_model(self) -> MemoryModel:
+    def _memory_model(self, inside_forward: bool = False) -> MemoryModel:
         """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
         the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
-        without gradient sync."""
+        without gradient sync. ``inside_forward``: the caller runs inside the wrapper's forward
+        already (its autocast and gathered root hold), so the probe calls the model directly:
+        accelerate's mixed-precision forward enters ONE ``torch.autocast`` object per call, which
+        is not re-entrant, and a nested call would leave autocast on for the rest of the process."""
         if self._memory is None and self.args.harts_memory_model is not None:
             self._memory = MemoryModel(**self.args.harts_memory_model)
         if self._memory is None:
             acc, wrapped = self.accelerator, self.model_wrapped
             unwrapped = acc.unwrap_model(wrapped)
             base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-            with acc.no_sync(wrapped), acc.autocast():
-                self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
+            if inside_forward:
+                self._memory = memory_model(base)
+            else:
+                with acc.no_sync(wrapped), acc.autocast():
+                    self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
         return self._memory

@@ -123,13 +123,17 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
         pieces = self._plan(forest)
         self._check_attached_pieces(forest, pieces, router=bool(inputs.get("output_router_logits")))
-        return fused_outputs(
-            model,
-            forest,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            inputs["labels"],
-            statistics=statistics,
-            output_router_logits=bool(inputs.get("output_router_logits")),
-            pieces=pieces,
-        )
+        # The seam may stand in front of accelerate's mixed-precision forward (DPO's reference model is
+        # prepared before the seam is installed), which it then bypasses: the pass enters the
+        # accelerator's autocast itself, as every forward of a prepared model runs under it.
+        with self.accelerator.autocast():
+            return fused_outputs(
+                model,
+                forest,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                inputs["labels"],
+                statistics=statistics,
+                output_router_logits=bool(inputs.get("output_router_logits")),
+                pieces=pieces,
+            )
