@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from launch import _free_port
 
 from harts_hf.trainers.console import quiet_third_party
 
@@ -66,6 +67,7 @@ def test_verbose_adds_trls_metrics(tmp_path):
 def test_two_processes_print_one_console(tmp_path):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/cpu_ddp.yaml"),
+        "--main_process_port", str(_free_port()),  # not the config's 29500: another launch at once would share it
         str(ROOT / "recipes/grpo_agentic.py"), "--config", str(RECIPE), "--max_steps", "1", "--num_tasks", "4",
         "--per_device_train_batch_size", "12", "--output_dir", str(tmp_path / "run"),
     ]  # fmt: skip

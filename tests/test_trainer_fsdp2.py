@@ -251,7 +251,7 @@ def _worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from harts_hf.trainers.teardown import end_distributed
+
     _worker(Path(sys.argv[1]))
-    if torch.distributed.is_initialized():  # gloo's threads abort the exit ("terminate called ...") otherwise
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_distributed()  # gloo's threads abort the exit ("terminate called ...") otherwise

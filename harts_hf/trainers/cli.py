@@ -68,6 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Train, printing one line per step; save the model to the recipe's output_dir."""
     from .console import no_progress_bars, quiet_third_party
     from .recipe import build_trainer
+    from .teardown import end_distributed
 
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True, **({"harts_enable": False} if args.stock else {}))
@@ -75,6 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.train()
     with no_progress_bars():  # saving one small checkpoint needs no bar
         trainer.save_model(training_args.output_dir)
+    del trainer  # its DDP wrapper holds the process group, which end_distributed frees
+    end_distributed()
     print(f"model saved to {training_args.output_dir}")
     return 0
 
@@ -83,10 +86,12 @@ def cmd_train_compare(args: argparse.Namespace) -> int:
     """Record the environment's rollouts once, replay them to both trainers, print the step times."""
     from .compare import compare, format_comparison
     from .console import quiet_third_party
+    from .teardown import end_distributed
 
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True)
     record = compare(script_args, training_args)
+    end_distributed()
     if training_args.process_index != 0:  # every rank ran both trainers; the main process reports
         return 0
     print(format_comparison(record))

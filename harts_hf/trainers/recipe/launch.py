@@ -14,6 +14,7 @@ from typing import NoReturn
 from trl import TrlParser
 
 from ..console import no_progress_bars, quiet_third_party
+from ..teardown import end_distributed
 from .build import build_trainer
 from .kinds import get_recipe
 from .parse import check_arguments, check_config, check_recipe
@@ -49,5 +50,5 @@ def launch(kind: str, argv: list[str]) -> None:
     trainer.train()
     with no_progress_bars():  # saving one small checkpoint needs no bar
         trainer.save_model(training_args.output_dir)
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()  # destroys the process group: gloo's threads abort the exit otherwise
+    del trainer  # its DDP wrapper holds the process group, which end_distributed frees
+    end_distributed()
