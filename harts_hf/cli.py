@@ -400,7 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``SystemExit("harts-hf NAME: why")``) or a file it cannot read or write ends in argparse's
     one-line form and exit code 2, as a bad argument does."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "trl_flags"):  # only the recipe commands take TRL's flags
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.trl_flags = extra
     prefix = f"harts-hf {args.command}: "
     try:
         _check_outputs(args)

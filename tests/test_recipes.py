@@ -6,9 +6,11 @@ refused in one line before any work (exit code 2)."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from torch.utils.data import SequentialSampler
 from trl.data_utils import is_conversational
@@ -61,7 +63,7 @@ def test_each_recipe_trains_a_step_from_its_config(kind, harts, tmp_path):
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     assert log["loss"] == log["loss"]  # not NaN
-    assert ("harts/compression" in log) is (harts and kind in ("grpo", "rloo"))
+    assert ("harts/compression" in log) is harts  # every trainer logs its sharing
 
 
 def test_preference_pairs_are_trls_conversational_format():
@@ -112,6 +114,21 @@ def test_ledger_turn_reward_plays_the_call():
             ["--trainer", "rloo", "--config", "{dir}/no_tasks.yaml"],
             "LedgerTurnArguments: num_tasks must be a positive integer, got 0",
             id="rloo-no-tasks",
+        ),
+        pytest.param(
+            ["--max_steps", "ten"], "harts-hf train: error: max_steps must be an integer, got 'ten'", id="steps-text"
+        ),
+        pytest.param(["--learning_rate=fast"], "learning_rate must be a number, got 'fast'", id="rate-text"),
+        pytest.param(["--bf16", "maybe"], "bf16 must be true or false, got 'maybe'", id="switch-text"),
+        pytest.param(
+            ["--lerning_rate", "1e-3"],
+            "unknown argument '--lerning_rate' (did you mean '--learning_rate'?)",
+            id="flag-typo",
+        ),
+        pytest.param(
+            ["--resume_from_checkpoint", "true"],
+            "resume_from_checkpoint=true: no checkpoint-N directory in output_dir '{dir}/out'",
+            id="resume-without-checkpoint",
         ),
     ],
 )
@@ -170,3 +187,22 @@ def test_the_step_time_config_is_the_grpo_recipe_on_the_default_model_under_a_sm
     assert args.model_name_or_path == "builtin:qwen3_5-default" and training_args.harts_max_tokens_per_microbatch == 768
     assert training_args.harts_cost_model["token"] > 0
     assert "train-compare" in ModelCard.load(directory / "README.md").text
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path):
+    """``--resume_from_checkpoint true`` (TRL's flag, as TRL's scripts take it): steps 3-4 after a stop
+    at step 2 end with the parameters of the run that went straight through, through ``harts-hf
+    train`` and through the recipe script's ``launch``."""
+    from safetensors.torch import load_file
+
+    from harts_hf.trainers.recipe import launch
+
+    tiny = [f"--{key}={value}" for key, value in TINY["sft"].items()]
+    run = ["--config", str(config_dir("sft")), *tiny, "--max_steps=4", "--save_strategy=steps", "--save_steps=2"]
+    assert main(["train", "--trainer", "sft", *run, "--output_dir", str(tmp_path / "straight")]) == 0
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "stopped" / "checkpoint-2")
+    launch("sft", [*run, "--output_dir", str(tmp_path / "stopped"), "--resume_from_checkpoint", "true"])
+    straight, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("straight", "stopped"))
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
+    first = load_file(tmp_path / "straight" / "checkpoint-2" / "model.safetensors")
+    assert any(not torch.equal(first[key], resumed[key]) for key in first)  # steps 3 and 4 did train

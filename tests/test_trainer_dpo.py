@@ -78,5 +78,7 @@ def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
     for step, (a, b) in enumerate(zip(stock["params"], harts["params"], strict=True)):
         assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
+    compression = [h["harts/compression"] for h in harts["history"]]
+    assert len(compression) == 2 and min(compression) > 1.5  # logged every step: the histories were shared
     for a, b in zip(stock["history"], harts["history"], strict=True):
         np.testing.assert_allclose([b[k] for k in METRICS], [a[k] for k in METRICS], rtol=TOL, atol=1e-6)

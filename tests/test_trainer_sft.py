@@ -98,6 +98,8 @@ def test_sft_matches_stock(case, tmp_path, monkeypatch):
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
     for step, (a, b) in enumerate(zip(stock["params"], harts["params"])):
         assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"
+    sharing = [h["harts/trajectory_tokens"] / h["harts/compact_tokens"] for h in harts["history"]]
+    assert len(sharing) == 3 and min(sharing) > 1.02  # logged every step, as the rollout trainers log it
     keys = ["loss", "entropy", "mean_token_accuracy", "num_tokens"] + (["aux_loss"] if "moe" in case else [])
     for a, b in zip(stock["history"], harts["history"]):
         np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], rtol=TOL, atol=1e-7)

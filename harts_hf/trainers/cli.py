@@ -2,7 +2,9 @@
 built-in data) and the GRPO run's step-time comparison.
 
 Register with ``add_parser(subparsers)`` from ``harts_hf.cli``. Knobs live in the recipe YAML
-(``--config``: a file, a config directory or a Hub repo id); the flags only shorten a run.
+(``--config``: a file, a config directory or a Hub repo id); any of its keys can also be given as a
+flag the way TRL's CLI takes them (``--learning_rate 1e-5``, ``--bf16``, ``--resume_from_checkpoint
+true``), after the config, as the recipe scripts do.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, metavar="N", help="override the recipe's max_steps")
     p.add_argument("--output-dir", metavar="DIR", help="override the recipe's output_dir")
     p.add_argument("--verbose", action="store_true", help="also print TRL's full metrics dict every logged step")
+    p.set_defaults(trl_flags=[])  # the recipe's keys as TRL flags (--key value), left to _recipe
 
 
 def _recipe(args: argparse.Namespace, **forced) -> tuple:
@@ -59,26 +62,41 @@ def _recipe(args: argparse.Namespace, **forced) -> tuple:
         if args.output_dir is not None:
             values["output_dir"] = args.output_dir
         values["verbose"] = values.get("verbose", False) or args.verbose
+        values.update(_trl_flags(args.trl_flags, args.trainer))
         return parse_recipe(values | forced, args.trainer)
     except ValueError as err:
         raise SystemExit(f"harts-hf {args.command}: {err}") from err
 
 
+def _trl_flags(argv: list[str], kind: str) -> dict[str, str]:
+    """``--key value``, ``--key=value`` and a bare switch ``--key`` (true) as recipe values (text,
+    typed by ``parse_recipe``); an argument that is no recipe key is refused with the closest one."""
+    from .recipe import check_arguments, get_recipe
+
+    keys, values, i = get_recipe(kind).keys, {}, 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        key = flag.removeprefix("--").replace("-", "_")
+        if not flag.startswith("--") or key not in keys:
+            check_arguments(argv[i:], kind)
+        if not eq:
+            switch = i + 1 == len(argv) or argv[i + 1].startswith("--")
+            value, i = ("true", i) if switch else (argv[i + 1], i + 1)
+        values[key] = value
+        i += 1
+    return values
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train, printing one line per step; save the model to the recipe's output_dir."""
-    from .console import no_progress_bars, quiet_third_party
-    from .recipe import build_trainer
-    from .teardown import end_distributed
+    from .console import quiet_third_party
+    from .recipe import train_recipe
 
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True, **({"harts_enable": False} if args.stock else {}))
-    trainer = build_trainer(script_args, training_args)
-    trainer.train()
-    with no_progress_bars():  # saving one small checkpoint needs no bar
-        trainer.save_model(training_args.output_dir)
-    del trainer  # its DDP wrapper holds the process group, which end_distributed frees
-    end_distributed()
-    print(f"model saved to {training_args.output_dir}")
+    train_recipe(script_args, training_args)
+    if training_args.process_index == 0:
+        print(f"model saved to {training_args.output_dir}")
     return 0
 
 

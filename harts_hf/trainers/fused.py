@@ -14,6 +14,7 @@ Legend: B rows, S padded width.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from accelerate.utils import is_peft_model
@@ -96,6 +97,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         """Answer the fused-head calls of each of ``models`` with the per-token statistics TRL
         installed its head with for it (``add_fused_lm_head(outputs=...)``)."""
         self._declined: set[frozenset] = set()  # input kinds told once that they take TRL's path
+        self._passes: list[tuple[int, int, int]] = []  # this step's (trajectory tokens, compact, slots) per pass
         if not self._harts_enabled:
             return
         self._prepare_harts(tuple(models))
@@ -122,6 +124,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
             return None
         forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
         pieces = self._plan(forest)
+        self._passes.append((forest.num_trajectory_tokens, forest.num_compact_tokens, pieces.num_slots))
         self._check_attached_pieces(forest, pieces, router=bool(inputs.get("output_router_logits")))
         # The seam may stand in front of accelerate's mixed-precision forward (DPO's reference model is
         # prepared before the seam is installed), which it then bypasses: the pass enters the
@@ -137,3 +140,21 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
                 output_router_logits=bool(inputs.get("output_router_logits")),
                 pieces=pieces,
             )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step, and the sharing its fused-head passes (policy, reference) achieved, logged as
+        the rollout trainers log theirs: ``harts/compression``, ``harts/trajectory_tokens``,
+        ``harts/compact_tokens``, ``harts/microbatches`` (slots of the passes) and
+        ``harts/tokens_per_second`` (trajectory tokens of the passes per second of the step)."""
+        self._passes.clear()
+        start = time.perf_counter()
+        output = super().training_step(model, inputs, num_items_in_batch)
+        if self._passes:
+            tokens, compact, slots = (float(sum(column)) for column in zip(*self._passes))
+            metrics = self._metrics["train"]
+            metrics["harts/compression"].append(tokens / compact)
+            metrics["harts/trajectory_tokens"].append(tokens)
+            metrics["harts/compact_tokens"].append(compact)
+            metrics["harts/microbatches"].append(slots)
+            metrics["harts/tokens_per_second"].append(tokens / (time.perf_counter() - start))
+        return output

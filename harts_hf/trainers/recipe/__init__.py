@@ -12,8 +12,8 @@ script body (``launch.py``) are one path for all four.
 from .arguments import AgenticArguments, ConversationArguments, LedgerTurnArguments, ModelArguments, PreferenceArguments
 from .build import BUILTIN_PREFIX, build_trainer, load_model
 from .kinds import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe, recipe_for
-from .launch import launch
-from .parse import check_arguments, check_config, check_recipe, parse_recipe
+from .launch import launch, train_recipe
+from .parse import check_arguments, check_config, check_recipe, parse_recipe, resume_from
 from .source import resolve_config
 
 __all__ = [
@@ -36,4 +36,6 @@ __all__ = [
     "parse_recipe",
     "recipe_for",
     "resolve_config",
+    "resume_from",
+    "train_recipe",
 ]

@@ -1,5 +1,6 @@
 """The body of the accelerate-launched recipe scripts (``recipes/<kind>_agentic.py``): TRL's parser
-on the kind's two dataclasses, the checks, training, saving.
+on the kind's two dataclasses, the checks, training (resumed from ``--resume_from_checkpoint PATH``,
+or ``true`` for the output directory's last checkpoint, as TRL's scripts do), saving.
 
 ``--config`` is a TRL YAML (the trainer config's fields and the data arguments'); any field can also
 be given as a flag (``--max_steps 5``). A config directory or a Hub repo id holding ``config.yaml``
@@ -17,9 +18,9 @@ from ..console import no_progress_bars, quiet_third_party
 from ..teardown import end_distributed
 from .build import build_trainer
 from .kinds import get_recipe
-from .parse import check_arguments, check_config, check_recipe
+from .parse import check_arguments, check_config, check_recipe, resume_from
 
-__all__ = ["launch"]
+__all__ = ["launch", "train_recipe"]
 
 
 class _Parser(TrlParser):
@@ -46,8 +47,14 @@ def launch(kind: str, argv: list[str]) -> None:
         check_recipe(script_args, training_args)
     except (OSError, ValueError) as err:
         parser.error(str(err))
+    train_recipe(script_args, training_args)
+
+
+def train_recipe(script_args, training_args) -> None:
+    """Build the recipe's trainer, train it (resuming where ``resume_from_checkpoint`` says), save
+    the model, and end the distributed run cleanly."""
     trainer = build_trainer(script_args, training_args)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from(training_args.resume_from_checkpoint))
     with no_progress_bars():  # saving one small checkpoint needs no bar
         trainer.save_model(training_args.output_dir)
     del trainer  # its DDP wrapper holds the process group, which end_distributed frees

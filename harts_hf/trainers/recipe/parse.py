@@ -3,18 +3,21 @@ never a traceback from deep in TRL or the Hub client."""
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Iterable, Sequence
 from difflib import get_close_matches
 from pathlib import Path
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from .arguments import ModelArguments
 from .kinds import RECIPES, Recipe, get_recipe
 from .source import resolve_config
 
-__all__ = ["check_arguments", "check_config", "check_recipe", "parse_recipe"]
+__all__ = ["check_arguments", "check_config", "check_recipe", "parse_recipe", "resume_from"]
 
 
 def _hint(key: str, recipe: Recipe, prefix: str = "") -> str:
@@ -59,19 +62,70 @@ def check_arguments(unused: Sequence[str], kind: str = "grpo") -> None:
         raise ValueError(f"unknown argument {unused[0]!r} ({_hint(key, get_recipe(kind), '--')})")
 
 
+def resume_from(value: str | None) -> str | bool | None:
+    """``Trainer.train``'s ``resume_from_checkpoint`` for the config's text: ``true`` is the output
+    directory's last checkpoint (as in TRL's scripts), ``false`` or nothing a fresh run, else a path."""
+    if value is None or value.lower() in ("", "false"):
+        return None
+    return True if value.lower() == "true" else value
+
+
 def check_recipe(args: ModelArguments, training_args: TrainingArguments) -> None:
     """Refuse values TRL accepts but a recipe cannot run, before the model is built: no steps (TRL
-    would run one at learning rate 0), and what the data arguments refuse (``args.check``)."""
+    would run one at learning rate 0), a checkpoint to resume from that is not there, and what the
+    data arguments refuse (``args.check``)."""
     if training_args.max_steps == 0 or training_args.max_steps < -1:
         steps = training_args.max_steps
         raise ValueError(f"max_steps must be a positive number of steps (or -1: train num_train_epochs), got {steps}")
+    resume, out = resume_from(training_args.resume_from_checkpoint), training_args.output_dir
+    if resume is True and not (Path(out).is_dir() and get_last_checkpoint(out)):
+        raise ValueError(f"resume_from_checkpoint=true: no checkpoint-N directory in output_dir {out!r}")
+    if isinstance(resume, str) and not Path(resume).is_dir():
+        raise ValueError(f"resume_from_checkpoint: no checkpoint directory {resume!r}")
     args.check(training_args)
 
 
+def _scalar_type(hint: object) -> type | None:
+    """bool, int or float where a field's type is that scalar (or it or None), else None."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    scalars = [t for t in options if t in (bool, int, float)]
+    return scalars[0] if len(scalars) == 1 and set(options) <= {bool, int, float, type(None)} else None
+
+
+def _as_scalar(key: str, value: object, kind: type) -> object:
+    """``value`` (a YAML value, or a flag's text) as the field's ``kind``, or a one-line ValueError."""
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if kind is not bool and isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    names = {bool: "true or false", int: "an integer", float: "a number"}
+    raise ValueError(f"{key} must be {names[kind]}, got {value!r}")
+
+
+def _typed(values: dict, recipe: Recipe) -> dict:
+    """``values`` with every bool / int / float field converted from text (command-line flags) and
+    checked: a wrong type is one line here, not a traceback from inside TRL or transformers."""
+    hints = {**typing.get_type_hints(recipe.config), **typing.get_type_hints(recipe.arguments)}
+    out = dict(values)
+    for key, value in values.items():
+        if value is not None and (kind := _scalar_type(hints.get(key))) is not None:
+            out[key] = _as_scalar(key, value, kind)
+    return out
+
+
 def parse_recipe(values: dict, kind: str = "grpo") -> tuple[ModelArguments, TrainingArguments]:
-    """(data arguments, trainer config) of trainer ``kind`` from one flat dict of recipe values,
-    checked by :func:`check_recipe`."""
+    """(data arguments, trainer config) of trainer ``kind`` from one flat dict of recipe values
+    (numbers and switches may be text, as flags give them), checked by :func:`check_recipe`."""
     recipe = get_recipe(kind)
+    _check_keys(values, "the recipe", recipe)
+    values = _typed(values, recipe)
     args, training_args = HfArgumentParser((recipe.arguments, recipe.config)).parse_dict(values)
     check_recipe(args, training_args)
     return args, training_args
