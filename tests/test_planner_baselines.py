@@ -16,7 +16,7 @@ from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan, pla
 from harts_hf.planner.baselines import dfs_kcut, exact, per_trajectory, trie_packing
 from harts_hf.workloads import caterpillar, grpo_group, random_tree
 
-FIELDS = {"world_size", "slots", "pieces", "imbalance", "redundancy", "step_seconds", "plan_seconds", "baselines"}
+FIELDS = {"world_size", "slots", "pieces", "imbalance", "redundancy", "step_seconds", "step_seconds_from", "plan_seconds", "baselines"}
 ENTRY = {"imbalance", "redundancy", "step_seconds", "plan_seconds"}
 
 

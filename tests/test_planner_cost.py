@@ -12,7 +12,7 @@ from harts_hf.bench.calibrate import calibrate, calibration_forests, forest_feat
 from harts_hf.forest import RolloutForest
 from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
-from harts_hf.planner import CostModel, fit_cost_model
+from harts_hf.planner import CostModel, fit_cost_model, plan
 
 
 @pytest.mark.parametrize(
@@ -85,3 +85,15 @@ def test_calibrate_fits_a_tiny_model():
     assert np.isfinite(values).all() and (values >= 0).all() and max(fitted.token, fitted.pair) > 0
     features = np.stack([forest_features(f) for f in forests])
     assert (fitted(*features.T) > 0).all()
+
+
+def test_predicted_seconds_say_where_they_come_from():
+    """The built-in cost model is an H100 estimate, and every plan summary says so (a calibrated one
+    is named as given)."""
+    from harts_hf.planner.cost import cost_origin
+
+    forest = RolloutForest.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
+    assert "built-in H100 estimate" in plan(forest, world_size=1, max_tokens_per_microbatch=64).summary()["step_seconds_from"]
+    mine = CostModel(token=1e-4, pair=0.0, round=0.0, microbatch=0.0)
+    assert cost_origin(mine) == plan(forest, world_size=1, max_tokens_per_microbatch=64, cost_model=mine).summary()["step_seconds_from"]
+    assert "built-in" not in cost_origin(mine)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["DEFAULT_COST_MODEL", "CostModel", "fit_cost_model"]
+__all__ = ["DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
 
 FEATURES = ("token", "pair", "round", "microbatch")
 
@@ -57,6 +57,15 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel(token=2e-5, pair=1e-9, round=1e-3, microbatch=5e-3)
+"""A built-in estimate for a ~1B model on an H100: it orders and balances work; its seconds are not
+this machine's (``cost_origin``)."""
+
+
+def cost_origin(cost_model: CostModel) -> str:
+    """Where a cost model's predicted seconds come from, for every place that prints or plots them."""
+    if cost_model == DEFAULT_COST_MODEL:
+        return "the built-in H100 estimate, not this machine (harts-hf calibrate --json F fits one here)"
+    return "the given cost model"
 
 
 def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:

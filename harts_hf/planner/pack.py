@@ -42,8 +42,9 @@ def pack_whole_trees(
     order = np.argsort(-bins, axis=1, kind="stable")  # [R, S] bins, heaviest first
     new_slot = np.empty_like(order)
     np.put_along_axis(new_slot, order, np.arange(num_slots)[None].repeat(world_size, 0), axis=1)
-    trees = Pieces(rank, new_slot[rank, slot], iv.lo[packed], iv.hi[packed], iv.unit[packed],
-                   iv.replica[packed], num_slots)
+    trees = Pieces(
+        rank, new_slot[rank, slot], iv.lo[packed], iv.hi[packed], iv.unit[packed], iv.replica[packed], num_slots
+    )
     keep = np.ones(iv.rank.size, dtype=bool)
     keep[packed] = False
     fields = (iv.rank, iv.lo, iv.hi, iv.unit, iv.replica)

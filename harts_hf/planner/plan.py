@@ -36,7 +36,7 @@ from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
 from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
-from .cost import DEFAULT_COST_MODEL, CostModel
+from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in, node_parts_of
@@ -164,6 +164,7 @@ class Plan:
             "imbalance": {"slot": self.slot_imbalance, "rank": self.rank_imbalance},
             "redundancy": self.redundancy,
             "step_seconds": self.step_seconds,
+            "step_seconds_from": cost_origin(self.cost_model),
             "plan_seconds": self.plan_seconds,
         }
 

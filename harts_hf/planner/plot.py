@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..forest import RolloutForest
+from .cost import cost_origin
 from .plan import Plan, as_forests
 from .report import planner_entries
 
@@ -74,7 +75,7 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest]) -> tuple[str, li
     ax.set_title(
         f"{plan.world_size} ranks x {plan.num_slots} slots, {plan.num_pieces} pieces: predicted step "
         f"{plan.step_seconds:.3g} s, slot imbalance {plan.slot_imbalance:.4f}, rank imbalance "
-        f"{plan.rank_imbalance:.4f}, redundancy {plan.redundancy:.4f}",
+        f"{plan.rank_imbalance:.4f}, redundancy {plan.redundancy:.4f}\nseconds from {cost_origin(plan.cost_model)}",
         fontsize=9,
     )
     title = "colour = tree" + (": a branch below the root chain every trajectory shares" if branches else "")

@@ -69,6 +69,7 @@ def record_table(record: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     head = f"world size {record['world_size']}: {record['slots']} slots, {record['pieces']} pieces"
+    head += f"; step s from {record['step_seconds_from']}"
     notes = [f"{name}: {e['skipped']}" for name, e in record["baselines"].items() if "skipped" in e]
     gap = record["baselines"]["exact"].get("gap")
     if gap is not None:

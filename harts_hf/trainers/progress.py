@@ -9,6 +9,8 @@ import statistics
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from ..planner.cost import cost_origin
+
 __all__ = ["StepLine"]
 
 
@@ -45,7 +47,10 @@ class StepLine(TrainerCallback):
             if args.harts_max_bytes_per_microbatch is None
             else f"{args.harts_max_bytes_per_microbatch / 2**20:,.0f} MiB"
         )
-        budget = f"; one plan per step, {size} per slot" if harts else ""
+        budget = ""
+        if harts:
+            origin = cost_origin(args.harts_planner_cost_model)
+            budget = f"; one plan per step, {size} per slot (predicted seconds: {origin})"
         rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
         tqdm.write(
             f"{what}: {self.title}{params}; {state.max_steps} steps of {rows} rows per device, {devices}{budget}"
