@@ -13,12 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_modeling_autocast import DTYPES, _autocast, _case  # noqa: E402
-from tiny_models import FAMILIES, Run, oracle_run, padded_run, tree_run  # noqa: E402
+from test_modeling_autocast import DTYPES, _autocast, _case
+from tiny_models import FAMILIES, Run, oracle_run, padded_run, tree_run
 
 
 def _diffs(ref: Run, other: Run, real: torch.Tensor) -> tuple[float, float]:
@@ -54,5 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=2)
     main()
