@@ -124,6 +124,14 @@ def _workload_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=cmd_workload)
 
 
+def _quiet() -> None:
+    """The train console's filters for a command that builds models (transformers' CPU-irrelevant
+    kernel-fallback advice would break its progress bars)."""
+    from .trainers.console import quiet_third_party
+
+    quiet_third_party()
+
+
 def cmd_workload(args: argparse.Namespace) -> int:
     """Generate ``args.name``, build its forest, print (and optionally save) the statistics."""
     kwargs: dict[str, object] = {"seed": args.seed}
@@ -220,6 +228,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the model's forward + backward on calibration forests and fit the cost model."""
+    _quiet()
     from .bench.calibrate import calibrate, format_cost_model
     from .bench.models import build_model
 
@@ -273,6 +282,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark (imported here: it loads torch and transformers), print and save it."""
+    _quiet()
     from .bench import bench_record, default_config, plot_bench, run_bench, table
 
     try:
@@ -318,6 +328,7 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench_ops(args: argparse.Namespace) -> int:
     """Benchmark the tree kernels on a SWE-like forest (imported here: it loads torch), print and save."""
+    _quiet()
     from .bench.ops import bench_ops, format_table
 
     kinds = {} if args.kinds is None else {"kinds": args.kinds}
@@ -362,6 +373,7 @@ def _memory_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """Sweep trajectory lengths at one budget (imported here: it loads torch), print and save the record."""
+    _quiet()
     from .bench import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
 
     names = ("model", "size", "lengths", "budget", "one_unit_max_tokens", "stock_max_tokens", "repeats", "device")
