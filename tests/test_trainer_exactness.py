@@ -254,6 +254,11 @@ def test_config_validation(bad):
         HARTSGRPOConfig("x", use_cpu=True, **bad)
 
 
+def test_a_budget_below_one_chunk_is_warned_about():
+    with pytest.warns(UserWarning, match="harts_max_tokens_per_microbatch=4 is below one 64-token chunk"):
+        HARTSGRPOConfig("x", use_cpu=True, harts_max_tokens_per_microbatch=4)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 
 from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
@@ -72,6 +73,13 @@ class HARTSArguments:
         if self.harts_max_tokens_per_microbatch <= 0:
             raise ValueError(
                 f"harts_max_tokens_per_microbatch must be positive, got {self.harts_max_tokens_per_microbatch}"
+            )
+        if self.harts_max_bytes_per_microbatch is None and self.harts_max_tokens_per_microbatch < self.harts_chunk_size:
+            warnings.warn(
+                f"harts_max_tokens_per_microbatch={self.harts_max_tokens_per_microbatch} is below one "
+                f"{self.harts_chunk_size}-token chunk: every slot is a model call for a few tokens, mostly overhead "
+                f"(raise it to thousands of tokens, or give harts_max_bytes_per_microbatch)",
+                stacklevel=2,
             )
         if self.harts_max_bytes_per_microbatch is not None and not self.harts_max_bytes_per_microbatch > 0:
             raise ValueError(
