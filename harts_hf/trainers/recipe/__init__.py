@@ -9,8 +9,16 @@ declaration (``kinds.py``); reading and checking (``parse.py``), building (``bui
 script body (``launch.py``) are one path for all four.
 """
 
-from .arguments import AgenticArguments, ConversationArguments, LedgerTurnArguments, ModelArguments, PreferenceArguments
-from .build import BUILTIN_PREFIX, build_trainer, load_model
+from .arguments import (
+    BUILTIN_PREFIX,
+    AgenticArguments,
+    ConversationArguments,
+    LedgerTurnArguments,
+    ModelArguments,
+    PreferenceArguments,
+    builtin_model,
+)
+from .build import build_trainer, load_model
 from .kinds import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe, recipe_for
 from .launch import launch, train_recipe
 from .parse import check_arguments, check_config, check_recipe, parse_recipe, resume_from
@@ -27,6 +35,7 @@ __all__ = [
     "PreferenceArguments",
     "Recipe",
     "build_trainer",
+    "builtin_model",
     "check_arguments",
     "check_config",
     "check_recipe",

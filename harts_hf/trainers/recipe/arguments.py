@@ -19,7 +19,32 @@ from ...checks import require_positive_ints
 from ...data import agent_conversations, agent_preference_pairs, turn_samples
 from ...envs import LedgerRunner, ledger_dataset, ledger_prompts, ledger_rollout, ledger_turn_reward, sample_reward
 
-__all__ = ["AgenticArguments", "ConversationArguments", "LedgerTurnArguments", "ModelArguments", "PreferenceArguments"]
+__all__ = [
+    "BUILTIN_PREFIX",
+    "AgenticArguments",
+    "ConversationArguments",
+    "LedgerTurnArguments",
+    "ModelArguments",
+    "PreferenceArguments",
+    "builtin_model",
+]
+
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def builtin_model(name: str) -> tuple[str, str]:
+    """(family, size) of a ``builtin:FAMILY-SIZE`` model name, or a one-line ValueError naming the
+    valid ones (checked before any work)."""
+    from ...bench.models import BENCH_FAMILIES, SIZES
+
+    family, _, size = name[len(BUILTIN_PREFIX) :].rpartition("-")
+    if family not in BENCH_FAMILIES or size not in SIZES:
+        raise ValueError(
+            f"model_name_or_path {name!r}: a built-in model is {BUILTIN_PREFIX}FAMILY-SIZE with FAMILY one of "
+            f"{', '.join(sorted(BENCH_FAMILIES))} and SIZE one of {', '.join(sorted(SIZES))}"
+        )
+    return family, size
 
 
 @dataclass

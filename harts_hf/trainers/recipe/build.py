@@ -18,13 +18,11 @@ from transformers import (
 from ...envs import build_tokenizer
 from ..console import no_progress_bars, quiet_console
 from ..progress import StepLine
-from .arguments import ModelArguments
+from .arguments import BUILTIN_PREFIX, ModelArguments, builtin_model
 from .kinds import recipe_for
 from .parse import check_recipe
 
-__all__ = ["BUILTIN_PREFIX", "build_trainer", "load_model"]
-
-BUILTIN_PREFIX = "builtin:"
+__all__ = ["build_trainer", "load_model"]
 
 
 def load_model(
@@ -36,8 +34,7 @@ def load_model(
     if name.startswith(BUILTIN_PREFIX):
         from ...bench.models import build_model
 
-        family, _, size = name[len(BUILTIN_PREFIX) :].rpartition("-")
-        return build_model(family, size, seed=args.seed_model).model.train(), tokenizer()
+        return build_model(*builtin_model(name), seed=args.seed_model).model.train(), tokenizer()
     model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
     try:
         loaded = AutoTokenizer.from_pretrained(name, padding_side="left")

@@ -13,7 +13,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from .arguments import ModelArguments
+from .arguments import BUILTIN_PREFIX, ModelArguments, builtin_model
 from .kinds import RECIPES, Recipe, get_recipe
 from .source import resolve_config
 
@@ -72,11 +72,13 @@ def resume_from(value: str | None) -> str | bool | None:
 
 def check_recipe(args: ModelArguments, training_args: TrainingArguments) -> None:
     """Refuse values TRL accepts but a recipe cannot run, before the model is built: no steps (TRL
-    would run one at learning rate 0), a checkpoint to resume from that is not there, and what the
-    data arguments refuse (``args.check``)."""
+    would run one at learning rate 0), a built-in model that does not exist, a checkpoint to resume
+    from that is not there, and what the data arguments refuse (``args.check``)."""
     if training_args.max_steps == 0 or training_args.max_steps < -1:
         steps = training_args.max_steps
         raise ValueError(f"max_steps must be a positive number of steps (or -1: train num_train_epochs), got {steps}")
+    if args.model_name_or_path.startswith(BUILTIN_PREFIX):
+        builtin_model(args.model_name_or_path)
     resume, out = resume_from(training_args.resume_from_checkpoint), training_args.output_dir
     if resume is True and not (Path(out).is_dir() and get_last_checkpoint(out)):
         raise ValueError(f"resume_from_checkpoint=true: no checkpoint-N directory in output_dir {out!r}")
