@@ -116,6 +116,11 @@ def test_ledger_turn_reward_plays_the_call():
             id="rloo-no-tasks",
         ),
         pytest.param(
+            ["--model_name_or_path", "builtin:qwen3_5-huge"],
+            "a built-in model is builtin:FAMILY-SIZE with FAMILY one of bailing_hybrid",
+            id="builtin-model-size",
+        ),
+        pytest.param(
             ["--max_steps", "ten"], "harts-hf train: error: max_steps must be an integer, got 'ten'", id="steps-text"
         ),
         pytest.param(["--learning_rate=fast"], "learning_rate must be a number, got 'fast'", id="rate-text"),
