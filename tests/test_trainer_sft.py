@@ -138,3 +138,24 @@ def test_pieces_with_the_router_aux_loss_are_refused(tmp_path, monkeypatch):
     monkeypatch.setitem(CASES, "moe-pieces", case)
     with pytest.raises(ValueError, match=r"microbatches under harts_max_tokens_per_microbatch=24\).*router aux loss"):
         train("moe-pieces", True, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["random", "sequential"])
+def test_a_sampler_that_loses_the_sharing_is_warned_about(strategy, tmp_path, monkeypatch):
+    """Measured on the data: TRL's default random sampler spreads each conversation's per-turn samples
+    over microbatches (1.32x sharing where the dataset order has 1.87x here): one warning at init."""
+    import harts_hf.trainers.fused as fused
+
+    said = []
+    monkeypatch.setattr(fused.logger, "warning", said.append)
+    args = sgd_args(tmp_path, per_device_train_batch_size=4, max_steps=1, train_sampling_strategy=strategy)
+    HARTSSFTTrainer(
+        model=tiny_model("qwen3_5"),
+        args=HARTSSFTConfig(**args),
+        processing_class=agent_tokenizer(),
+        train_dataset=Dataset.from_list(turn_samples(agent_conversations(8, turns=3))),
+    )
+    warned = [line for line in said if "random sampler" in line]
+    assert len(warned) == (strategy == "random")
+    if warned:
+        assert "train_sampling_strategy='sequential'" in warned[0] and "1.87x" in warned[0]

@@ -38,3 +38,8 @@ class HARTSDPOTrainer(HARTSFusedHeadMixin, DPOTrainer):
         # the statistics TRL installs each model's fused head with
         policy = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         self._init_fused_head({self.model: policy, self.ref_model: ()})
+
+    @staticmethod
+    def _sample_rows(sample: dict) -> list[list[int]]:
+        """Chosen and rejected rows: the prompt then each completion (one batch holds both)."""
+        return [sample["prompt_ids"] + sample["chosen_ids"], sample["prompt_ids"] + sample["rejected_ids"]]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 from accelerate.utils import is_peft_model
 from transformers.utils import logging
@@ -101,11 +102,43 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         if not self._harts_enabled:
             return
         self._prepare_harts(tuple(models))
+        self._warn_if_the_sampler_loses_sharing()
         for model, statistics in models.items():
             if model is not None:
                 model = self.accelerator.unwrap_model(model)
                 answer = functools.partial(self._fused_on_forest, statistics=statistics)
                 add_tree_fused_head(model.get_base_model() if is_peft_model(model) else model, answer)
+
+    @staticmethod
+    def _sample_rows(sample: dict) -> list[list[int]]:
+        """The rows one training sample puts in a padded batch (its trainer declares them)."""
+        raise NotImplementedError
+
+    def _warn_if_the_sampler_loses_sharing(self, batches: int = 16) -> None:
+        """Measure, on the first ``batches`` microbatches' worth of the training data, the prefix
+        sharing per microbatch in dataset order and under TRL's default random sampler; warn once
+        when the sampler makes a step compute over 1.2x the tokens the order would (a conversation's
+        per-turn samples spread over microbatches share nothing)."""
+        data, size = self.train_dataset, self.args.per_device_train_batch_size
+        if self.args.train_sampling_strategy != "random" or not hasattr(data, "__len__") or len(data) < 2 * size:
+            return
+        count = min(batches, len(data) // size) * size
+        shuffled = np.random.default_rng(self.args.seed).permutation(len(data))[:count]
+
+        def compression(order: np.ndarray) -> float:
+            forests = [
+                RolloutForest.from_sequences([r for i in order[s : s + size] for r in self._sample_rows(data[int(i)])])
+                for s in range(0, count, size)
+            ]
+            return sum(f.num_trajectory_tokens for f in forests) / sum(f.num_compact_tokens for f in forests)
+
+        ordered, random = compression(np.arange(count)), compression(shuffled)
+        if ordered / random > 1.2:
+            logger.warning(
+                f"{type(self).__name__}: TRL's random sampler shares {random:.2f}x per microbatch where this data in "
+                f"order shares {ordered:.2f}x (measured on {count} samples): each step computes {ordered / random:.2f}x "
+                "the tokens; set train_sampling_strategy='sequential' to keep a conversation's samples together"
+            )
 
     def _fused_on_forest(
         self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]

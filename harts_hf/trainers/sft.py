@@ -35,3 +35,7 @@ class HARTSSFTTrainer(HARTSFusedHeadMixin, SFTTrainer):
         args = args if args is not None else self._default_args(model, HARTSSFTConfig, "SFT")
         super().__init__(model, args, *rest, **kwargs)
         self._init_fused_head({self.model: ("entropy", "is_top1")})  # what SFT installs its head with
+
+    @staticmethod
+    def _sample_rows(sample: dict) -> list[list[int]]:
+        return [sample["input_ids"]]
