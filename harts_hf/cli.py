@@ -193,7 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     record = plan_record([forest], result)
     print(record_table(record))
     _write_json(args.json, record)
-    _write_plot(args.plot, lambda path: plot_plan(result, forest, path, record=record))
+    _write_plot(args.plot, lambda path: plot_plan(result, forest, path, record=record, workload=args.workload))
     return 0
 
 

@@ -48,7 +48,10 @@ def test_train_console_reads_as_a_run(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     opening, step, summary, saved = lines
     assert opening.startswith("HARTS GRPO (loss dapo): builtin:qwen3_5-quick on the built-in ledger tool environment")
-    assert "1 process on cpu" in opening and "one plan per step, 65,536 tokens per slot" in opening
+    assert (
+        "1 process on cpu, 1 thread each (OMP_NUM_THREADS)" in opening
+        and "one plan per step, 65,536 tokens per slot" in opening
+    )
     assert step.startswith("step   1/1") and "compression" in step
     assert summary.startswith("done: 1 steps") and "reward" in summary and "compression" in summary
     assert saved == f"model saved to {tmp_path / 'run'}"
@@ -77,3 +80,4 @@ def test_two_processes_print_one_console(tmp_path):
     assert out.count("HARTS GRPO (loss dapo):") == 1 and "2 processes on cpu" in out
     assert sum(line.startswith("step   1/1") for line in out.splitlines()) == 1
     assert out.count("done: 1 steps") == 1
+    assert "find_unused_parameters=True" not in out  # the recipe turns DDP's unused-parameter search off

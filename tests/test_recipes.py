@@ -125,6 +125,10 @@ def test_ledger_turn_reward_plays_the_call():
         ),
         pytest.param(["--learning_rate=fast"], "learning_rate must be a number, got 'fast'", id="rate-text"),
         pytest.param(["--bf16", "maybe"], "bf16 must be true or false, got 'maybe'", id="switch-text"),
+        pytest.param(["--loss_type", "ppo"], "loss_type 'ppo' is not one of TRL's: grpo, dr_grpo", id="grpo-loss"),
+        pytest.param(
+            ["--trainer", "dpo", "--loss_type", "ipo", "nope"], "loss_type 'nope' is not one of TRL's", id="dpo-loss"
+        ),
         pytest.param(
             ["--lerning_rate", "1e-3"],
             "unknown argument '--lerning_rate' (did you mean '--learning_rate'?)",

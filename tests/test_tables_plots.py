@@ -67,9 +67,13 @@ def test_plan_table_ends_in_its_legend(small_plan):
 def test_plan_png_has_a_legend_and_the_baselines(small_plan, figures, tmp_path):
     forests, ours, record = small_plan
     path = tmp_path / "plan.png"
-    plot_plan(ours, forests, path, record=record)
+    plot_plan(ours, forests, path, record=record, workload="three groups")
     assert path.read_bytes()[:8] == PNG
     (fig,) = figures
+    trajectories = sum(f.num_trajectories for f in forests)
+    title = f"three groups: {trajectories} trajectories, {ours.num_compact_tokens:,} compact tokens, budget "
+    assert fig.axes[0].get_title().startswith(f"{title}{ours.budget.tokens:,} tokens per microbatch\n")
+    assert "seconds from the built-in H100 estimate" in fig.axes[0].get_title()
     (box,) = fig.legends
     labels = [t.get_text() for t in box.get_texts()]
     assert box.get_title().get_text() == "colour = tree"
@@ -151,7 +155,11 @@ def test_bench_png_has_a_caption_memory_and_the_ideal(bench_record_of_a_tiny_run
     assert path.read_bytes()[:8] == PNG
     (fig,) = figures
     times, memory = fig.axes
-    assert any(t.get_text().startswith("ideal harts time") for t in times.get_legend().get_texts())
+    ideal = bench_record_of_a_tiny_run["ideal_speedup"]
+    ideal = f"stock / ideal: efficiency 1 (ideal = unshared / forest FLOPs = {ideal:.2f}x)"
+    assert ideal in [t.get_text() for t in times.get_legend().get_texts()]  # the console's definitions
+    for label, bar in zip(times.texts, times.containers[-1]):  # each speedup label clears bar and ideal line
+        assert label.xy[1] >= bar.get_height()
     assert [t.get_text() for t in memory.get_xticklabels()] == list(MODE_MEANINGS)
     assert "n/a" in [t.get_text() for t in memory.texts]  # harts' peak was not measured
     caption = "\n".join(t.get_text() for t in fig.texts)

@@ -66,7 +66,8 @@ class MemoryModel:
     head's checkpointed chunk first (``head`` bytes per row, at most ``head_chunk`` rows; 0: no such
     term), then the layers' backward, one layer at a time (``layer`` per own token: the hidden
     state's gradients, and the layer's recomputed activations under gradient checkpointing;
-    ``fixed``: what does not grow with tokens, attention's score buffers).
+    ``fixed``: what does not grow with tokens, attention's score buffers at their full size: a bound
+    that microbatches of a few hundred tokens stay well below, so their peak is overestimated).
     """
 
     token: float

@@ -42,7 +42,7 @@ def _piece_trees(plan: Plan, forests: Sequence[RolloutForest]) -> tuple[np.ndarr
     return tree, int(offsets[-1]), lone and starts[0].size > 1
 
 
-def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest]) -> tuple[str, list]:
+def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -> tuple[str, list]:
     """One row per rank; slot s starts when the slowest rank finished slot s - 1 (ranks run in
     lockstep), so idle time shows as gaps. A microbatch's width is its predicted cost, shared among
     its pieces by tokens. Returns the legend's title and handles."""
@@ -72,8 +72,11 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest]) -> tuple[str, li
     ax.set_yticks(range(plan.world_size), [f"rank {r}" for r in range(plan.world_size)])
     ax.invert_yaxis()
     ax.set_xlabel("predicted seconds (slots in lockstep)")
+    trajectories = sum(f.num_trajectories for f in forests)
     ax.set_title(
-        f"{plan.world_size} ranks x {plan.num_slots} slots, {plan.num_pieces} pieces: predicted step "
+        f"{workload}: {trajectories} trajectories, {plan.num_compact_tokens:,} compact tokens, budget "
+        f"{plan.budget.tokens:,} tokens per microbatch\n{plan.world_size} ranks x {plan.num_slots} slots, "
+        f"{plan.num_pieces} pieces: predicted step "
         f"{plan.step_seconds:.3g} s, slot imbalance {plan.slot_imbalance:.4f}, rank imbalance "
         f"{plan.rank_imbalance:.4f}, redundancy {plan.redundancy:.4f}\nseconds from {cost_origin(plan.cost_model)}",
         fontsize=9,
@@ -135,10 +138,15 @@ def _panel(ax, record: dict, title: str) -> None:
 
 
 def plot_plan(
-    plan: Plan, forests: RolloutForest | Sequence[RolloutForest], path: str | Path, record: dict | None = None
+    plan: Plan,
+    forests: RolloutForest | Sequence[RolloutForest],
+    path: str | Path,
+    record: dict | None = None,
+    workload: str = "forest",
 ) -> None:
-    """Draw ``plan`` of ``forests`` to ``path``: the lockstep timeline per rank with a legend of what
-    colours, grey and hatching mean; with ``record`` (:func:`~harts_hf.planner.plan_record`), every
+    """Draw ``plan`` of ``forests`` (named ``workload`` in the title, with its size and the budget)
+    to ``path``: the lockstep timeline per rank with a legend of what colours, grey and hatching
+    mean; with ``record`` (:func:`~harts_hf.planner.plan_record`), every
     planner's imbalances and redundancy beside it, so the plan is read against the baselines."""
     import matplotlib
 
@@ -155,7 +163,7 @@ def plot_plan(
         ax = axes["plan"]
         for title in PANELS:
             _panel(axes[title], record, title)
-    colour_title, handles = _timeline(ax, plan, as_forests(forests))
+    colour_title, handles = _timeline(ax, plan, as_forests(forests), workload)
     fig.legend(
         handles=handles, title=colour_title, loc="lower center", ncol=4, fontsize=8, title_fontsize=8, frameon=False
     )

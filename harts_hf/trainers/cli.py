@@ -68,9 +68,10 @@ def _recipe(args: argparse.Namespace, **forced) -> tuple:
         raise SystemExit(f"harts-hf {args.command}: {err}") from err
 
 
-def _trl_flags(argv: list[str], kind: str) -> dict[str, str]:
-    """``--key value``, ``--key=value`` and a bare switch ``--key`` (true) as recipe values (text,
-    typed by ``parse_recipe``); an argument that is no recipe key is refused with the closest one."""
+def _trl_flags(argv: list[str], kind: str) -> dict[str, str | list[str]]:
+    """``--key value``, ``--key=value``, ``--key v1 v2`` (a list field, as TRL's CLI takes it) and a
+    bare switch ``--key`` (true) as recipe values (text, typed by ``parse_recipe``); an argument that
+    is no recipe key is refused with the closest one."""
     from .recipe import check_arguments, get_recipe
 
     keys, values, i = get_recipe(kind).keys, {}, 0
@@ -79,11 +80,12 @@ def _trl_flags(argv: list[str], kind: str) -> dict[str, str]:
         key = flag.removeprefix("--").replace("-", "_")
         if not flag.startswith("--") or key not in keys:
             check_arguments(argv[i:], kind)
-        if not eq:
-            switch = i + 1 == len(argv) or argv[i + 1].startswith("--")
-            value, i = ("true", i) if switch else (argv[i + 1], i + 1)
-        values[key] = value
-        i += 1
+        end = i + 1
+        while not eq and end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        given = [value] if eq else argv[i + 1 : end]
+        values[key] = "true" if not given else given[0] if len(given) == 1 else given
+        i = end
     return values
 
 

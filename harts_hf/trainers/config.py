@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
@@ -68,8 +69,15 @@ class HARTSArguments:
         metadata={"help": "Memory model {token, context, head, head_chunk, fixed, layer} in bytes (default: derived)."},
     )
 
+    loss_types: ClassVar[tuple[str, ...]] = ()
+    """The ``loss_type`` values TRL's trainer computes (TRL 1.16's branches); any other fails at its first step."""
+
     def __post_init__(self):
         super().__post_init__()
+        chosen = getattr(self, "loss_type", ())
+        unknown = [t for t in ([chosen] if isinstance(chosen, str) else chosen) if t not in self.loss_types]
+        if unknown:
+            raise ValueError(f"loss_type {unknown[0]!r} is not one of TRL's: {', '.join(self.loss_types)}")
         if self.harts_max_tokens_per_microbatch <= 0:
             raise ValueError(
                 f"harts_max_tokens_per_microbatch must be positive, got {self.harts_max_tokens_per_microbatch}"
@@ -124,6 +132,8 @@ class HARTSGRPOConfig(HARTSArguments, GRPOConfig):
     [`HARTSArguments`]: each optimizer step's rows, from every rank, are planned at once.
     """
 
+    loss_types: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
 
 @dataclass
 class HARTSRLOOConfig(HARTSArguments, RLOOConfig):
@@ -140,6 +150,8 @@ class HARTSSFTConfig(HARTSArguments, SFTConfig):
     [`HARTSArguments`]: each microbatch's samples are one forest (their shared prefixes computed once).
     """
 
+    loss_types: ClassVar[tuple[str, ...]] = ("nll", "dft", "chunked_nll")
+
 
 @dataclass
 class HARTSDPOConfig(HARTSArguments, DPOConfig):
@@ -148,3 +160,8 @@ class HARTSDPOConfig(HARTSArguments, DPOConfig):
     [`HARTSArguments`]: each microbatch's chosen and rejected rows are one forest (the prompt, in multi-turn DPO the
     whole history, computed once for the pair).
     """
+
+    loss_types: ClassVar[tuple[str, ...]] = (
+        "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+        "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+    )  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
@@ -42,6 +43,9 @@ class StepLine(TrainerCallback):
         what = f"{'HARTS' if harts else 'stock'} {self.method}" + (f" (loss {_names(loss)})" if loss else "")
         params = f", {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params" if model is not None else ""
         devices = f"{args.world_size} process{'es' if args.world_size > 1 else ''} on {args.device.type}"
+        if args.device.type == "cpu":  # torch's default (one per core) contends on a busy machine
+            threads = torch.get_num_threads()
+            devices += f", {threads} thread{'s' if threads > 1 else ''} each (OMP_NUM_THREADS)"
         size = (
             f"{args.harts_max_tokens_per_microbatch:,} tokens"
             if args.harts_max_bytes_per_microbatch is None

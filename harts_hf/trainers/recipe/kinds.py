@@ -70,6 +70,7 @@ _RUN = {  # every recipe's defaults: a short CPU run, one line per step, nothing
     "use_cpu": True,
     "bf16": False,
     "gradient_checkpointing": False,
+    "ddp_find_unused_parameters": False,  # the built-in models train every parameter every step (MoE: true)
     "logging_steps": 1,
     "report_to": "none",
     "save_strategy": "no",

@@ -94,6 +94,13 @@ def _scalar_type(hint: object) -> type | None:
     return scalars[0] if len(scalars) == 1 and set(options) <= {bool, int, float, type(None)} else None
 
 
+def _list_item(hint: object) -> object | None:
+    """The item type where a field's type is a list (or a list or None), else None."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    lists = [t for t in options if typing.get_origin(t) is list]
+    return typing.get_args(lists[0])[0] if len(lists) == 1 else None
+
+
 def _as_scalar(key: str, value: object, kind: type) -> object:
     """``value`` (a YAML value, or a flag's text) as the field's ``kind``, or a one-line ValueError."""
     if kind is bool and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
@@ -112,12 +119,20 @@ def _as_scalar(key: str, value: object, kind: type) -> object:
 
 
 def _typed(values: dict, recipe: Recipe) -> dict:
-    """``values`` with every bool / int / float field converted from text (command-line flags) and
-    checked: a wrong type is one line here, not a traceback from inside TRL or transformers."""
+    """``values`` with every bool / int / float field (or list of them) converted from text
+    (command-line flags) and checked: a wrong type is one line here, not a traceback from inside
+    TRL or transformers. A list field given one value is a list of one."""
     hints = {**typing.get_type_hints(recipe.config), **typing.get_type_hints(recipe.arguments)}
     out = dict(values)
     for key, value in values.items():
-        if value is not None and (kind := _scalar_type(hints.get(key))) is not None:
+        hint = hints.get(key)
+        if value is None:
+            continue
+        if _list_item(hint) is not None:
+            items = value if isinstance(value, list) else [value]
+            kind = _scalar_type(_list_item(hint))
+            out[key] = items if kind is None else [_as_scalar(key, v, kind) for v in items]
+        elif (kind := _scalar_type(hint)) is not None:
             out[key] = _as_scalar(key, value, kind)
     return out
 
