@@ -454,3 +454,18 @@ def test_rounds_states_only_gradients(kind: str, state_refs) -> None:
         names, torch.autograd.grad(ref.square().sum(), leaves), torch.autograd.grad(got.square().sum(), leaves)
     ):
         assert_close(f"grad {name}", r, g)
+
+
+def test_every_fla_name_the_backend_reads_resolves() -> None:
+    """The door's names all import from the checked fla release (a name fla moves fails here)."""
+    from harts_hf.ops.fla import _compat
+
+    assert _compat.fla_checked()
+    missing = []
+    for key, name in _compat.NAMES.items():
+        try:
+            name.get()
+        except (ImportError, AttributeError) as err:
+            missing.append(f"{key}: {name.module}.{name.attr} ({err})")
+    assert not missing, missing
+    assert callable(_compat.chunk_fwd_o.get()) and _compat.RCP_LN2.get() > 1.0

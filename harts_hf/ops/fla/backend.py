@@ -30,6 +30,7 @@ from ..backends import register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
 from ..kda import tree_kda_torch
+from . import _compat as fla
 from .common import BT as FLA_CHUNK
 from .delta import DeltaChunkOp
 from .diagonal import DiagonalChunkOp
@@ -70,11 +71,12 @@ def interpreting() -> bool:
 
 @functools.cache
 def _importable() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+    return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton")) and fla.fla_checked()
 
 
 def fla_available() -> bool:
-    """fla + triton installed, and a device to run them (CUDA, or the interpreter on CPU)."""
+    """fla (the release ``_compat`` names) + triton installed, and a device to run them (CUDA, or the
+    interpreter on CPU)."""
     return _importable() and (interpreting() or torch.cuda.is_available())
 
 
@@ -98,9 +100,7 @@ GATED_DQKWG_KINDS = ("gated_delta", "simple_gla")
 @functools.cache
 def fla_refuses_gated_backward() -> bool:
     """fla's own test of that Triton bug on this machine (warned once: those kinds fall back to torch)."""
-    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-
-    refuses = bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+    refuses = bool(fla.IS_NVIDIA_HOPPER.get() and fla.TRITON_ABOVE_3_4_0.get() and not fla.TRITON_ABOVE_3_7_1.get())
     if refuses:
         logger.warning(
             "harts-hf: fla refuses gated chunk backward with this Triton on Hopper (fla #640): %s run on the "

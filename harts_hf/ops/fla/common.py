@@ -5,22 +5,17 @@ triton), and the autograd Function around a kind's forward / backward sequence o
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 
 from ...chunking import CHUNK_SIZE
 from ..precision import without_autocast
+from . import _compat as fla
 
-__all__ = ["BT", "fla_chunks", "fla_function"]
+__all__ = ["BT", "fla_chunks"]
 
 BT = CHUNK_SIZE  # fla's chunk size (its kernels are written for 64-token chunks): per-chunk states sit on this grid
-
-
-def fla_function(module: str, name: str) -> Callable:
-    """fla's ``module.name``, imported when first called."""
-    return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 class _FlaChunks(torch.autograd.Function):
@@ -30,18 +25,14 @@ class _FlaChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, steps: tuple[Callable, Callable], *args):
-        from fla.utils import input_guard  # contiguous inputs, kernels on the inputs' device
-
         ctx.set_materialize_grads(False)
         ctx.backward_steps, ctx.num_args = steps[1], len(args)
-        return input_guard(steps[0])(ctx, *args)
+        return fla.input_guard(steps[0])(ctx, *args)  # contiguous inputs, kernels on the inputs' device
 
     @staticmethod
     @without_autocast
     def backward(ctx, do: torch.Tensor | None, dh_ext: torch.Tensor | None, dht: torch.Tensor | None):
-        from fla.utils import input_guard
-
-        grads = input_guard(ctx.backward_steps)(ctx, do, dh_ext, dht)
+        grads = fla.input_guard(ctx.backward_steps)(ctx, do, dh_ext, dht)
         return None, *grads, *[None] * (ctx.num_args - len(grads))
 
 

@@ -31,6 +31,7 @@ from transformers.activations import ACT2FN
 from ..backends import register
 from ..conv import check_conv_args, local_rows, tree_causal_conv1d_torch
 from ..tree_batch import TreeBatch
+from . import _compat as fla
 from .backend import fla_available, runs_on
 
 __all__ = ["GATHER_BELOW_MEAN_CHAIN", "Chains", "chains_of", "mean_chain", "tree_causal_conv1d_fla", "uses_gather"]
@@ -117,13 +118,11 @@ def tree_causal_conv1d_fla(
     check_conv_args(x, weight, bias, batch, context_x, activation)
     if uses_gather(batch):
         return tree_causal_conv1d_torch(x, weight, bias, batch, activation=activation, context_x=context_x)
-    from fla.modules.causal_conv1d import causal_conv1d
-
     chains = chains_of(batch, weight.shape[1])
     xw = x.to(weight.dtype)  # [N, D], computed in weight's dtype like the torch backend
     src = xw if context_x is None else torch.cat((context_x.to(weight.dtype), xw))  # [H + N, D]
     in_kernel = activation if activation in _FLA_ACTIVATIONS else None
-    y, _ = causal_conv1d(
+    y, _ = fla.causal_conv1d(
         xw.unsqueeze(0),
         weight,
         bias,

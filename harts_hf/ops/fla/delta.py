@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import BT, fla_chunks, fla_function
+from . import _compat as fla
+from .common import BT, fla_chunks
 from .waves import Wave
 
 __all__ = ["STATE_KERNELS", "DeltaChunkOp", "fwd_h_fp32"]
@@ -46,15 +47,13 @@ def fwd_h_fp32(
     in fp32: (h, v_new [1, T, H, V], final states [S, H, K, V] fp32 or None). g [1, T, H] (GDN)
     or [1, T, H, K] (KDA, fla's ``gk``; k then already gated, fla's ``kg``)."""
     import triton
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
-    from fla.ops.utils import prepare_chunk_offsets
 
     _, length, H, K = k.shape
     V, S, NT = u.shape[-1], cu_seqlens.numel() - 1, chunk_indices.shape[0]
     h = k.new_empty(1, NT, H, K, V, dtype=torch.float32)
     ht = k.new_zeros(S, H, K, V, dtype=torch.float32) if output_final_state else None
     v_new = torch.empty_like(u)
-    kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * S * H,)](
+    fla.delta_fwd_h_kernel.get()[lambda meta: (triton.cdiv(V, meta["BV"]) * S * H,)](
         k=k,
         v=u,
         w=w,
@@ -65,7 +64,7 @@ def fwd_h_fp32(
         h0=initial_state,
         ht=ht,
         cu_seqlens=cu_seqlens,
-        chunk_offsets=prepare_chunk_offsets(cu_seqlens, chunk_size),
+        chunk_offsets=fla.prepare_chunk_offsets(cu_seqlens, chunk_size),
         T=length,
         H=H,
         HV=H,
@@ -80,47 +79,29 @@ def fwd_h_fp32(
 # fla's state-forward kernel (Triton's interpreter cannot run it): tests swap in a PyTorch reference.
 STATE_KERNELS = {"fwd_h": fwd_h_fp32}
 
-# fla's other functions, in the order fla's chunk_gated_delta_rule and chunk_kda call them.
-_l2norm_fwd = fla_function("fla.modules.norm.l2norm", "l2norm_fwd")
-_l2norm_bwd = fla_function("fla.modules.norm.l2norm", "l2norm_bwd")
-_prepare_chunk_indices = fla_function("fla.ops.utils", "prepare_chunk_indices")
-_local_cumsum = fla_function("fla.ops.utils", "chunk_local_cumsum")
-_fwd_intra = fla_function("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra")
-_recompute_w_u = fla_function("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd")
-_wy_bwd = fla_function("fla.ops.gated_delta_rule.wy_fast", "prepare_wy_repr_bwd")
-_fwd_o = fla_function("fla.ops.common.chunk_o", "chunk_fwd_o")
-_bwd_dv_local = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dv_local")
-_bwd_dqkwg = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
-_kda_fwd_intra = fla_function("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra")
-_kda_recompute_w_u = fla_function("fla.ops.kda.wy_fast", "recompute_w_u_fwd")
-_kda_fwd_o = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
-_kda_bwd_dAv = fla_function("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv")
-_kda_bwd_wy_dqkg = fla_function("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused")
-_kda_bwd_intra = fla_function("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra")
-
 
 def _forward(ctx, q: T, k: T, v: T, g: T, beta: T, h0: T, wave: Wave, scale: float, l2: bool) -> tuple[T, T, T]:
     """fla's ChunkGatedDeltaRuleFunction / ChunkKDAFunction forward, keeping the fp32 chunk
     states they drop."""
-    from fla.ops.utils.constant import RCP_LN2
-
     q_rstd = k_rstd = None
     if l2:
-        q, q_rstd = _l2norm_fwd(q)
-        k, k_rstd = _l2norm_fwd(k)
+        q, q_rstd = fla.l2norm_fwd(q)
+        k, k_rstd = fla.l2norm_fwd(k)
     cu = wave.cu_seqlens
-    idx = _prepare_chunk_indices(cu, BT, cu_seqlens_cpu=wave.cu_seqlens_cpu)
+    idx = fla.prepare_chunk_indices(cu, BT, cu_seqlens_cpu=wave.cu_seqlens_cpu)
     common = {"cu_seqlens": cu, "chunk_indices": idx, "chunk_size": BT}
-    gc = _local_cumsum(g, chunk_size=BT, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=idx)  # [1, T, H(, K)] log2, fp32
+    gc = fla.chunk_local_cumsum(
+        g, chunk_size=BT, scale=fla.RCP_LN2.get(), cu_seqlens=cu, chunk_indices=idx
+    )  # [1, T, H(, K)] log2, fp32
     if g.dim() == 4:
-        w, u, _, kg, Aqk, Akk = _kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, **common)
+        w, u, _, kg, Aqk, Akk = fla.chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, **common)
         h, v_new, ht = STATE_KERNELS["fwd_h"](kg, w, u, gc, h0, True, cu, idx, BT)  # h [1, NT, H, K, V] fp32
-        o = _kda_fwd_o(q=q, v=v_new, g=gc, A=Aqk, h=h.to(k.dtype), scale=scale, **common)
+        o = fla.chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h.to(k.dtype), scale=scale, **common)
         A = (Aqk, Akk)
     else:
-        w, u, Akk = _fwd_intra(k=k, v=v, g=gc, beta=beta, **common)
+        w, u, Akk = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, **common)
         h, v_new, ht = STATE_KERNELS["fwd_h"](k, w, u, gc, h0, True, cu, idx, BT)
-        o = _fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=gc, scale=scale, **common)
+        o = fla.chunk_fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=gc, scale=scale, **common)
         A = (Akk,)
     ctx.save_for_backward(q, q_rstd, k, k_rstd, v, gc, beta, h0, idx, *A)
     ctx.wave, ctx.scale, ctx.l2, ctx.g_dtype = wave, scale, l2, g.dtype
@@ -149,11 +130,11 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
 
     if kda:
         Aqk, Akk = A
-        w, u, _, kg = _kda_recompute_w_u(q=q, k=k, v=v, beta=beta, A=Akk, gk=gc, **common)
+        w, u, _, kg = fla.kda_recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=gc, **common)
         h, v_new, _ = STATE_KERNELS["fwd_h"](kg, w, u, gc, h0, False, cu, idx, BT)
-        dAqk, dv = _kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=BT, **common)
+        dAqk, dv = fla.chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=BT, **common)
         dh, dv2, dh0 = state_grads(w, dv)
-        dq, dk, dv, db, dg, dAkk = _kda_bwd_wy_dqkg(
+        dq, dk, dv, db, dg, dAkk = fla.chunk_kda_bwd_wy_dqkg_fused(
             q=q,
             k=k,
             v=v,
@@ -169,25 +150,25 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
             chunk_size=BT,
             **common,
         )
-        dq, dk, db, dg = _kda_bwd_intra(
+        dq, dk, db, dg = fla.chunk_kda_bwd_intra(
             q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, chunk_size=BT, **common
         )
     else:
         (Akk,) = A
-        w, u = _recompute_w_u(k=k, v=v, beta=beta, A=Akk, g=gc, **common)
+        w, u = fla.recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, g=gc, **common)
         h, v_new, _ = STATE_KERNELS["fwd_h"](k, w, u, gc, h0, False, cu, idx, BT)
-        dv = _bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, chunk_size=BT, **common)
+        dv = fla.chunk_bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, chunk_size=BT, **common)
         dh, dv2, dh0 = state_grads(w, dv)
-        dq, dk, dw, dg = _bwd_dqkwg(
+        dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
             q=q, k=k, v=v_new, w=w, g=gc, h=h.to(k.dtype), dv=dv2, do=do, dh=dh, scale=scale, chunk_size=BT, **common
         )
-        dk2, dv, db, dg2 = _wy_bwd(k=k, v=v, beta=beta, g=gc, A=Akk, dw=dw, du=dv2, **common)
+        dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=gc, A=Akk, dw=dw, du=dv2, **common)
         dk.add_(dk2)
         dg.add_(dg2)
-    dg = _local_cumsum(dg, chunk_size=BT, reverse=True, **common)
+    dg = fla.chunk_local_cumsum(dg, chunk_size=BT, reverse=True, **common)
     if ctx.l2:
-        dq = _l2norm_bwd(q, q_rstd, dq)
-        dk = _l2norm_bwd(k, k_rstd, dk)
+        dq = fla.l2norm_bwd(q, q_rstd, dq)
+        dk = fla.l2norm_bwd(k, k_rstd, dk)
     return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import BT, fla_chunks, fla_function
+from . import _compat as fla
+from .common import BT, fla_chunks
 from .waves import ChunkSteps, Wave
 
 __all__ = ["STATE_KERNELS", "DiagonalChunkOp", "inject_state_grads"]
@@ -39,8 +40,8 @@ T = torch.Tensor
 
 # fla's state kernels (Triton's interpreter cannot run them): tests swap in PyTorch references.
 STATE_KERNELS = {
-    "fwd_h": fla_function("fla.ops.common.chunk_h", "chunk_fwd_h"),
-    "bwd_dh": fla_function("fla.ops.common.chunk_h", "chunk_bwd_dh"),
+    "fwd_h": fla.chunk_fwd_h,
+    "bwd_dh": fla.chunk_bwd_dh,
 }
 
 
@@ -65,37 +66,24 @@ def inject_state_grads(dh: T, dh0: T, dh_ext: T, gc: T, steps: ChunkSteps) -> No
     dh0.index_add_(0, steps.first_rank, y[: off[1]])
 
 
-# fla's other functions, in the order fla's own chunk_gla / chunk_simple_gla call them.
-_prepare_chunk_indices = fla_function("fla.ops.utils", "prepare_chunk_indices")
-_local_cumsum = fla_function("fla.ops.utils", "chunk_local_cumsum")
-_gla_fwd_intra = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_intra_gk")
-_gla_fwd_o = fla_function("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
-_gla_bwd_dv = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dv")
-_gla_bwd_dA = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dA")
-_gla_bwd_dqk_intra = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dqk_intra")
-_gla_bwd_dqkg = fla_function("fla.ops.gla.chunk", "chunk_gla_bwd_dqkg")
-_fwd_o = fla_function("fla.ops.common.chunk_o", "chunk_fwd_o")
-_bwd_dqkwg = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dqkwg")
-_bwd_dv = fla_function("fla.ops.common.chunk_o", "chunk_bwd_dv")
-
-
 def _forward(ctx, q: T, k: T, v: T, g: T, h0: T, wave: Wave, scale: float, per_channel: bool) -> tuple[T, T, T]:
     """fla's chunk_gla_fwd / chunk_simple_gla_fwd, keeping the fp32 chunk states it would drop."""
-    from fla.ops.utils.constant import RCP_LN2  # fla's kernels take log2 gates (exp2)
 
     cu = wave.cu_seqlens
-    idx = _prepare_chunk_indices(cu, BT, cu_seqlens_cpu=wave.cu_seqlens_cpu)
+    idx = fla.prepare_chunk_indices(cu, BT, cu_seqlens_cpu=wave.cu_seqlens_cpu)
     common = {"cu_seqlens": cu, "chunk_size": BT}
-    gc = _local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=idx)  # [1, T, H(, K)] log2, fp32
+    gc = fla.chunk_local_cumsum(
+        g, BT, scale=fla.RCP_LN2.get(), cu_seqlens=cu, chunk_indices=idx
+    )  # [1, T, H(, K)] log2, fp32
     gate = {"gk": gc} if per_channel else {"g": gc}
     h, ht = STATE_KERNELS["fwd_h"](k=k, v=v, **gate, h0=h0, output_final_state=True, states_in_fp32=True, **common)
     hk = h.to(k.dtype)  # [1, NT, H, K, V]: fla's forward keeps h in k's dtype for the output
     if per_channel:
-        A = _gla_fwd_intra(q=q, k=k, g=gc, scale=scale, chunk_indices=idx, **common)
-        o = _gla_fwd_o(q=q, v=v, g=gc, A=A, h=hk, scale=scale, chunk_indices=idx, **common)
+        A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=gc, scale=scale, chunk_indices=idx, **common)
+        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=gc, A=A, h=hk, scale=scale, chunk_indices=idx, **common)
     else:
         A = None
-        o = _fwd_o(q=q, k=k, v=v, h=hk, g=gc, scale=scale, chunk_indices=idx, **common)
+        o = fla.chunk_fwd_o(q=q, k=k, v=v, h=hk, g=gc, scale=scale, chunk_indices=idx, **common)
     ctx.save_for_backward(q, k, v, gc, h0, A, idx)
     ctx.wave, ctx.scale, ctx.per_channel, ctx.g_dtype = wave, scale, per_channel, g.dtype
     return o, h[0], ht
@@ -117,16 +105,18 @@ def _backward(ctx, do: T | None, dh_ext: T | None, dht: T | None) -> tuple[T, T,
     if dh_ext is not None:
         inject_state_grads(dh[0], dh0, dh_ext, gc[0], wave.steps)
     if ctx.per_channel:
-        dv = _gla_bwd_dv(k=k, g=gc, A=A, do=do, dh=dh, chunk_indices=idx, **common)
-        dA = _gla_bwd_dA(v=v, do=do, scale=scale, chunk_indices=idx, **common)
-        dq, dk = _gla_bwd_dqk_intra(q=q, k=k, g=gc, dA=dA, chunk_indices=idx, **common)
-        dq, dk, dg = _gla_bwd_dqkg(
+        dv = fla.chunk_gla_bwd_dv(k=k, g=gc, A=A, do=do, dh=dh, chunk_indices=idx, **common)
+        dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_indices=idx, **common)
+        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gc, dA=dA, chunk_indices=idx, **common)
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg(
             q=q, k=k, v=v, h=h, g=gc, do=do, dh=dh, dq=dq, dk=dk, scale=scale, chunk_indices=idx, **common
         )
     else:
-        dq, dk, _, dg = _bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common)
-        dv = _bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common)
-        dg = _local_cumsum(dg, BT, reverse=True, cu_seqlens=wave.cu_seqlens, chunk_indices=idx)
+        dq, dk, _, dg = fla.chunk_bwd_dqkwg(
+            q=q, k=k, v=v, do=do, h=h, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common
+        )
+        dv = fla.chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=scale, chunk_indices=idx, **common)
+        dg = fla.chunk_local_cumsum(dg, BT, reverse=True, cu_seqlens=wave.cu_seqlens, chunk_indices=idx)
     return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), dh0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import fla_function
+from . import _compat as fla
 from .waves import Wave
 
 __all__ = ["SEGMENT_OPS", "FlaChunkOp"]
@@ -29,12 +29,11 @@ class FlaChunkOp:
     """One of fla's public chunk ops as a segment kernel (``driver.py`` signature).
 
     Args:
-        module, name: where the op lives (``fla.ops.gla``, ``chunk_gla``).
+        op: the op (``_compat.chunk_gla``).
         delta_rule: the op takes ``beta`` and fla's in-kernel q/k l2norm (GDN, KDA).
     """
 
-    module: str
-    name: str
+    op: fla.FlaName
     delta_rule: bool
 
     def __call__(
@@ -42,9 +41,8 @@ class FlaChunkOp:
     ) -> tuple[T, None, T]:
         if chunks:
             raise ValueError("fla's public chunk ops return no per-chunk states: use the cut layout")
-        op = fla_function(self.module, self.name)
         delta = {"beta": beta, "use_qk_l2norm_in_kernel": l2} if self.delta_rule else {}
-        o, ht = op(
+        o, ht = self.op(
             q=q,
             k=k,
             v=v,
@@ -61,8 +59,8 @@ class FlaChunkOp:
 
 # kind -> segment kernel; tests swap entries for fla's naive references (no GPU).
 SEGMENT_OPS = {
-    "gated_delta": FlaChunkOp("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", delta_rule=True),
-    "kda": FlaChunkOp("fla.ops.kda", "chunk_kda", delta_rule=True),
-    "gla": FlaChunkOp("fla.ops.gla", "chunk_gla", delta_rule=False),
-    "simple_gla": FlaChunkOp("fla.ops.simple_gla", "chunk_simple_gla", delta_rule=False),
+    "gated_delta": FlaChunkOp(fla.chunk_gated_delta_rule, delta_rule=True),
+    "kda": FlaChunkOp(fla.chunk_kda, delta_rule=True),
+    "gla": FlaChunkOp(fla.chunk_gla, delta_rule=False),
+    "simple_gla": FlaChunkOp(fla.chunk_simple_gla, delta_rule=False),
 }
