@@ -15,6 +15,7 @@ import torch
 import transformers as tf
 
 from ..chunking import CHUNK_SIZE
+from ..modeling import _compat
 
 __all__ = ["BENCH_FAMILIES", "SIZES", "Arch", "BenchModel", "ModelSize", "build_model"]
 
@@ -259,7 +260,7 @@ def build_model(
         if key in kwargs:
             kwargs["num_hidden_layers"] = len(kwargs[key])
     config = getattr(tf, spec.config)(**kwargs)
-    config._attn_implementation = attn
+    _compat.set_attention_name(config, attn)
     torch.manual_seed(seed)
     model = getattr(tf, spec.model)(config).to(dtype)
     return BenchModel(family, model.eval(), spec.arch(config))

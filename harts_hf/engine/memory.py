@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..forest import RolloutForest
+from ..modeling import _compat
 from ..modeling.adapters import FamilyAdapter
 from ..modeling.logprobs import model_head, stochastic_parts
 from ..modeling.registry import patched_adapter
@@ -90,7 +90,7 @@ def chain(hf: nn.Module, n: int) -> RolloutForest:
 
 def decoder_layers(hf: nn.Module) -> list[tuple[str, nn.Module]]:
     """(kind, module) of every decoder layer in order; the kind is ``config.layer_types``' entry."""
-    layers = [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = _compat.decoder_layer_modules(hf)
     kinds = getattr(hf.config, "layer_types", None)
     kinds = list(kinds) if kinds is not None and len(kinds) == len(layers) else ["layer"] * len(layers)
     return list(zip(kinds, layers))

@@ -20,17 +20,21 @@ from peft import PeftModel
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
     "CHECKED_TRANSFORMERS",
+    "PRIVATE_NAMES",
     "accelerate_hooks",
     "attention_function",
     "attention_name",
     "check_version",
+    "decoder_layer_modules",
     "family_name",
     "forward_source",
     "hf_model",
+    "is_quantized",
     "load_balancing_loss",
     "mask_function",
     "model_class",
@@ -39,6 +43,7 @@ __all__ = [
     "parameters",
     "placeholder_mask",
     "register_attention",
+    "set_attention_name",
     "set_attention",
     "source",
 ]
@@ -46,6 +51,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHECKED_TRANSFORMERS = "5.23"
+
+PRIVATE_NAMES = (
+    "transformers.integrations.accelerate.force_accelerate_hooks",
+    "transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS",
+    "transformers.masking_utils.AttentionMaskInterface",
+    "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS",
+    "transformers.modeling_layers.GradientCheckpointingLayer",
+    "transformers.PretrainedConfig._attn_implementation",
+)
+"""The transformers internals these shims read (a test resolves each); a family's modeling module
+and mixer sources are checked per family by its adapter (``adapters.py``)."""
 
 
 def accelerate_hooks(children: list[str]) -> Callable[[Callable], Callable]:
@@ -147,6 +163,22 @@ def set_attention(model: PreTrainedModel, name: str) -> None:
 
 def attention_name(model: PreTrainedModel) -> str:
     return model.config._attn_implementation
+
+
+def set_attention_name(config: transformers.PretrainedConfig, name: str) -> None:
+    """Set attention implementation ``name`` on a config before its model is built."""
+    config._attn_implementation = name
+
+
+def is_quantized(config: transformers.PretrainedConfig) -> bool:
+    """transformers' own test in the mixers (``hasattr(config, "_is_quantized")``): a quantizer loaded the weights."""
+    return hasattr(config, "_is_quantized")
+
+
+def decoder_layer_modules(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer of ``model`` in order: transformers' decoder layers subclass
+    ``GradientCheckpointingLayer`` (the unit its gradient checkpointing wraps)."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def placeholder_mask(device: torch.device) -> torch.Tensor:

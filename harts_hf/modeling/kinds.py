@@ -216,7 +216,7 @@ def _selective_scan(
 
 def _jamba_time_step(layer: torch.nn.Module, time_step: torch.Tensor) -> torch.Tensor:
     """[N, R] -> [N, I] raw dt, both of the mixer's branches (a quantized dt_proj is called as a module)."""
-    if hasattr(layer.config, "_is_quantized"):
+    if _compat.is_quantized(layer.config):
         return layer.dt_proj(time_step) - layer.dt_proj.bias
     return (layer.dt_proj.weight @ time_step.t()).t()
 

@@ -16,7 +16,9 @@
    (:func:`entropy_bonus_enabled`) and through the router logits for the aux loss
    (``aux_loss_enabled``; the HARTS step returns each microbatch's, ``HARTSStep.aux_loss``);
    ``RLOOTrainer._compute_loss`` reads the same seam (no entropy bonus).
-5. ``SFTTrainer.compute_loss`` reads ``model(**inputs, fused_lm_head=True)``'s per-token fields
+5. TRL's trainers keep their metric lists in ``_metrics`` and the router aux-loss switch in
+   ``aux_loss_enabled`` (:func:`metrics`, :func:`router_loss_enabled`).
+6. ``SFTTrainer.compute_loss`` reads ``model(**inputs, fused_lm_head=True)``'s per-token fields
    (``add_fused_lm_head``'s ``FusedCausalLMOutput``): :func:`add_tree_fused_head` answers that call.
 """
 
@@ -29,16 +31,22 @@ from typing import Any
 
 import torch
 import trl
+from trl.trainer.utils import FusedCausalLMOutput  # the fused head's output type (fused.py)
 
 from ..modeling import tree_forward
 
 __all__ = [
     "CHECKED_TRL",
+    "TRAINER_ATTRIBUTES",
     "FOREST_KWARG",
+    "FusedCausalLMOutput",
     "add_step_time",
     "add_tree_forward",
     "add_tree_fused_head",
+    "buffered_block",
     "entropy_bonus_enabled",
+    "metrics",
+    "router_loss_enabled",
 ]
 
 CHECKED_TRL = "1.16.0"
@@ -46,6 +54,16 @@ FOREST_KWARG = "harts_forest"
 
 if not trl.__version__.startswith("1.16."):
     raise ImportError(f"harts_hf.trainers overrides private seams of trl {CHECKED_TRL}; found trl {trl.__version__}")
+
+_ROLLOUT_STATE = ("_buffered_inputs", "_step", "_metrics", "aux_loss_enabled", "_current_train_step_time")
+TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "GRPOTrainer": (*_ROLLOUT_STATE, "_entropy_bonus_enabled"),
+    "RLOOTrainer": _ROLLOUT_STATE,
+    "SFTTrainer": ("_metrics", "aux_loss_enabled"),
+    "DPOTrainer": ("_metrics", "aux_loss_enabled"),
+}
+"""The private state of TRL's trainers the HARTS trainers read (a test checks each trainer still
+sets it), besides the seams above."""
 
 
 def add_tree_forward(model: torch.nn.Module) -> None:
@@ -90,6 +108,27 @@ def add_step_time(trainer, seconds: float) -> None:
         trainer._metrics["train"]["step_time"][-1] += seconds
     else:
         trainer._current_train_step_time += seconds
+
+
+def buffered_block(trainer, inputs: dict, length: Callable[[int, int, int], int]) -> list[dict]:
+    """The microbatches of ``inputs``' optimizer step that TRL's generation buffer holds from it on
+    (``_buffered_inputs[_step % steps_per_generation]`` is ``inputs``; ``length(step, accumulation,
+    steps_per_generation)`` of them), or ``[inputs]`` when TRL did not hand it out of the buffer."""
+    spg, step, buffer = trainer.args.steps_per_generation, trainer._step, trainer._buffered_inputs
+    k = step % spg
+    if buffer is None or buffer[k] is not inputs:
+        return [inputs]
+    return buffer[k : k + length(step, trainer.current_gradient_accumulation_steps, spg)]
+
+
+def metrics(trainer, mode: str = "train") -> dict[str, list[float]]:
+    """TRL's per-mode metric lists (``_metrics[mode]``), averaged into each logged line."""
+    return trainer._metrics[mode]
+
+
+def router_loss_enabled(trainer) -> bool:
+    """Whether TRL adds the MoE router's aux loss (``aux_loss_enabled``, set from the model config)."""
+    return trainer.aux_loss_enabled
 
 
 def entropy_bonus_enabled(trainer) -> bool:

@@ -28,7 +28,7 @@ class HARTSTrainerMixin:
     @staticmethod
     def _default_args(model, config_class: type, kind: str) -> HARTSArguments:
         """TRL's default config for ``model`` when none is given: ``<name>-HARTS-<kind>`` as the output dir."""
-        name = model if isinstance(model, str) else model.config._name_or_path or "model"
+        name = model if isinstance(model, str) else model.config.name_or_path or "model"
         return config_class(f"{name.split('/')[-1]}-HARTS-{kind}")
 
     @property

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from accelerate.utils import is_peft_model
 from transformers.utils import logging
-from trl.trainer.utils import FusedCausalLMOutput
 
 from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import tree_forward
 from ..planner import Plan
-from ._compat import add_tree_fused_head
+from ._compat import FusedCausalLMOutput, add_tree_fused_head
+from ._compat import metrics as trl_metrics
 from .base import HARTSTrainerMixin
 from .rows import rows_forest, to_shifted_layout
 
@@ -136,8 +136,9 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         if ordered / random > 1.2:
             logger.warning(
                 f"{type(self).__name__}: TRL's random sampler shares {random:.2f}x per microbatch where this data in "
-                f"order shares {ordered:.2f}x (measured on {count} samples): each step computes {ordered / random:.2f}x "
-                "the tokens; set train_sampling_strategy='sequential' to keep a conversation's samples together"
+                f"order shares {ordered:.2f}x (measured on {count} samples): each step computes "
+                f"{ordered / random:.2f}x the tokens; set train_sampling_strategy='sequential' to keep a "
+                "conversation's samples together"
             )
 
     def _fused_on_forest(
@@ -184,7 +185,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         output = super().training_step(model, inputs, num_items_in_batch)
         if self._passes:
             tokens, compact, slots = (float(sum(column)) for column in zip(*self._passes))
-            metrics = self._metrics["train"]
+            metrics = trl_metrics(self)
             metrics["harts/compression"].append(tokens / compact)
             metrics["harts/trajectory_tokens"].append(tokens)
             metrics["harts/compact_tokens"].append(compact)

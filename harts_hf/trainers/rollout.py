@@ -29,7 +29,8 @@ import torch
 from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..planner import Plan
-from ._compat import FOREST_KWARG, add_step_time
+from ._compat import FOREST_KWARG, add_step_time, buffered_block, router_loss_enabled
+from ._compat import metrics as trl_metrics
 from .base import HARTSTrainerMixin
 from .rows import rows_forest, to_completion_layout
 from .step import HARTSStep, block_length
@@ -119,13 +120,10 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         step = self._harts_step
         j = step.index(inputs) if step is not None else None
         if j is None:
-            spg = self.args.steps_per_generation
-            k, n = self._step % spg, block_length(self._step, self.current_gradient_accumulation_steps, spg)
-            buffer = self._buffered_inputs
-            block = buffer[k : k + n] if buffer is not None and buffer[k] is inputs else [inputs]
+            block = buffered_block(self, inputs, block_length)
             options = self._plan_options()
             step = self._harts_step = HARTSStep(
-                self, model, block, options, entropy_grad=self._entropy_grad(), router=self.aux_loss_enabled
+                self, model, block, options, entropy_grad=self._entropy_grad(), router=router_loss_enabled(self)
             )
             j = 0
         self._served = j
@@ -144,7 +142,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
 
     def _record_train_pass(self, forest: RolloutForest, p: Plan, seconds: float) -> None:
         """This microbatch's forest and its plan, for the step's metrics (``training_step``)."""
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics = trl_metrics(self, "train" if self.model.training else "eval")
         metrics["harts/rounds"].append(float(p.rounds.sum()))
         metrics["harts/microbatches"].append(float(p.num_slots))
         self._pass = (forest.num_trajectory_tokens, forest.num_compact_tokens, seconds, p.step_seconds)
@@ -165,7 +163,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         self._pass = (0, 0, 0.0, 0.0)
         start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
-        metrics = self._metrics["train"]
+        metrics = trl_metrics(self)
         step = self._harts_step
         if step is not None and (self._served == len(step.microbatches) - 1 or self.accelerator.sync_gradients):
             step.backward()
@@ -197,7 +195,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         tokens, compact, seconds, predicted = stats.unbind(1)
         if compact.sum() == 0:
             return
-        metrics = self._metrics["train"]
+        metrics = trl_metrics(self)
         metrics["harts/compression"].append(float(tokens.sum() / compact.sum()))
         metrics["harts/compact_tokens"].append(float(compact.sum()))
         metrics["harts/trajectory_tokens"].append(float(tokens.sum()))

@@ -54,7 +54,7 @@ def build_trainer(args: ModelArguments, training_args: TrainingArguments) -> Tra
             # TRL builds the reference by reloading the policy from its path: give the in-code model one.
             reference = Path(training_args.output_dir) / "reference-model"
             model.save_pretrained(reference)
-            model.config._name_or_path = str(reference)
+            model.config.name_or_path = str(reference)
         trainer = recipe.trainer(
             model=model,
             args=training_args,
