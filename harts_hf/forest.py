@@ -18,19 +18,9 @@ from hashlib import blake2b
 
 import numpy as np
 
-__all__ = ["RolloutForest", "chain_starts", "sorted_unique", "tree_levels", "trie_order"]
+from .trees import chain_starts, tree_levels
 
-
-def tree_levels(parent: np.ndarray) -> np.ndarray:
-    """Depth of every element of a forest given by ``parent`` (-1 at roots: depth 0), by pointer
-    jumping (list ranking): O(n log height), no per-element loop."""
-    level = (parent >= 0).astype(np.int64)
-    jump = parent.copy()
-    while (active := jump >= 0).any():
-        up = jump[active]
-        level[active] += level[up]
-        jump[active] = jump[up]
-    return level
+__all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 
 
 def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
@@ -45,13 +35,6 @@ def sorted_unique(x: np.ndarray) -> np.ndarray:
     (a plan's compact indices: ranges in DFS order)."""
     x = np.asarray(x, dtype=np.int64)
     return x if x.size < 2 or bool((x[1:] > x[:-1]).all()) else np.unique(x)
-
-
-def chain_starts(prev: np.ndarray) -> np.ndarray:
-    """[N] whether each token (``prev``: its parent, -1 at a root) starts a chain, the maximal
-    unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
-    children = np.bincount(prev[prev >= 0], minlength=prev.size)
-    return (prev < 0) | (children[np.maximum(prev, 0)] != 1)
 
 
 def _as_ids(seq, i: int) -> np.ndarray:

@@ -12,7 +12,8 @@ from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.node_parts import node_parts_of, round_counts
+from harts_hf.planner.node_parts import node_parts_of
+from harts_hf.trees import min_rounds
 
 COST = CostModel(token=1.5, pair=0.25, round=0.0, microbatch=0.0)
 
@@ -77,7 +78,7 @@ def test_common_prefix_of_trajectories(forests, rng):
 @pytest.mark.parametrize("build", nasty_tree_params())
 def test_rounds_of_whole_forests_match_ops(build, rng):
     forest = RolloutForest.from_sequences(build(rng))
-    assert round_counts(forest.node_parent).max() == build_rounds(TreeBatch.from_forest(forest), 64).num_rounds
+    assert min_rounds(forest.node_parent)[0].max() == build_rounds(TreeBatch.from_forest(forest), 64).num_rounds
 
 
 @pytest.mark.parametrize("build", nasty_tree_params())

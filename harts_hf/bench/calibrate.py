@@ -17,8 +17,8 @@ import torch
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
 from ..planner.cost import CostModel, fit_cost_model
-from ..planner.node_parts import round_counts
 from ..planner.report import legend
+from ..trees import min_rounds
 from ..workloads import caterpillar, deep_chain, grpo_group, random_tree
 
 __all__ = ["calibrate", "calibration_forests", "forest_features", "format_cost_model"]
@@ -35,7 +35,7 @@ FEATURE_MEANINGS = {
 def forest_features(forest: RolloutForest) -> np.ndarray:
     """[4] the cost model's features of ``forest`` run whole as one microbatch."""
     pairs = float((forest.position + 1).sum())
-    rounds = float(round_counts(forest.node_parent).max())
+    rounds = float(min_rounds(forest.node_parent)[0].max())
     return np.array([forest.num_compact_tokens, pairs, rounds, 1.0])
 
 

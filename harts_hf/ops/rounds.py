@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..forest import chain_starts, tree_levels
+from ..trees import chain_starts, min_rounds, tree_levels
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -219,20 +219,10 @@ def _nodes(local_prev: np.ndarray, position: np.ndarray):
 def _decompose(node_parent: np.ndarray, end_depth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(path head node, round) of every node under the min-rounds choice of continued child."""
     m = node_parent.size
+    r, deep = min_rounds(node_parent, end_depth)
     level = tree_levels(node_parent)
     by_level = np.argsort(level, kind="stable")
     bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
-    r = np.ones(m, dtype=np.int64)
-    best = np.zeros(m, dtype=np.int64)  # largest child round count
-    ties = np.zeros(m, dtype=np.int64)  # children reaching it
-    deep = end_depth.copy()  # deepest token of the subtree: tie-break, keeps long trunks in one path
-    for lvl in range(level.max(), 0, -1):
-        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
-        par = node_parent[ch]
-        np.maximum.at(best, par, r[ch])
-        np.add.at(ties, par, r[ch] == best[par])
-        r[par] = np.where(ties[par] >= 2, best[par] + 1, best[par])
-        np.maximum.at(deep, par, deep[ch])
     # c* per parent: largest r, then deepest subtree, then first in DFS order.
     child = np.flatnonzero(node_parent >= 0)
     order = np.lexsort((child, -deep[child], -r[child], node_parent[child]))

@@ -16,31 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..forest import tree_levels
+from ..trees import min_rounds
 from .geometry import Geometry
 
-__all__ = ["NodeParts", "node_parts_of", "round_counts"]
-
-
-def round_counts(parent: np.ndarray) -> np.ndarray:
-    """[Q] min-rounds count of the subtree under every element of a forest (``parent``, -1 at
-    roots): one vectorised step per level."""
-    q = parent.size
-    r = np.ones(q, dtype=np.int64)
-    if not q:
-        return r
-    level = tree_levels(parent)
-    by_level = np.argsort(level, kind="stable")
-    bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
-    best = np.zeros(q, dtype=np.int64)
-    ties = np.zeros(q, dtype=np.int64)
-    for lvl in range(int(level.max()), 0, -1):
-        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
-        par = parent[ch]
-        np.maximum.at(best, par, r[ch])
-        np.add.at(ties, par, r[ch] == best[par])
-        r[par] = np.where(ties[par] >= 2, best[par] + 1, best[par])
-    return r
+__all__ = ["NodeParts", "node_parts_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +70,7 @@ def node_parts_of(geo: Geometry, mb: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     piece, v, s_lo, s_hi, s_mb, pt, key = (a[order] for a in (piece, v, s_lo, s_hi, s_mb, pt, key))
     parent = find_in(key, s_mb * stride + s_hi, s_mb * stride + pt)
     parent = np.where(pt >= 0, parent, -1)
-    r = round_counts(parent)
+    r, _ = min_rounds(parent)
     rounds = np.zeros(num_mb, dtype=np.int64)
     np.maximum.at(rounds, s_mb, r)
     return NodeParts(piece, s_mb, s_lo, s_hi, parent, pt, rounds)
