@@ -198,7 +198,7 @@ def test_the_step_time_config_is_the_grpo_recipe_on_the_default_model_under_a_sm
     assert "train-compare" in ModelCard.load(directory / "README.md").text
 
 
-def test_a_stopped_run_resumes_where_it_stopped(tmp_path):
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path, capsys):
     """``--resume_from_checkpoint true`` (TRL's flag, as TRL's scripts take it): steps 3-4 after a stop
     at step 2 end with the parameters of the run that went straight through, through ``harts-hf
     train`` and through the recipe script's ``launch``."""
@@ -211,6 +211,9 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path):
     assert main(["train", "--trainer", "sft", *run, "--output_dir", str(tmp_path / "straight")]) == 0
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "stopped" / "checkpoint-2")
     launch("sft", [*run, "--output_dir", str(tmp_path / "stopped"), "--resume_from_checkpoint", "true"])
+    console = capsys.readouterr()
+    assert "done: 4 steps" in console.out and "done: 2 steps (3-4, resumed after step 2)" in console.out
+    assert "Writing model shards" not in console.out + console.err
     straight, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("straight", "stopped"))
     assert all(torch.equal(straight[key], resumed[key]) for key in straight)
     first = load_file(tmp_path / "straight" / "checkpoint-2" / "model.safetensors")

@@ -31,6 +31,7 @@ class StepLine(TrainerCallback):
     arguments."""
 
     bar = None
+    first_step = 0
 
     def __init__(self, title: str = "", method: str = "GRPO") -> None:
         self.title, self.method = title, method
@@ -38,6 +39,7 @@ class StepLine(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
+        self.first_step = state.global_step  # past 0 when resumed from a checkpoint
         harts = getattr(args, "harts_enable", False)
         loss = getattr(args, "loss_type", None)  # RLOO has none, DPO a list
         what = f"{'HARTS' if harts else 'stock'} {self.method}" + (f" (loss {_names(loss)})" if loss else "")
@@ -87,9 +89,11 @@ class StepLine(TrainerCallback):
         if self.bar is None:
             return
         self.bar.close()
-        logs = [h for h in state.log_history if "loss" in h]
+        logs = [h for h in state.log_history if "loss" in h and h.get("step", 0) > self.first_step]
         rewards = [h["reward"] for h in logs if "reward" in h]
-        parts = [f"done: {state.global_step} steps"]
+        parts = [f"done: {state.global_step - self.first_step} steps"]
+        if self.first_step:  # a resumed run: its own steps, not the restored history's
+            parts[0] += f" ({self.first_step + 1}-{state.global_step}, resumed after step {self.first_step})"
         runtime = next((h["train_runtime"] for h in reversed(state.log_history) if "train_runtime" in h), None)
         if runtime is not None:
             parts[0] += f" in {runtime:.1f} s"

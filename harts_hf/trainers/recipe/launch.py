@@ -54,8 +54,8 @@ def train_recipe(script_args, training_args) -> None:
     """Build the recipe's trainer, train it (resuming where ``resume_from_checkpoint`` says), save
     the model, and end the distributed run cleanly."""
     trainer = build_trainer(script_args, training_args)
-    trainer.train(resume_from_checkpoint=resume_from(training_args.resume_from_checkpoint))
-    with no_progress_bars():  # saving one small checkpoint needs no bar
+    with no_progress_bars():  # saving small checkpoints (during training too) needs no bar
+        trainer.train(resume_from_checkpoint=resume_from(training_args.resume_from_checkpoint))
         trainer.save_model(training_args.output_dir)
     del trainer  # its DDP wrapper holds the process group, which end_distributed frees
     end_distributed()
