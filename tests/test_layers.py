@@ -1,6 +1,6 @@
 """The house's floors, read from the source (every import, module-level or inside a function).
 
-Arrows point one way (STYLE.md): forest <- ops / planner <- schedule <- modeling <- engine <- bench
+Arrows point one way (STYLE.md): trees <- forest <- ops / planner <- schedule <- modeling <- engine <- bench
 <- trainers <- cli, the planner is a pure function of forests (no torch, no model code), the kernel layer holds
 kernels only (benchmarks and reports live in ``bench/``), and no module imports itself back through
 a cycle.
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "harts_hf"
-BASE = {"checks", "chunking", "forest"}
+BASE = {"checks", "chunking", "trees", "forest"}
 MAY_IMPORT = {  # top-level part of harts_hf -> the parts it may import (besides itself)
     "checks": set(),
     "chunking": set(),
-    "forest": {"checks"},
+    "trees": set(),
+    "forest": {"checks", "trees"},
     "ops": BASE,
     "workloads": BASE,
     "planner": BASE,
