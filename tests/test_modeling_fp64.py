@@ -13,9 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from test_engine import assert_same, engine_run, per_token_loss
-from tiny_models import FAMILIES, family_forest, loss_weights, max_diffs, oracle_run, tiny_model, tree_run
+from tiny_models import (
+    FAMILIES,
+    family_forest,
+    keep_float64,
+    loss_weights,
+    max_diffs,
+    oracle_run,
+    tiny_model,
+    tree_run,
+)
 
 from harts_hf import RolloutForest, patch_model, plan
 
@@ -23,28 +31,9 @@ TOL = 1e-11  # float64 rounding: measured diffs are 1e-15 to 1e-14
 
 
 @pytest.fixture
-def float64_everywhere(monkeypatch):
-    """Casts to float32 keep float64 tensors as they are; new tensors default to float64."""
-
-    def keeps(x: torch.Tensor, dtype) -> bool:
-        return x.dtype == torch.float64 and dtype is torch.float32
-
-    to, as_type, softmax = torch.Tensor.to, torch.Tensor.type, F.softmax
-
-    def to_keeping(x, *a, **k):
-        return x if keeps(x, a[0] if a else k.get("dtype")) else to(x, *a, **k)
-
-    def softmax_keeping(x, *a, dtype=None, **k):
-        return softmax(x, *a, dtype=None if keeps(x, dtype) else dtype, **k)
-
-    monkeypatch.setattr(torch.Tensor, "to", to_keeping)
-    monkeypatch.setattr(torch.Tensor, "type", lambda x, *a, **k: x if a and keeps(x, a[0]) else as_type(x, *a, **k))
-    monkeypatch.setattr(torch.Tensor, "float", lambda x, *a, **k: x.to(torch.float32, *a, **k))
-    monkeypatch.setattr(F, "softmax", softmax_keeping)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(default)
+def float64_everywhere():
+    with keep_float64():
+        yield
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

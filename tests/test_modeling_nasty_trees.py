@@ -1,7 +1,7 @@
 """Every nasty tree of the kernel tests through whole models, one family per layer kind: GDN +
 conv + gated attention (qwen3_5), KDA + MLA (kimi_linear), Mamba2 SSD (nemotron_h), short conv
-(lfm2), sliding-window + softcapped eager attention (gemma2), Mamba v1 (jamba). fp32 log-probs and
-gradients equal the trajectory-wise run."""
+(lfm2), sliding-window + softcapped eager attention (gemma2), Mamba v1 (jamba; mamba, whose block and
+model forwards harts-hf re-states). fp32 log-probs and gradients equal the trajectory-wise run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from trees import NASTY_TREES
 from harts_hf.forest import RolloutForest
 from harts_hf.modeling import patch_model
 
-REPRESENTATIVES = ["qwen3_5", "kimi_linear", "nemotron_h", "lfm2", "gemma2", "jamba"]
+REPRESENTATIVES = ["qwen3_5", "kimi_linear", "nemotron_h", "lfm2", "gemma2", "jamba", "mamba"]
 LOGPROB_TOL = 2e-5
 GRAD_TOL = 2e-5
 

@@ -203,6 +203,31 @@ def test_drifted_restated_code_is_refused(family, owner, name, replacement, monk
     assert not is_patched(model)
 
 
+@pytest.mark.parametrize("family, mixer", [("jamba", "JambaMambaMixer"), ("mamba", "MambaMixer")])
+def test_restated_decoder_layers_keep_gradient_checkpointing(family, mixer):
+    """A decoder layer whose forward harts-hf replaces (it drops the tree kwarg) still recomputes in
+    backward under gradient checkpointing, with and without a tree, as the unpatched layer does."""
+    model = tiny_model(family)
+    model.gradient_checkpointing_enable()
+    model.train()
+    layer = next(m for m in model.modules() if type(m).__name__ == mixer)
+    runs = []
+    layer.in_proj.register_forward_hook(lambda *_: runs.append(1))
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    forest = RolloutForest.from_sequences(family_forest(np.random.default_rng(0), small=True))
+
+    def count(run) -> int:
+        runs.clear()
+        run().sum().backward()
+        return len(runs)
+
+    assert count(lambda: model(input_ids=ids, use_cache=False).logits) == 2
+    patch_model(model)
+    tree_logprobs(model, forest)  # the one-off no-grad probe of the tree tables
+    assert count(lambda: tree_logprobs(model, forest)) == 2
+    assert count(lambda: model(input_ids=ids, use_cache=False).logits) == 2
+
+
 def test_unknown_layer_kind_is_refused():
     model = tiny_model("qwen3")
     model.config.layer_types = ["full_attention", "chunked_attention", "full_attention"]

@@ -7,11 +7,15 @@ cross several chunk boundaries; GDN/KDA keep transformers' fixed 64-token chunk.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 
 from harts_hf.forest import RolloutForest
@@ -24,6 +28,7 @@ __all__ = [
     "as_layout",
     "family_forest",
     "in_vocab",
+    "keep_float64",
     "loss_weights",
     "max_diffs",
     "oracle_run",
@@ -59,6 +64,7 @@ _MLA = dict(
 )
 EXPERTS = 4
 _MOE = dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
+_MAMBA_V1 = dict(state_size=8, conv_kernel=4, time_step_rank=4)  # 48 channels (the shared intermediate size)
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
 
 # family -> (config class, model class, config kwargs beyond the shared ones)
@@ -108,6 +114,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(**_ATTN, layer_types=["conv", "full_attention", "conv"])),
+    "lfm3": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(**_ATTN, sliding_window=24, layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
+    ),
     "lfm2_moe": (
         "Lfm2MoeConfig",
         "Lfm2MoeForCausalLM",
@@ -170,6 +181,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             layers_block_type=["mamba", "hybrid", "mamba"],
         ),
     ),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(num_heads=8, head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16),
+    ),
+    "mamba": ("MambaConfig", "MambaForCausalLM", _MAMBA_V1),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", _MAMBA_V1),
     "minimax": (
         "MiniMaxConfig",
         "MiniMaxForCausalLM",
@@ -241,6 +259,36 @@ def tiny_model(
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     return model.eval()
+
+
+@contextlib.contextmanager
+def keep_float64() -> Iterator[None]:
+    """Casts to float32 keep float64 tensors as they are and new tensors default to float64, so that
+    every upcast in transformers' reference kernels and ours is the identity on a float64 model: the
+    oracle and the tree then both compute in float64 and any difference above ~1e-14 is a real one."""
+
+    def keeps(x: torch.Tensor, dtype) -> bool:
+        return x.dtype == torch.float64 and dtype is torch.float32
+
+    to, as_type, softmax = torch.Tensor.to, torch.Tensor.type, F.softmax
+
+    def to_keeping(x, *a, **k):
+        return x if keeps(x, a[0] if a else k.get("dtype")) else to(x, *a, **k)
+
+    def softmax_keeping(x, *a, dtype=None, **k):
+        return softmax(x, *a, dtype=None if keeps(x, dtype) else dtype, **k)
+
+    default = torch.get_default_dtype()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "to", to_keeping)
+        patch.setattr(torch.Tensor, "type", lambda x, *a, **k: x if a and keeps(x, a[0]) else as_type(x, *a, **k))
+        patch.setattr(torch.Tensor, "float", lambda x, *a, **k: x.to(torch.float32, *a, **k))
+        patch.setattr(F, "softmax", softmax_keeping)
+        torch.set_default_dtype(torch.float64)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
 
 
 @torch.no_grad()

@@ -71,6 +71,8 @@ def _linear_flops(arch: Arch) -> int:
         per_head = 2 * c * (3 * k + 2 * v) + 6 * k * v
     elif arch.linear_kind == "ssd":
         per_head = 2 * c * (k + v) + 4 * k * v
+    elif arch.linear_kind == "scan":  # per channel and token: discretise (dt A, dt B x), update, read out C h
+        per_head = 7 * k
     else:
         return 0
     return arch.linear_layers * arch.linear_heads * per_head

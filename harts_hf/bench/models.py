@@ -81,7 +81,8 @@ class Arch:
 
     Args:
         attention_layers, attention_heads, qk_dim, v_dim: full-attention layers and their heads.
-        linear_kind: "delta" (GDN, KDA), "ssd" (Mamba2) or None (conv-only or dense families).
+        linear_kind: "delta" (GDN, KDA), "ssd" (Mamba2), "scan" (Mamba v1's selective scan: one state of
+            ``key_dim`` per channel, ``linear_heads`` channels) or None (conv-only or dense families).
         linear_layers, linear_heads, key_dim, value_dim, chunk: the linear mixers (SSD: key_dim
             is the state size, value_dim the head dim).
         experts, top_k: routed experts (0 for dense MLPs).
@@ -161,6 +162,19 @@ def _nemotron(s: ModelSize) -> dict:
     )
 
 
+def _mamba2(s: ModelSize) -> dict:
+    # Mamba2's mixers are 2 x hidden wide: the heads follow from the head dim
+    return dict(
+        num_heads=2 * s.hidden // s.linear_head_dim, head_dim=s.linear_head_dim, n_groups=1,
+        state_size=s.linear_head_dim, conv_kernel=4, chunk_size=64,
+    )
+
+
+def _mamba(s: ModelSize) -> dict:
+    # Mamba v1: one mixer per layer, ``intermediate`` channels each with its own state
+    return dict(state_size=s.linear_head_dim, conv_kernel=4, time_step_rank=max(1, s.hidden // 16))
+
+
 def _count(config: tf.PretrainedConfig, kind: str) -> int:
     return list(config.layer_types).count(kind)
 
@@ -193,6 +207,16 @@ def _nemotron_arch(c: tf.PretrainedConfig) -> Arch:
     )
 
 
+def _mamba2_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(
+        0, 0, 0, 0, "ssd", _count(c, "linear_attention"), c.num_heads, c.state_size, c.head_dim, c.chunk_size
+    )
+
+
+def _mamba_arch(c: tf.PretrainedConfig) -> Arch:
+    return Arch(0, 0, 0, 0, "scan", c.num_hidden_layers, c.intermediate_size, c.state_size)
+
+
 def _dense_arch(c: tf.PretrainedConfig) -> Arch:
     return Arch(c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.head_dim)
 
@@ -218,6 +242,12 @@ BENCH_FAMILIES: dict[str, _Family] = {
     "lfm2": _Family(
         "Lfm2Config", "Lfm2ForCausalLM", lambda s: dict(**_attn(s), layer_types=_hybrid_types(s, "conv")), _lfm2_arch
     ),
+    "lfm3": _Family(  # full attention only: the FLOP count has no sliding-window term
+        "Lfm3Config", "Lfm3ForCausalLM", lambda s: dict(**_attn(s), layer_types=_hybrid_types(s, "conv")), _lfm2_arch
+    ),
+    "mamba2": _Family("Mamba2Config", "Mamba2ForCausalLM", _mamba2, _mamba2_arch),
+    "mamba": _Family("MambaConfig", "MambaForCausalLM", _mamba, _mamba_arch),
+    "falcon_mamba": _Family("FalconMambaConfig", "FalconMambaForCausalLM", _mamba, _mamba_arch),
     "llama": _Family("LlamaConfig", "LlamaForCausalLM", _attn, _dense_arch),
 }
 
@@ -260,7 +290,9 @@ def build_model(
         if key in kwargs:
             kwargs["num_hidden_layers"] = len(kwargs[key])
     config = getattr(tf, spec.config)(**kwargs)
-    _compat.set_attention_name(config, attn)
+    cls = getattr(tf, spec.model)
+    # a family without sdpa (Mamba2: no attention at all) takes "eager"
+    _compat.set_attention_name(config, attn if cls._supports_sdpa or attn != "sdpa" else "eager")
     torch.manual_seed(seed)
-    model = getattr(tf, spec.model)(config).to(dtype)
+    model = cls(config).to(dtype)
     return BenchModel(family, model.eval(), spec.arch(config))

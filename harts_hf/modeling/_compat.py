@@ -35,6 +35,7 @@ __all__ = [
     "forward_source",
     "hf_model",
     "is_quantized",
+    "keep_checkpointing",
     "load_balancing_loss",
     "mask_function",
     "model_class",
@@ -173,6 +174,20 @@ def set_attention_name(config: transformers.PretrainedConfig, name: str) -> None
 def is_quantized(config: transformers.PretrainedConfig) -> bool:
     """transformers' own test in the mixers (``hasattr(config, "_is_quantized")``): a quantizer loaded the weights."""
     return hasattr(config, "_is_quantized")
+
+
+def keep_checkpointing(owner: ModuleType | type, fn: Callable, replace: Callable[[Callable], Callable]) -> Callable:
+    """``replace(fn)`` as ``owner``'s attribute, keeping a decoder layer's gradient checkpointing.
+
+    ``GradientCheckpointingLayer.__init_subclass__`` wraps every decoder layer's ``forward`` in one that
+    checkpoints only while it is the class's own ``forward``: replaced whole, the layer would stop
+    checkpointing. So the layer's own forward (the wrapper's ``__wrapped__``) is replaced, and the same
+    hook, run on a throwaway subclass, puts a new checkpointing wrapper around it.
+    """
+    if not (isinstance(owner, type) and issubclass(owner, GradientCheckpointingLayer)):
+        return replace(fn)
+    inner = replace(fn.__wrapped__)
+    return vars(type(owner.__name__, (GradientCheckpointingLayer,), {"forward": inner}))["forward"]
 
 
 def decoder_layer_modules(model: nn.Module) -> list[nn.Module]:

@@ -44,6 +44,8 @@ class FamilyAdapter:
         layer_kinds: values ``config.layer_types`` may hold.
         logits: the CausalLM's post-processing of ``lm_head`` output, ``(model, logits) -> logits``.
         aux_loss: the CausalLM computes the module's ``load_balancing_loss_func``.
+        head_cast: the CausalLM casts the final hidden state to ``lm_head``'s dtype (the Mamba
+            families, whose residual stream stays in fp32).
     """
 
     family: str
@@ -55,6 +57,7 @@ class FamilyAdapter:
     layer_kinds: frozenset[str] = frozenset(HYBRID_MASKS)
     logits: Callable[[PreTrainedModel, torch.Tensor], torch.Tensor] | None = None
     aux_loss: bool = False
+    head_cast: bool = False
 
     def targets(self, module: ModuleType) -> list[tuple[ModuleType | type, str, str | None]]:
         """(owner, attribute, kernel kind) of every function the patch replaces; kind None: a mixer
@@ -146,6 +149,13 @@ def _hybrid(family: str, prefix: str, kernels: Mapping[str, str], mixer: str, **
     return FamilyAdapter(family, kernels, mixers=(prefix + mixer,), attention=(prefix + "Attention",), **kwargs)
 
 
+def _mamba_v1(family: str, prefix: str, mixer: str) -> FamilyAdapter:
+    """A pure Mamba v1 model: its model and block forwards drop the kwargs, so both are re-stated
+    to hand the tree to the mixer; no attention, no mask (the model builds none)."""
+    forwards = {f"{prefix}Mixer": mixer, f"{prefix}Block": "mamba_block", f"{prefix}Model": "mamba_model"}
+    return FamilyAdapter(family, mixer_forwards=forwards, mask_keys=None, head_cast=True)
+
+
 def _dense(family: str, prefix: str, **kwargs) -> FamilyAdapter:
     kwargs.setdefault("mask_keys", None)
     kwargs.setdefault("layer_kinds", frozenset({"full_attention"}))
@@ -164,6 +174,14 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         _hybrid("lfm2", "Lfm2", CONV, "ShortConv", **CONV_LAYERS),
         _hybrid("lfm2_moe", "Lfm2Moe", CONV, "ShortConv", **CONV_LAYERS),
         _hybrid(
+            "lfm3",
+            "Lfm3",
+            CONV,
+            "ShortConv",
+            mask_keys=("full_attention", "sliding_attention", "conv"),
+            layer_kinds=frozenset({"full_attention", "sliding_attention", "conv"}),
+        ),
+        _hybrid(
             "nemotron_h",
             "NemotronH",
             MAMBA2,
@@ -174,6 +192,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         _hybrid("granitemoehybrid", "GraniteMoeHybrid", MAMBA2, "MambaLayer", logits=_granite_scaling, aux_loss=True),
         _hybrid("bamba", "Bamba", MAMBA2, "Mixer"),
         _hybrid("zamba2", "Zamba2", MAMBA2, "MambaMixer", layer_kinds=frozenset({"hybrid", "linear_attention"})),
+        FamilyAdapter("mamba2", MAMBA2, mixers=("Mamba2Mixer",), mask_keys=None, head_cast=True),
+        _mamba_v1("mamba", "Mamba", "mamba_mixer"),
+        _mamba_v1("falcon_mamba", "FalconMamba", "normed_mamba_mixer"),
         FamilyAdapter(
             "minimax",
             mixer_forwards={"MiniMaxLightningAttention": "lightning_mixer"},
@@ -182,7 +203,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         ),
         FamilyAdapter(
             "jamba",
-            mixer_forwards={"JambaMambaMixer": "jamba_mixer", "JambaMambaDecoderLayer": "jamba_mamba_layer"},
+            mixer_forwards={"JambaMambaMixer": "normed_mamba_mixer", "JambaMambaDecoderLayer": "jamba_mamba_layer"},
             attention=("JambaAttention",),
             aux_loss=True,
         ),

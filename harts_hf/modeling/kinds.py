@@ -5,10 +5,11 @@ is wrapped once (``patch.py``); on a tree call the wrapper binds the call's argu
 original signature and hands them, by parameter name, to the kind's ``tree_call``. Every kind
 reshapes transformers' batch-of-one layout ([1, N, ...], conv: [1, D, N]) to the token-major
 layout of ``harts_hf.ops`` ([N, ...]) and back, so family code never sees trees. A mixer without
-a module-level kernel hook (MiniMax's lightning attention, Jamba's Mamba v1 mixer, whose selective
-scan gets no kwargs) has its ``forward`` wrapped the same way; its kind re-states the projections
-around the tree op and names the source lines it relies on. Jamba's Mamba decoder layer drops the
-forward kwargs, so its kind re-states the layer to hand the tree to the mixer.
+a module-level kernel hook (MiniMax's lightning attention, the Mamba v1 mixers of Jamba, Mamba and
+FalconMamba, whose selective scan gets no kwargs) has its ``forward`` wrapped the same way; its kind
+re-states the projections around the tree op and names the source lines it relies on. Layers and
+models that drop the forward kwargs (Jamba's Mamba decoder layer, Mamba's block and model) are
+re-stated the same way, to hand the tree down to the mixer.
 
 Legend: N compact tokens, D channels, W conv width, H heads, K key dim, V value dim,
 P mamba head dim, G groups, S state size, E hidden size, I Mamba v1 channels, R dt rank.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutput
 
 from ..chunking import CHUNK_SIZE
 from ..ops.conv import CONV_HALO_KEY, tree_causal_conv1d
@@ -214,36 +216,43 @@ def _selective_scan(
     return y
 
 
-def _jamba_time_step(layer: torch.nn.Module, time_step: torch.Tensor) -> torch.Tensor:
-    """[N, R] -> [N, I] raw dt, both of the mixer's branches (a quantized dt_proj is called as a module)."""
-    if _compat.is_quantized(layer.config):
+def _time_step(layer: torch.nn.Module, time_step: torch.Tensor, normed: bool) -> torch.Tensor:
+    """[N, R] -> [N, I] raw dt as the mixer computes it; the normed mixers call a quantized dt_proj as a module."""
+    if normed and _compat.is_quantized(layer.config):
         return layer.dt_proj(time_step) - layer.dt_proj.bias
     return (layer.dt_proj.weight @ time_step.t()).t()
 
 
-def _jamba_mixer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
-    """Jamba's ``JambaMambaMixer.forward`` (its selective scan gets no kwargs): the same projections
-    and norms, the conv and the scan on the tree, the same D skip, gate and output projection."""
-    _stateless(a, "cache_params")
-    return _jamba_mixer_tree(a["self"], batch, _single_row(a["hidden_states"], "hidden_states"))
+def _mamba_v1_mixer(normed: bool) -> Callable[[TreeBatch, Arguments], torch.Tensor]:
+    """A Mamba v1 mixer's ``forward`` (its selective scan gets no kwargs): the same projections, the
+    conv and the scan on the tree, the same D skip, gate and output projection. ``normed``: B, C and
+    dt pass the mixer's RMS norms first (Jamba, FalconMamba; plain Mamba has none)."""
+
+    def call(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+        _stateless(a, "cache_params")
+        return _mamba_v1_mixer_tree(a["self"], batch, _single_row(a["hidden_states"], "hidden_states"), normed)
+
+    return call
 
 
 @_compat.accelerate_hooks(["conv1d", "dt_proj"])  # the stock forward's: their weights are read directly
-def _jamba_mixer_tree(layer: torch.nn.Module, batch: TreeBatch, hidden: torch.Tensor) -> torch.Tensor:
-    """:func:`_jamba_mixer` on hidden [N, E] -> [1, N, E]."""
+def _mamba_v1_mixer_tree(layer: torch.nn.Module, batch: TreeBatch, hidden: torch.Tensor, normed: bool) -> torch.Tensor:
+    """:func:`_mamba_v1_mixer` on hidden [N, E] -> [1, N, E]."""
     x, gate = layer.in_proj(hidden).chunk(2, dim=-1)  # [N, I] each
     x = _tree_conv(batch, x, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
     time_step, B, C = torch.split(
         layer.x_proj(x), [layer.time_step_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1
     )  # [N, R], [N, S], [N, S]
+    if normed:
+        time_step, B, C = layer.dt_layernorm(time_step), layer.b_layernorm(B), layer.c_layernorm(C)
     bias = layer.dt_proj.bias.float() if layer.dt_proj.bias is not None else None
     y = _selective_scan(
         batch,
         x,
-        _jamba_time_step(layer, layer.dt_layernorm(time_step)),
+        _time_step(layer, time_step, normed),
         -torch.exp(layer.A_log.float()),
-        layer.b_layernorm(B),
-        layer.c_layernorm(C),
+        B,
+        C,
         layer.D.float(),
         gate,
         bias,
@@ -268,6 +277,31 @@ def _jamba_mamba_layer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     return residual + hidden_states
 
 
+def _mamba_block(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """Mamba's ``MambaBlock.forward``, which drops its kwargs: the same norm and (fp32) residual,
+    handing the tree to its mixer."""
+    block = a["self"]
+    residual = a["hidden_states"]  # [1, N, E]
+    hidden_states = block.norm(residual.to(dtype=block.norm.weight.dtype))
+    if block.residual_in_fp32:
+        residual = residual.to(torch.float32)
+    hidden_states = block.mixer(
+        hidden_states, cache_params=a["cache_params"], attention_mask=a["attention_mask"], **{TREE_KWARG: batch}
+    )
+    return residual + hidden_states
+
+
+def _mamba_model(batch: TreeBatch, a: Arguments) -> BaseModelOutput:
+    """Mamba's ``MambaModel.forward``, which drops its kwargs: the same embeddings, blocks and final
+    norm, handing the tree to every block."""
+    _stateless(a, "cache_params", "use_cache")
+    model = a["self"]
+    hidden_states = model.embeddings(a["input_ids"]) if a["inputs_embeds"] is None else a["inputs_embeds"]
+    for block in model.layers:
+        hidden_states = block(hidden_states, cache_params=None, attention_mask=None, **{TREE_KWARG: batch})
+    return BaseModelOutput(last_hidden_state=model.norm_f(hidden_states))
+
+
 def _no_fused_path(batch: TreeBatch, a: Arguments) -> None:
     """The fused mamba_ssm path: returning None sends the mixer down its unfused path."""
     return
@@ -283,6 +317,36 @@ _DELTA_PARAMS = (
     "initial_state",
     "output_final_state",
 )
+
+_MAMBA_V1_MIXER_PARAMS = ("self", "hidden_states", "cache_params", "attention_mask", "kwargs")
+_MAMBA_V1_MIXER_MARKERS = (
+    '@force_accelerate_hooks(["conv1d", "dt_proj"])',
+    "self.in_proj(hidden_states).transpose(1, 2)",
+    "A = -torch.exp(self.A_log.float())",
+    "hidden_states_B_C, gate = projected_states.chunk(2, dim=1)",
+    "self.conv1d.weight.squeeze(1)",
+    "activation=self.activation",
+    "self.x_proj(hidden_states_B_C)",
+    "[self.time_step_rank, self.ssm_state_size, self.ssm_state_size]",
+    "time_step = self.dt_proj.weight @ time_step.transpose(1, 2)",
+    "self.dt_proj.bias.float() if self.dt_proj.bias is not None else None",
+    "D=self.D.float()",
+    "z=gate",
+    "delta_bias=time_proj_bias",
+    "delta_softplus=True",
+    "self.out_proj(scan_output.transpose(1, 2).to(dtype))",
+)
+_MAMBA_V1_SCAN = {  # the selective scan the tree mixers re-state (``_selective_scan``)
+    "mamba_selective_scan": (
+        "dt = dt + delta_bias.to(dt.dtype)[..., None]",
+        "dt = F.softplus(dt)",
+        "torch.exp(A[None, :, None, :] * dt[:, :, :, None])",
+        "dt[:, :, :, None] * B[:, None, :, :].float()",
+        "discrete_B * hidden_states[:, :, :, None].float()",
+        "scan_output + hidden_states * D[None, :, None]",
+        "scan_output * F.silu(z)",
+    ),
+}
 
 KINDS: dict[str, KernelKind] = {
     kind.name: kind
@@ -330,42 +394,25 @@ KINDS: dict[str, KernelKind] = {
             ),
         ),
         KernelKind(
-            "jamba_mixer",
-            ("self", "hidden_states", "cache_params", "attention_mask", "kwargs"),
-            _jamba_mixer,
-            source_markers=(
-                '@force_accelerate_hooks(["conv1d", "dt_proj"])',
-                "self.in_proj(hidden_states).transpose(1, 2)",
-                "A = -torch.exp(self.A_log.float())",
-                "hidden_states_B_C, gate = projected_states.chunk(2, dim=1)",
-                "self.conv1d.weight.squeeze(1)",
-                "activation=self.activation",
-                "self.x_proj(hidden_states_B_C)",
-                "[self.time_step_rank, self.ssm_state_size, self.ssm_state_size]",
+            "mamba_mixer",
+            _MAMBA_V1_MIXER_PARAMS,
+            _mamba_v1_mixer(normed=False),
+            source_markers=_MAMBA_V1_MIXER_MARKERS,
+            restates=_MAMBA_V1_SCAN,
+        ),
+        KernelKind(
+            "normed_mamba_mixer",
+            _MAMBA_V1_MIXER_PARAMS,
+            _mamba_v1_mixer(normed=True),
+            source_markers=_MAMBA_V1_MIXER_MARKERS
+            + (
                 "time_step = self.dt_layernorm(time_step)",
                 "B = self.b_layernorm(B)",
                 "C = self.c_layernorm(C)",
                 'if hasattr(self.config, "_is_quantized"):',
                 "time_step = (self.dt_proj(time_step) - self.dt_proj.bias).transpose(1, 2)",
-                "time_step = self.dt_proj.weight @ time_step.transpose(1, 2)",
-                "self.dt_proj.bias.float() if self.dt_proj.bias is not None else None",
-                "D=self.D.float()",
-                "z=gate",
-                "delta_bias=time_proj_bias",
-                "delta_softplus=True",
-                "self.out_proj(scan_output.transpose(1, 2).to(dtype))",
             ),
-            restates={
-                "mamba_selective_scan": (
-                    "dt = dt + delta_bias.to(dt.dtype)[..., None]",
-                    "dt = F.softplus(dt)",
-                    "torch.exp(A[None, :, None, :] * dt[:, :, :, None])",
-                    "dt[:, :, :, None] * B[:, None, :, :].float()",
-                    "discrete_B * hidden_states[:, :, :, None].float()",
-                    "scan_output + hidden_states * D[None, :, None]",
-                    "scan_output * F.silu(z)",
-                ),
-            },
+            restates=_MAMBA_V1_SCAN,
         ),
         KernelKind(
             "jamba_mamba_layer",
@@ -379,6 +426,29 @@ KINDS: dict[str, KernelKind] = {
                 "hidden_states = residual + hidden_states",
                 "hidden_states = self.pre_ff_layernorm(hidden_states)",
                 "hidden_states = self.feed_forward(hidden_states)",
+            ),
+        ),
+        KernelKind(
+            "mamba_block",
+            ("self", "hidden_states", "cache_params", "attention_mask", "kwargs"),
+            _mamba_block,
+            source_markers=(
+                "hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))",
+                "if self.residual_in_fp32:",
+                "residual = residual.to(torch.float32)",
+                "hidden_states = self.mixer(hidden_states, cache_params=cache_params, attention_mask=attention_mask)",
+                "hidden_states = residual + hidden_states",
+            ),
+        ),
+        KernelKind(
+            "mamba_model",
+            ("self", "input_ids", "inputs_embeds", "cache_params", "use_cache", "attention_mask", "kwargs"),
+            _mamba_model,
+            source_markers=(
+                "inputs_embeds = self.embeddings(input_ids)",
+                "hidden_states = inputs_embeds",
+                "for mixer_block in self.layers:",
+                "hidden_states = self.norm_f(hidden_states)",
             ),
         ),
     )

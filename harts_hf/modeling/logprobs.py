@@ -178,7 +178,11 @@ def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None)
     if head_chunk_tokens is not None and head_chunk_tokens < 1:
         raise ValueError(f"head_chunk_tokens must be a positive number of pairs (or None), got {head_chunk_tokens}")
     head = hf.get_output_embeddings()
-    logits_of = head if adapter.logits is None else (lambda h: adapter.logits(hf, head(h)))
+
+    def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden.to(head.weight.dtype) if adapter.head_cast else hidden)
+        return logits if adapter.logits is None else adapter.logits(hf, logits)
+
     return Head(
         logits_of,
         head_chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0]),

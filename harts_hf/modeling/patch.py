@@ -4,7 +4,8 @@
 1. checks the family adapter against the model's modeling module (refusing drifted internals);
 2. replaces each declared module-level kernel function by a wrapper that calls the original when
    the call carries no ``harts_tree`` and the kernel kind's tree implementation otherwise, and
-   each declared mixer's ``forward`` by one that names its tree calls after the mixer;
+   each declared mixer's ``forward`` by one that names its tree calls after the mixer (a replaced
+   decoder layer ``forward`` stays inside transformers' gradient checkpointing wrapper);
 3. switches the model to the tree-aware attention name registered for its original attention.
 
 Kernel wrappers are process-wide but transparent: a call without a tree reaches the original
@@ -70,7 +71,8 @@ def _patch_module(module: ModuleType, adapter: FamilyAdapter) -> None:
         current, key = vars(owner)[name], kernel_key(owner, name)
         if key in KERNELS and current is KERNELS[key][1]:
             continue
-        KERNELS[key] = (current, _wrap_mixer(current) if kind is None else _wrap_kernel(current, KINDS[kind]))
+        wrap = _wrap_mixer if kind is None else functools.partial(_wrap_kernel, kind=KINDS[kind])
+        KERNELS[key] = (current, _compat.keep_checkpointing(owner, current, wrap))
         setattr(owner, name, KERNELS[key][1])
 
 
