@@ -54,6 +54,7 @@ def model_dir(tmp_path_factory) -> str:
 def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict:
     config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
     options = {k: v for k, v in (CASES[case] | overrides).items() if harts or not k.startswith("harts_")}
+    peft_config, evaluate = options.pop("peft_config", None), options.pop("eval", False)
     args = sgd_args(tmp_path / f"{case}-{harts}", per_device_train_batch_size=4, max_steps=2, learning_rate=0.5)
     snaps = Snapshots()
     trainer = trainer_cls(
@@ -61,10 +62,18 @@ def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict
         args=config_cls(**(args | options)),
         processing_class=agent_tokenizer(),
         train_dataset=preference_pairs(8),
+        eval_dataset=preference_pairs(4) if evaluate else None,
+        peft_config=peft_config() if peft_config else None,
         callbacks=[snaps],
     )
     trainer.train()
-    return {"params": snaps.params, "history": [h for h in trainer.state.log_history if "loss" in h]}
+    logged = trainer.state.log_history
+    return {
+        "params": snaps.params,
+        "history": [h for h in logged if "loss" in h],
+        "evals": [h for h in logged if "eval_loss" in h],
+        "ref_model": trainer.ref_model,
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -67,7 +67,17 @@ def config_kwargs(output_dir: str, **overrides) -> dict:
     return sgd_args(output_dir, learning_rate=0.05, **(grpo | overrides))
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None, callbacks=None, **overrides):
+def train(
+    trainer_cls,
+    config_cls,
+    model_dir: str,
+    tmp_path,
+    *,
+    peft_config=None,
+    callbacks=None,
+    eval_dataset=None,
+    **overrides,
+):
     args = config_kwargs(str(tmp_path / trainer_cls.__name__), **overrides)
     trainer = trainer_cls(
         model=model_dir,
@@ -75,6 +85,7 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, peft_config=None
         args=config_cls(**args),
         processing_class=build_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        eval_dataset=eval_dataset,
         rollout_func=branching_rollout,
         peft_config=peft_config,
         callbacks=callbacks,

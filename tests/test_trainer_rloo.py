@@ -37,7 +37,17 @@ def length_reward(completion_ids, **kwargs) -> list[float]:
     return [float(sum(c) % 7) / 7 for c in completion_ids]
 
 
-def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, callbacks=None, **overrides):
+def train(
+    trainer_cls,
+    config_cls,
+    model_dir: str,
+    tmp_path,
+    *,
+    callbacks=None,
+    peft_config=None,
+    eval_dataset=None,
+    **overrides,
+):
     args = sgd_args(
         tmp_path / trainer_cls.__name__,
         per_device_train_batch_size=8,
@@ -52,6 +62,8 @@ def train(trainer_cls, config_cls, model_dir: str, tmp_path, *, callbacks=None, 
         args=config_cls(**(args | overrides)),
         processing_class=build_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
+        eval_dataset=eval_dataset,
+        peft_config=peft_config,
         callbacks=callbacks,
     )
     trainer.train()

@@ -35,6 +35,15 @@ CASES = {
 }
 
 
+GENERATION_TEMPLATE = (  # harts_hf.data's template with the assistant turns marked: assistant_only_loss's masks
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<|act|>{{ c['function']['name'] }}"
+    "({{ c['function']['arguments']['row'] }}){% endfor %}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def per_turn_samples(conversations: int, turns: int, seed: int = 0) -> list[tuple[str, str]]:
     """(prompt, completion) per turn: the prompt is the whole history up to the turn's user message."""
     rng = np.random.default_rng(seed)
@@ -53,6 +62,8 @@ def per_turn_samples(conversations: int, turns: int, seed: int = 0) -> list[tupl
 def dataset(kind: str) -> Dataset:
     if kind == "conversations":  # TRL's conversational prompt-completion format, tool calls and reasoning
         return Dataset.from_list(turn_samples(agent_conversations(3, turns=2, seed=0)))
+    if kind == "messages":  # TRL's conversational language-modeling format: whole conversations
+        return Dataset.from_list([{"messages": m} for m in agent_conversations(6, turns=2, seed=0)])
     samples = per_turn_samples(4, 3)
     if kind == "text":
         return Dataset.from_dict({"text": [p + c for p, c in samples]})
@@ -64,6 +75,9 @@ def train(case: str, harts: bool, tmp_path, **overrides) -> dict:
 
     options = {k: v for k, v in (CASES[case] | overrides).items() if harts or not k.startswith("harts_")}
     data, family = options.pop("data"), options.pop("model", "qwen3_5")
+    dtype = getattr(torch, (options.pop("model_init_kwargs", None) or {}).get("dtype", "float32"))  # as TRL loads
+    peft_config = options.pop("peft_config", None)
+    evaluate = options.pop("eval", False)  # the training data as eval data too, evaluated as options say
     config_cls, trainer_cls = (HARTSSFTConfig, HARTSSFTTrainer) if harts else (SFTConfig, SFTTrainer)
     args = sgd_args(
         tmp_path / f"{case}-{harts}",
@@ -72,17 +86,22 @@ def train(case: str, harts: bool, tmp_path, **overrides) -> dict:
         learning_rate=0.1,
         dataloader_drop_last=True,
     )
-    snaps = Snapshots()
+    snaps, tokenizer = Snapshots(), agent_tokenizer()
+    if options.get("assistant_only_loss"):
+        tokenizer.chat_template = GENERATION_TEMPLATE
     trainer = trainer_cls(
-        model=tiny_model(family, seed=0),
+        model=tiny_model(family, seed=0, dtype=dtype),
         args=config_cls(**(args | options)),
-        processing_class=agent_tokenizer(),
+        processing_class=tokenizer,
         train_dataset=dataset(data),
+        eval_dataset=dataset(data) if evaluate else None,
+        peft_config=peft_config() if peft_config else None,
         callbacks=[snaps],
     )
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
-    return {"params": snaps.params, "history": history}
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    return {"params": snaps.params, "history": history, "evals": evals}
 
 
 @pytest.mark.slow

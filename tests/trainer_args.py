@@ -64,5 +64,7 @@ class Snapshots(TrainerCallback):
         self.params.append(self._flat(model))
 
     @staticmethod
-    def _flat(model) -> torch.Tensor:
-        return torch.cat([p.detach().float().flatten().clone() for p in model.parameters() if p.requires_grad])
+    def _flat(model, trained: bool = True) -> torch.Tensor:
+        """``model``'s parameters (``trained``: those that train only), flat, in float32."""
+        params = [p for p in model.parameters() if p.requires_grad or not trained]
+        return torch.cat([p.detach().float().flatten().clone() for p in params])
