@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from harts_hf.modeling import (
     tree_logprobs,
     unpatch_model,
 )
+from harts_hf.modeling.adapters import REFUSED
 from harts_hf.modeling.attention import tree_attention_name
 
 GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
@@ -125,6 +127,21 @@ def test_tree_calls_refuse_a_model_whose_patch_is_gone():
             ),
             id="zamba",
         ),
+        pytest.param(
+            tf.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32), id="rwkv"
+        ),
+        pytest.param(
+            tf.RecurrentGemmaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                lru_width=32,
+                block_types=["recurrent", "attention"],
+            ),
+            id="recurrent_gemma",
+        ),
     ],
 )
 def test_unsupported_families_are_refused(config):
@@ -132,7 +149,15 @@ def test_unsupported_families_are_refused(config):
     with pytest.raises(UnsupportedModelError) as err:
         patch_model(model)
     assert str(supported_families()) in str(err.value)
+    assert REFUSED.get(config.model_type, "is not supported by harts-hf") in str(err.value)
     assert not is_patched(model)
+
+
+def test_every_refused_family_is_one_of_transformers():
+    """The refusal list names modules of the installed transformers (a renamed one would never match)."""
+    models = Path(tf.__file__).parent / "models"
+    assert [f for f in REFUSED if not (models / f / f"modeling_{f}.py").exists()] == []
+    assert not set(REFUSED) & set(supported_families())
 
 
 @pytest.mark.parametrize(

@@ -221,10 +221,30 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     )
 }
 
-# Known families harts-hf does not take: named in the refusal so users know why.
+_INDEXED = "{}: a learned indexer picks each query's top-k keys; harts-hf has no tree kernel for indexed (sparse top-k) attention"
+_NO_KERNEL = "its {} has no tree kernel in harts-hf"
+_VISION = "a vision-language model: harts-hf takes the {} text model (load the language model as {})"
+
+# Known families harts-hf does not take: named in the refusal so users know why (the families of
+# transformers whose layers hold anything but plain attention; tests check each still exists).
 REFUSED: dict[str, str] = {
     "zamba": "its multi-head Mamba (v1) mixer (per-head x/dt projections and B/C, one selective scan per "
     "head, which gets no forward kwargs) is not re-stated for trees in harts-hf",
+    "qwen4_exp": _INDEXED.format("Gated DeltaNet with indexed attention (QSA)"),
+    "glm5_next": _INDEXED.format("KDA with indexed attention and hyper-connections"),
+    **{
+        family: _INDEXED.format("DeepSeek sparse attention")
+        for family in ("deepseek_v32", "deepseek_v4", "glm_moe_dsa", "mistral_large4", "axk2", "dots3_note", "hy_v4")
+    },
+    "minimax_m3_vl": _INDEXED.format("a vision-language model with sparse attention"),
+    "inkling": _NO_KERNEL.format("short convolutions over keys, values and the residual stream"),
+    "inkling2": _NO_KERNEL.format("dynamic (input-dependent) short convolution and block attention residuals"),
+    "recurrent_gemma": _NO_KERNEL.format("RG-LRU recurrence (Griffin)"),
+    "rwkv": _NO_KERNEL.format("WKV time mix (RWKV-4)"),
+    "xlstm": _NO_KERNEL.format("mLSTM cell"),
+    "zaya": _NO_KERNEL.format("compressed convolutional attention (CCA: convolutions over q/k before attention)"),
+    "lfm2_vl": _VISION.format("LFM2", "Lfm2ForCausalLM"),
+    "lfm3_vl": _VISION.format("LFM3", "Lfm3ForCausalLM"),
 }
 
 
