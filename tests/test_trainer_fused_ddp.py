@@ -60,7 +60,7 @@ def _worker(out: Path) -> None:
                     run = test_trainer_dpo.train(case, harts, model_dir, work)
             if rank == 0:
                 world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-                record = {**run, "forests": len(forests), "world": world}
+                record = {"params": run["params"], "history": run["history"], "forests": len(forests), "world": world}
                 torch.save(record, out / f"{kind}-{'harts' if harts else 'stock'}.pt")
 
 
