@@ -26,6 +26,7 @@ TOL = 1e-5  # the fp32 exactness tests' tolerance: accelerate's fp16 on CPU runs
 BF16 = dict(bf16=True, max_steps=3)
 FP32 = dict(bf16=False, fp16=False, model_init_kwargs=None)  # fp32 weights too
 BF16_WEIGHTS = dict(model_init_kwargs={"dtype": "bfloat16"})  # TRL loads the model (and reference) in bf16
+FP16_WEIGHTS = dict(model_init_kwargs={"dtype": "float16"})  # fp16 weights under bf16 autocast (TRL's suites do)
 EVAL = dict(eval=True, eval_strategy="steps", eval_steps=1, eval_on_start=True)  # at the start and every step
 EVAL_KEYS = ("eval_loss", "eval_kl", "eval_entropy", "eval_logps/chosen", "eval_logps/rejected")
 """The eval metrics compared where a trainer logs them (RLOO's eval loss is ~0: its KL and entropy speak)."""
@@ -183,6 +184,7 @@ VARIANT_CASES = [  # (kind, the exactness module's case for SFT / DPO, overrides
         id="grpo-sync-ref-eval",
     ),
     pytest.param("grpo", None, dict(loss_type="dapo", beta=0.1) | BF16_WEIGHTS, id="grpo-bf16-weights"),
+    pytest.param("grpo", None, dict(loss_type="dapo", beta=0.1) | FP16_WEIGHTS, id="grpo-fp16-weights"),
     pytest.param(
         "rloo",
         None,
@@ -205,6 +207,7 @@ VARIANT_CASES = [  # (kind, the exactness module's case for SFT / DPO, overrides
     ),
     pytest.param("sft", "prompt-completion", dict(peft_config=_lora), id="sft-lora"),
     pytest.param("sft", "prompt-completion", BF16_WEIGHTS, id="sft-bf16-weights"),
+    pytest.param("sft", "prompt-completion", FP16_WEIGHTS, id="sft-fp16-weights"),
     pytest.param(  # squared losses (ipo, sppo_hard) weighted down so that no loss drowns the others
         "dpo",
         "sigmoid-checkpointing",
@@ -232,8 +235,8 @@ VARIANT_CASES = [  # (kind, the exactness module's case for SFT / DPO, overrides
 @pytest.mark.parametrize(("kind", "case", "overrides"), VARIANT_CASES)
 def test_variants_track_stock_under_autocast(kind, case, overrides, tmp_path):
     """Every loss type and trainer option under bf16 autocast, LoRA, eval (its losses compared too),
-    a synced reference model, pure bf16 weights (rounding: stock in bf16 against stock in fp32): HARTS
-    within stock's own rounding."""
+    a synced reference model, bf16 and fp16 weights (rounding: stock in bf16 / fp16 against stock in
+    fp32): HARTS within stock's own rounding."""
     precision = BF16 | dict(max_steps=2) | overrides
     wide = precision | FP32
     if kind in ("grpo", "rloo"):
