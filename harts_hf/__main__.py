@@ -1,5 +1,5 @@
 """``python -m harts_hf``: the same as the ``harts-hf`` console script."""
 
-from .cli import main
+from .app.cli import main
 
 raise SystemExit(main())

@@ -7,14 +7,14 @@
 as a flag (``--max_steps 5``). A config directory or a Hub repo id holding ``config.yaml`` works too.
 A missing config, an unknown key or flag and a value the recipe cannot run fail in one line (exit
 code 2) before the model is built. The body is shared by every recipe script
-(``harts_hf.trainers.recipe.launch``).
+(``harts_hf.app.recipe.launch``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from harts_hf.trainers.recipe import launch
+from harts_hf.app.recipe import launch
 
 
 def main(argv: list[str]) -> None:

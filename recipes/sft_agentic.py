@@ -6,14 +6,14 @@
 ``--config`` is a TRL YAML (HARTSSFTConfig + ConversationArguments fields); any field can also be given as a flag
 (``--max_steps 5``), a config directory or a Hub repo id holding ``config.yaml`` too; mistakes fail in
 one line (exit code 2) before the model is built, as in ``grpo_agentic.py`` (the body is shared:
-``harts_hf.trainers.recipe.launch``).
+``harts_hf.app.recipe.launch``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from harts_hf.trainers.recipe import launch
+from harts_hf.app.recipe import launch
 
 
 def main(argv: list[str]) -> None:

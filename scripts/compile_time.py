@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from harts_hf.bench.models import build_model
+from harts_hf.lab.models import build_model
 from harts_hf.modeling import patch_model
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
 from harts_hf.planner.plan import DEFAULT_MAX_TOKENS, plan
 from harts_hf.schedule import rank_units
-from harts_hf.workloads import get_workload
+from harts_hf.sources import get_workload
 
 
 def main() -> None:

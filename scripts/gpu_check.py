@@ -115,7 +115,7 @@ def model_check(dev) -> None:
     import torch
 
     import harts_hf
-    from harts_hf.bench.models import BENCH_FAMILIES, build_model
+    from harts_hf.lab.models import BENCH_FAMILIES, build_model
     from harts_hf.ops.backends import ENV
 
     os.environ[ENV] = "auto"

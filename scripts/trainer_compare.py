@@ -3,8 +3,8 @@ synthetic agent conversations, one conversation per microbatch (a sequential sam
 shuffle mixes conversations, and so splits what they share), same seeds, SGD. Prints the
 microbatch's tokens, compression and the median step of each trainer.
 
-- ``--trainer sft``: the conversations' per-turn samples (``harts_hf.data.turn_samples``);
-- ``--trainer dpo``: their per-turn preference pairs (``harts_hf.data.agent_preference_pairs``),
+- ``--trainer sft``: the conversations' per-turn samples (``harts_hf.sources.turn_samples``);
+- ``--trainer dpo``: their per-turn preference pairs (``harts_hf.sources.agent_preference_pairs``),
   chosen and rejected rows sharing the history, with the reference model's pass.
 
     python scripts/trainer_compare.py                      # SFT, bench "default" model, 10 turns, 4 conversations
@@ -23,8 +23,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from harts_hf.bench.models import build_model
-from harts_hf.data import (
+from harts_hf.lab.models import build_model
+from harts_hf.sources import (
     agent_conversations,
     agent_preference_pairs,
     agent_tokenizer,
@@ -64,7 +64,7 @@ def _rows(kind: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default="sft")
-    parser.add_argument("--size", default="default", help="bench model size (harts_hf.bench.SIZES)")
+    parser.add_argument("--size", default="default", help="bench model size (harts_hf.lab.SIZES)")
     parser.add_argument("--turns", type=int, default=10, help="tool turns per conversation (samples: turns + 1)")
     parser.add_argument("--conversations", type=int, default=4, help="conversations: one optimizer step each")
     args = parser.parse_args()

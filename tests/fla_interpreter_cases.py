@@ -29,8 +29,8 @@ from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 from triton.runtime import autotuner, interpreter
 
-from harts_hf.bench.fla_report import fallback_note, sequential_calls
 from harts_hf.forest import RolloutForest
+from harts_hf.lab.fla_report import fallback_note, sequential_calls
 from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
 from harts_hf.ops.conv import conv_halo, tree_causal_conv1d_torch
 from harts_hf.ops.fla import backend, delta, diagonal

@@ -11,7 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from harts_hf import RolloutForest
-from harts_hf.bench import (
+from harts_hf.app.cli import main
+from harts_hf.lab import (
     BENCH_FAMILIES,
     FlopModel,
     build_model,
@@ -20,18 +21,17 @@ from harts_hf.bench import (
     ideal_speedup,
     trajectory_work,
 )
-from harts_hf.bench.loss import grpo_advantages, policy_loss
-from harts_hf.bench.memory import PeakMemory
-from harts_hf.bench.modes import (
+from harts_hf.lab.loss import grpo_advantages, policy_loss
+from harts_hf.lab.memory import PeakMemory
+from harts_hf.lab.modes import (
     Batch,
     StockMode,
     TreeMode,
     stock_rows,
     trajectory_logprobs,
 )
-from harts_hf.cli import main
 from harts_hf.modeling import ADAPTERS
-from harts_hf.workloads import get_workload
+from harts_hf.sources import get_workload
 
 ISSUE_FIELDS = {
     "workload": {"name", "trajectories", "trajectory_tokens", "compact_tokens", "compression", "height", "rounds"},

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harts_hf.bench import MemorySweepConfig, memory_table
-from harts_hf.bench.memory_sweep import COLUMNS
-from harts_hf.cli import main
+from harts_hf.app.cli import main
+from harts_hf.lab import MemorySweepConfig, memory_table
+from harts_hf.lab.memory_sweep import COLUMNS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ARGS = ["--lengths", "512", "256", "--budget", "128", "--one-unit-max-tokens", "512", "--stock-max-tokens", "256"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harts_hf.cli import main
+from harts_hf.app.cli import main
 
 FIELDS = {
     "workload",

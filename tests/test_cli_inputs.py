@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harts_hf.cli import main
-from harts_hf.trainers.recipe import check_config, resolve_config
+from harts_hf.app.cli import main
+from harts_hf.app.recipe import check_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/configs/qwen3_5_quick_agentic"

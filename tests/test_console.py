@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from launch import _free_port
 
-from harts_hf.trainers.console import quiet_third_party
+from harts_hf.app.console import quiet_third_party
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

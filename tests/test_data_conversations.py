@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harts_hf.data import (
+from harts_hf.sources import (
     AGENT_CHAT_TEMPLATE,
     agent_conversations,
     check_prefix_stable,
@@ -14,7 +14,7 @@ from harts_hf.data import (
     sample_ids,
     turn_samples,
 )
-from harts_hf.envs.tokenizer import build_tokenizer
+from harts_hf.sources.tokenizer import build_tokenizer
 
 STABLE = AGENT_CHAT_TEMPLATE  # every message the same wherever it stands
 # Shows an assistant turn's reasoning only when it is the last message (what a Qwen3-style template

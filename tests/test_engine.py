@@ -257,8 +257,8 @@ def test_peak_memory_follows_the_budget():
     """Peak memory of a step scales with the microbatch budget, not with the forest: a budget of
     1/7 of the compact tokens peaks below 2.5 x 1/7 of the one-microbatch peak (boundary values and
     fixed buffers are the slack)."""
-    from harts_hf.bench.memory import PeakMemory
-    from harts_hf.bench.models import build_model
+    from harts_hf.lab.memory import PeakMemory
+    from harts_hf.lab.models import build_model
 
     model = patch_model(build_model("qwen3_5", "quick").model)
     rng = np.random.default_rng(0)

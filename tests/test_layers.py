@@ -1,8 +1,11 @@
 """The house's floors, read from the source (every import, module-level or inside a function).
 
-Arrows point one way (STYLE.md): trees <- forest <- ops / planner <- schedule <- modeling <- engine <- bench
-<- trainers <- cli, the planner is a pure function of forests (no torch, no model code), the kernel layer holds
-kernels only (benchmarks and reports live in ``bench/``), and no module imports itself back through
+Arrows point one way (STYLE.md). The library: trees <- forest <- ops / planner <- schedule <- modeling
+<- engine <- trainers; the planner is a pure function of forests (no torch, no model code) and the
+kernel layer holds kernels only. Beside it, the forest sources (conversations, the tool environment,
+synthetic workloads) read only the floor; above it, the lab (benchmarks, calibration, the planner's
+baselines, reports and plots) and on top the app (the CLI, recipes, console, train-compare). Nothing
+in the library imports the sources, the lab or the app, and no module imports itself back through
 a cycle.
 """
 
@@ -15,21 +18,21 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "harts_hf"
 BASE = {"checks", "chunking", "trees", "forest"}
+LIBRARY = {"ops", "planner", "schedule", "modeling", "engine", "trainers"}
 MAY_IMPORT = {  # top-level part of harts_hf -> the parts it may import (besides itself)
     "checks": set(),
     "chunking": set(),
     "trees": set(),
     "forest": {"checks", "trees"},
     "ops": BASE,
-    "workloads": BASE,
     "planner": BASE,
-    "envs": BASE,
-    "data": BASE | {"envs"},
+    "sources": BASE,
     "schedule": BASE | {"ops", "planner"},
     "modeling": BASE | {"ops", "schedule"},
     "engine": BASE | {"ops", "modeling", "planner", "schedule"},
-    "bench": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads"},
-    "trainers": BASE | {"ops", "modeling", "planner", "schedule", "engine", "workloads", "bench", "envs", "data"},
+    "trainers": BASE | {"ops", "modeling", "planner", "schedule", "engine"},
+    "lab": BASE | LIBRARY | {"sources"},
+    "app": BASE | LIBRARY | {"sources", "lab"},
 }
 
 

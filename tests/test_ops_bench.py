@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from harts_hf.bench.ops import KINDS, LINEAR_KINDS, _intra_case, _ragged_slots, bench_ops, format_table
-from harts_hf.cli import main
+from harts_hf.app.cli import main
 from harts_hf.forest import RolloutForest
+from harts_hf.lab.ops import KINDS, LINEAR_KINDS, _intra_case, _ragged_slots, bench_ops, format_table
 from harts_hf.ops.tree_batch import TreeBatch
 
 TOP_FIELDS = {

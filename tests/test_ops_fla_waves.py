@@ -19,8 +19,8 @@ from fla_naive_chunks import naive_chunk_states
 from fla_naive_segments import naive_segments
 from trees import NASTY_TREES, nasty_tree_params
 
-from harts_hf.bench.fla_report import fallback_note, sequential_calls
 from harts_hf.forest import RolloutForest
+from harts_hf.lab.fla_report import fallback_note, sequential_calls
 from harts_hf.ops import backends
 from harts_hf.ops.fla import backend
 from harts_hf.ops.fla.diagonal import inject_state_grads

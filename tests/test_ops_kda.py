@@ -76,7 +76,9 @@ def test_kda_chunk_scan_matches_oracle_per_path(chunk: int, lengths: list[int], 
 
 
 TREE_CASES = [pytest.param(build, 16, id=f"{name}-c16") for name, build in NASTY_TREES.items()]
-TREE_CASES += [pytest.param(NASTY_TREES[name], 64, id=f"{name}-c64") for name in ("branch_at_63", "branch_at_64", "branch_at_65")]
+TREE_CASES += [
+    pytest.param(NASTY_TREES[name], 64, id=f"{name}-c64") for name in ("branch_at_63", "branch_at_64", "branch_at_65")
+]
 
 
 @pytest.mark.parametrize("build, chunk", TREE_CASES)
@@ -113,7 +115,9 @@ def test_tree_kda_grouped_heads_match_fla_per_trajectory(build) -> None:
     check_tree(forest, leaves, tree, oracle)
 
 
-@pytest.mark.parametrize("name, depth", [pytest.param("grpo_group", 40, id="grpo_group"), pytest.param("caterpillar", 30, id="caterpillar")])
+@pytest.mark.parametrize(
+    "name, depth", [pytest.param("grpo_group", 40, id="grpo_group"), pytest.param("caterpillar", 30, id="caterpillar")]
+)
 def test_tree_kda_piece_with_context_equals_whole_forest(name: str, depth: int) -> None:
     """Context replay (k, v, g, beta of context tokens, l2-normalised here) and boundary states."""
     forest = RolloutForest.from_sequences(NASTY_TREES[name](np.random.default_rng(0)))

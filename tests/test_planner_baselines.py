@@ -11,12 +11,23 @@ import numpy as np
 import pytest
 from test_planner_invariants import check_plan
 
-from harts_hf.cli import main
-from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan, plan_record
-from harts_hf.planner.baselines import dfs_kcut, exact, per_trajectory, trie_packing
-from harts_hf.workloads import caterpillar, grpo_group, random_tree
+from harts_hf.app.cli import main
+from harts_hf.lab import plan_record
+from harts_hf.lab.baselines import dfs_kcut, exact, per_trajectory, trie_packing
+from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan
+from harts_hf.sources import caterpillar, grpo_group, random_tree
 
-FIELDS = {"world_size", "slots", "pieces", "imbalance", "redundancy", "step_seconds", "step_seconds_from", "plan_seconds", "baselines"}
+FIELDS = {
+    "world_size",
+    "slots",
+    "pieces",
+    "imbalance",
+    "redundancy",
+    "step_seconds",
+    "step_seconds_from",
+    "plan_seconds",
+    "baselines",
+}
 ENTRY = {"imbalance", "redundancy", "step_seconds", "plan_seconds"}
 
 

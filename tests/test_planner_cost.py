@@ -8,8 +8,8 @@ import pytest
 from tiny_models import tiny_model
 from trees import nasty_tree_params
 
-from harts_hf.bench.calibrate import calibrate, calibration_forests, forest_features
 from harts_hf.forest import RolloutForest
+from harts_hf.lab.calibrate import calibrate, calibration_forests, forest_features
 from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, fit_cost_model, plan
@@ -93,7 +93,13 @@ def test_predicted_seconds_say_where_they_come_from():
     from harts_hf.planner.cost import cost_origin
 
     forest = RolloutForest.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
-    assert "built-in H100 estimate" in plan(forest, world_size=1, max_tokens_per_microbatch=64).summary()["step_seconds_from"]
+    assert (
+        "built-in H100 estimate"
+        in plan(forest, world_size=1, max_tokens_per_microbatch=64).summary()["step_seconds_from"]
+    )
     mine = CostModel(token=1e-4, pair=0.0, round=0.0, microbatch=0.0)
-    assert cost_origin(mine) == plan(forest, world_size=1, max_tokens_per_microbatch=64, cost_model=mine).summary()["step_seconds_from"]
+    assert (
+        cost_origin(mine)
+        == plan(forest, world_size=1, max_tokens_per_microbatch=64, cost_model=mine).summary()["step_seconds_from"]
+    )
     assert "built-in" not in cost_origin(mine)

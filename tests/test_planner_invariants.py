@@ -25,7 +25,7 @@ from harts_hf.ops.rounds import ROUNDS_KEY, build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, MemoryModel, Plan, plan
 from harts_hf.schedule import Unit, rank_units
-from harts_hf.workloads import caterpillar, deep_chain, grpo_group, random_tree
+from harts_hf.sources import caterpillar, deep_chain, grpo_group, random_tree
 
 
 def _rank_slots(forests: list[RolloutForest], p: Plan) -> list[list[np.ndarray]]:

@@ -14,7 +14,7 @@ from test_planner_invariants import check_plan
 
 from harts_hf import RolloutForest
 from harts_hf.planner import plan
-from harts_hf.workloads import caterpillar, grpo_group, random_tree, swe_like
+from harts_hf.sources import caterpillar, grpo_group, random_tree, swe_like
 
 BUDGET = 65_536
 WORLDS = (2, 4, 8)

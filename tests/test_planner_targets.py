@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from harts_hf.lab.baselines import dfs_kcut, exact, per_trajectory, trie_packing
 from harts_hf.planner import DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, plan
-from harts_hf.planner.baselines import dfs_kcut, exact, per_trajectory, trie_packing
-from harts_hf.workloads import get_workload
+from harts_hf.sources import get_workload
 
 
 @pytest.fixture(scope="module")

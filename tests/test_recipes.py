@@ -15,10 +15,9 @@ import yaml
 from torch.utils.data import SequentialSampler
 from trl.data_utils import is_conversational
 
-from harts_hf.cli import main
-from harts_hf.data import agent_preference_pairs
-from harts_hf.envs import LedgerEnv, build_tokenizer, ledger_prompts, ledger_turn_reward
-from harts_hf.trainers.recipe import RECIPES, build_trainer, check_config, parse_recipe
+from harts_hf.app.cli import main
+from harts_hf.app.recipe import RECIPES, build_trainer, check_config, parse_recipe
+from harts_hf.sources import LedgerEnv, agent_preference_pairs, build_tokenizer, ledger_prompts, ledger_turn_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"grpo": "agentic", "rloo": "rloo", "sft": "sft", "dpo": "dpo"}  # kind -> recipes/configs/qwen3_5_quick_*
@@ -204,7 +203,7 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, capsys):
     train`` and through the recipe script's ``launch``."""
     from safetensors.torch import load_file
 
-    from harts_hf.trainers.recipe import launch
+    from harts_hf.app.recipe import launch
 
     tiny = [f"--{key}={value}" for key, value in TINY["sft"].items()]
     run = ["--config", str(config_dir("sft")), *tiny, "--max_steps=4", "--save_strategy=steps", "--save_steps=2"]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harts_hf.envs import LedgerEnv, LedgerRunner, Sample, build_tokenizer, episode_rollout, sample_reward
+from harts_hf.app.recipe import DEFAULT_RECIPE, parse_recipe, resolve_config
 from harts_hf.forest import RolloutForest
-from harts_hf.trainers.recipe import DEFAULT_RECIPE, parse_recipe, resolve_config
+from harts_hf.sources import LedgerEnv, LedgerRunner, Sample, build_tokenizer, episode_rollout, sample_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "configs" / "qwen3_5_quick_agentic"
@@ -113,7 +113,7 @@ def test_per_turn_samples_drop_reasoning_and_share_prefixes():
     import torch
     from accelerate import Accelerator
 
-    from harts_hf.bench.models import build_model
+    from harts_hf.lab.models import build_model
 
     torch.manual_seed(0)
     trainer = SimpleNamespace(

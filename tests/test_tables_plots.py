@@ -8,18 +8,29 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from harts_hf.bench import BenchConfig, BenchRun, FlopModel, bench_record, build_model, plot_bench, table
-from harts_hf.bench.calibrate import FEATURE_MEANINGS, format_cost_model
-from harts_hf.bench.modes import StepResult
-from harts_hf.bench.ops import COLUMNS as OPS_COLUMNS
-from harts_hf.bench.ops import bench_ops, format_table
-from harts_hf.bench.report import COLUMNS as BENCH_COLUMNS
-from harts_hf.bench.report import MODE_MEANINGS, NUMBERS
-from harts_hf.planner import CostModel, plan, plan_record, plot_plan, record_table
-from harts_hf.planner.plot import PANELS
-from harts_hf.planner.report import COLUMNS as PLAN_COLUMNS
-from harts_hf.planner.report import GAP, PLANNERS
-from harts_hf.workloads import grpo_group, random_tree
+from harts_hf.lab import (
+    BenchConfig,
+    BenchRun,
+    FlopModel,
+    bench_record,
+    build_model,
+    plan_record,
+    plot_bench,
+    plot_plan,
+    record_table,
+    table,
+)
+from harts_hf.lab.calibrate import FEATURE_MEANINGS, format_cost_model
+from harts_hf.lab.modes import StepResult
+from harts_hf.lab.ops import COLUMNS as OPS_COLUMNS
+from harts_hf.lab.ops import bench_ops, format_table
+from harts_hf.lab.plan_plot import PANELS
+from harts_hf.lab.plan_report import COLUMNS as PLAN_COLUMNS
+from harts_hf.lab.plan_report import GAP, PLANNERS
+from harts_hf.lab.report import COLUMNS as BENCH_COLUMNS
+from harts_hf.lab.report import MODE_MEANINGS, NUMBERS
+from harts_hf.planner import CostModel, plan
+from harts_hf.sources import grpo_group, random_tree
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

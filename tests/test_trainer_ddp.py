@@ -89,7 +89,7 @@ def ddp_run(request, tmp_path_factory) -> tuple[int, Path]:
     """Every case (2 processes) or the cases of ``ON_THREE`` (3 processes), stock then HARTS."""
     from tiny_models import tiny_model
 
-    from harts_hf.envs.tokenizer import build_tokenizer
+    from harts_hf.sources.tokenizer import build_tokenizer
 
     world = request.param
     out = tmp_path_factory.mktemp(f"ddp{world}")
@@ -144,7 +144,7 @@ def _worker(out: Path, cases: list[str]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from harts_hf.envs.tokenizer import build_tokenizer
+    from harts_hf.sources.tokenizer import build_tokenizer
     from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
 
     torch.set_num_threads(1)
@@ -226,7 +226,7 @@ def _resume(out: Path, rollout) -> None:
     from test_trainer_exactness import PROMPTS, config_kwargs, id_reward
     from transformers import TrainerCallback
 
-    from harts_hf.envs.tokenizer import build_tokenizer
+    from harts_hf.sources.tokenizer import build_tokenizer
     from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
 
     class Steps(TrainerCallback):

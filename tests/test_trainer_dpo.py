@@ -2,7 +2,7 @@
 step, losses and metrics (fp32, SGD; see test_trainer_exactness.py for why not Adam).
 
 A pair is an agent conversation's history (system prompt, tool calls, tool results, reasoning: the
-built-in ``harts_hf.data.agent_conversations``) with its last assistant message as the chosen
+built-in ``harts_hf.sources.agent_conversations``) with its last assistant message as the chosen
 answer and another as the rejected one; TRL's batch is the chosen rows then the rejected rows,
 so each forest computes a pair's whole history once (and once more for the reference model, which
 TRL reloads from the checkpoint).
@@ -16,7 +16,7 @@ from datasets import Dataset
 from trainer_args import Snapshots, saved_model, sgd_args, spy_fused_outputs
 from trl import DPOConfig, DPOTrainer
 
-from harts_hf.data import agent_conversations, agent_tokenizer
+from harts_hf.sources import agent_conversations, agent_tokenizer
 from harts_hf.trainers import HARTSDPOConfig, HARTSDPOTrainer
 
 TOL = 1e-5

@@ -21,7 +21,7 @@ from tiny_models import tiny_model
 from trainer_args import saved_model, sgd_args
 from trl import GRPOConfig, GRPOTrainer
 
-from harts_hf.envs.tokenizer import build_tokenizer
+from harts_hf.sources.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -44,7 +44,7 @@ def _worker(out: Path) -> None:
     import test_trainer_sft
     from trainer_args import saved_model, spy_fused_outputs
 
-    from harts_hf.data import agent_tokenizer
+    from harts_hf.sources import agent_tokenizer
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])  # torchrun's; the process group starts with the first trainer

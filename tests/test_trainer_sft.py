@@ -4,7 +4,7 @@ metrics (fp32, SGD; see test_trainer_exactness.py for why not Adam).
 The samples are per-turn samples of conversations, as reasoning-agent SFT makes them: sample t + 1's
 prompt is sample t's prompt and completion plus the next user turn, so a microbatch's samples share
 long prefixes (one tree per conversation). Cases: agent conversations cut into per-turn samples
-(``harts_hf.data.turn_samples``: tool calls, tool results, reasoning; TRL's conversational format
+(``harts_hf.sources.turn_samples``: tool calls, tool results, reasoning; TRL's conversational format
 and ``completion_only_loss``) under SFT's default gradient checkpointing, the same shape as plain
 prompt-completion text, plain text (every token scored) with two microbatches per step, and the
 MoE router aux loss of a MoE model through the same seam; the plain-text case also cuts each
@@ -20,8 +20,8 @@ from datasets import Dataset
 from tiny_models import tiny_model
 from trainer_args import Snapshots, sgd_args, spy_fused_outputs
 
-from harts_hf.data import agent_conversations, agent_tokenizer, turn_samples
-from harts_hf.envs.tokenizer import build_tokenizer
+from harts_hf.sources import agent_conversations, agent_tokenizer, turn_samples
+from harts_hf.sources.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSSFTConfig, HARTSSFTTrainer
 
 TOL = 1e-5
@@ -35,7 +35,7 @@ CASES = {
 }
 
 
-GENERATION_TEMPLATE = (  # harts_hf.data's template with the assistant turns marked: assistant_only_loss's masks
+GENERATION_TEMPLATE = (  # harts_hf.sources's template with the assistant turns marked: assistant_only_loss's masks
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
     "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
     "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<|act|>{{ c['function']['name'] }}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harts_hf.workloads import (
+from harts_hf.sources import (
     CPU_SCALE,
     WORKLOADS,
     Workload,

@@ -10,7 +10,7 @@
 
 :data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
 H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
-as the rest). ``calibrate`` (``harts_hf.bench.calibrate``) fits the coefficients on this machine.
+as the rest). ``calibrate`` (``harts_hf.lab.calibrate``) fits the coefficients on this machine.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ class HARTSGRPOTrainer(HARTSRolloutMixin, GRPOTrainer):
     with the values and gradients trajectory-wise training gives. Takes the same arguments as
     `GRPOTrainer`; configure with [`HARTSGRPOConfig`] (`harts_enable=False` is stock behaviour).
 
-    Agentic rollouts come through TRL's own `rollout_func` (see `harts_hf.envs`): an episode may
+    Agentic rollouts come through TRL's own `rollout_func` (see `harts_hf.sources`): an episode may
     return several rows (per-turn samples that drop earlier reasoning, branches, sub-agent calls);
     their shared prefixes become one tree.
     """

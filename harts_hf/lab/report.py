@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from ..planner.report import legend
 from .flops import compact_work, ideal_speedup, trajectory_work
+from .plan_report import legend
 from .run import MODES, PHASES, BenchRun
 
 __all__ = ["MODE_MEANINGS", "bench_record", "table"]

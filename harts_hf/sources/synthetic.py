@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..envs.tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer
 
 __all__ = ["AGENT_CHAT_TEMPLATE", "agent_conversations", "agent_tokenizer"]
 
@@ -50,7 +50,7 @@ def agent_conversations(n: int, *, turns: int = 3, seed: int = 0) -> list[list[d
 
 
 def agent_tokenizer():
-    """The in-code character tokenizer (``harts_hf.envs.build_tokenizer``) with :data:`AGENT_CHAT_TEMPLATE`."""
+    """The in-code character tokenizer (``harts_hf.sources.build_tokenizer``) with :data:`AGENT_CHAT_TEMPLATE`."""
     tok = build_tokenizer()
     tok.chat_template = AGENT_CHAT_TEMPLATE
     return tok

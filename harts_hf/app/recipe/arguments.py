@@ -16,8 +16,17 @@ from datasets import Dataset
 from transformers import TrainingArguments
 
 from ...checks import require_positive_ints
-from ...data import agent_conversations, agent_preference_pairs, turn_samples
-from ...envs import LedgerRunner, ledger_dataset, ledger_prompts, ledger_rollout, ledger_turn_reward, sample_reward
+from ...sources import (
+    LedgerRunner,
+    agent_conversations,
+    agent_preference_pairs,
+    ledger_dataset,
+    ledger_prompts,
+    ledger_rollout,
+    ledger_turn_reward,
+    sample_reward,
+    turn_samples,
+)
 
 __all__ = [
     "BUILTIN_PREFIX",
@@ -36,7 +45,7 @@ BUILTIN_PREFIX = "builtin:"
 def builtin_model(name: str) -> tuple[str, str]:
     """(family, size) of a ``builtin:FAMILY-SIZE`` model name, or a one-line ValueError naming the
     valid ones (checked before any work)."""
-    from ...bench.models import BENCH_FAMILIES, SIZES
+    from ...lab.models import BENCH_FAMILIES, SIZES
 
     family, _, size = name[len(BUILTIN_PREFIX) :].rpartition("-")
     if family not in BENCH_FAMILIES or size not in SIZES:
@@ -55,7 +64,7 @@ class ModelArguments:
         default="builtin:qwen3_5-quick",
         metadata={
             "help": "Hub id or local path of a causal LM, or builtin:FAMILY-SIZE for a freshly initialised "
-            "model of harts_hf.bench.models (e.g. builtin:qwen3_5-quick, a tiny Qwen3.5-style hybrid)."
+            "model of harts_hf.lab.models (e.g. builtin:qwen3_5-quick, a tiny Qwen3.5-style hybrid)."
         },
     )
     seed_model: int = field(default=0, metadata={"help": "Initialisation seed of builtin: models."})
@@ -190,7 +199,7 @@ class ConversationArguments(ModelArguments):
 @dataclass
 class PreferenceArguments(ConversationArguments):
     """DPO on per-turn preference pairs of the built-in agent conversations
-    (:func:`~harts_hf.data.agent_preference_pairs`), in conversation order as for SFT."""
+    (:func:`~harts_hf.sources.agent_preference_pairs`), in conversation order as for SFT."""
 
     samples: ClassVar[str] = "per-turn preference pairs"
 

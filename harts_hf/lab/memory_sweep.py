@@ -39,11 +39,11 @@ from ..engine import TreeEngine, memory_model
 from ..forest import RolloutForest
 from ..modeling import patch_model, unpatch_model
 from ..planner import MemoryModel, Plan, plan
-from ..planner.report import legend
 from .config import DTYPES, check_model_options
 from .memory import PeakMemory
 from .models import build_model
 from .modes import step_clock, token_logprobs
+from .plan_report import legend
 
 __all__ = ["COMPLETIONS", "MemorySweepConfig", "memory_sweep", "memory_table", "plot_memory_sweep", "sweep_forest"]
 
@@ -70,8 +70,8 @@ COLUMNS = {
 
 @dataclass
 class MemorySweepConfig:
-    model: str = field(default="qwen3_5", metadata={"help": "model family (harts_hf.bench.BENCH_FAMILIES)"})
-    size: str = field(default="quick", metadata={"help": "model size (harts_hf.bench.SIZES)"})
+    model: str = field(default="qwen3_5", metadata={"help": "model family (harts_hf.lab.BENCH_FAMILIES)"})
+    size: str = field(default="quick", metadata={"help": "model size (harts_hf.lab.SIZES)"})
     lengths: tuple[int, ...] = field(
         default=(2048, 4096, 8192, 16384, 32768), metadata={"help": "longest-trajectory lengths to sweep (>= 2)"}
     )

@@ -1,8 +1,8 @@
 """A built-in synthetic preference set (no download): per-turn pairs of agent conversations, in TRL's
 conversational preference format, for DPO recipes and tests.
 
-Each assistant turn of :func:`~harts_hf.data.agent_conversations` is one pair: ``prompt`` the
-conversation before the turn (earlier reasoning dropped, as :func:`~harts_hf.data.turn_samples`
+Each assistant turn of :func:`~harts_hf.sources.agent_conversations` is one pair: ``prompt`` the
+conversation before the turn (earlier reasoning dropped, as :func:`~harts_hf.sources.turn_samples`
 does), ``chosen`` [the turn], ``rejected`` [the other move]: a turn that should read the ledger
 answers at once, the final answer reads the ledger once more. The pairs of a conversation share
 its history, one tree of per-turn branches, as its SFT samples do.

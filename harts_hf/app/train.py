@@ -1,7 +1,7 @@
 """``harts-hf train`` and ``harts-hf train-compare``: a recipe's run (GRPO, RLOO, SFT or DPO on
 built-in data) and the GRPO run's step-time comparison.
 
-Register with ``add_parser(subparsers)`` from ``harts_hf.cli``. Knobs live in the recipe YAML
+Register with ``add_parser(subparsers)`` from ``harts_hf.app.cli``. Knobs live in the recipe YAML
 (``--config``: a file, a config directory or a Hub repo id); any of its keys can also be given as a
 flag the way TRL's CLI takes them (``--learning_rate 1e-5``, ``--bf16``, ``--resume_from_checkpoint
 true``), after the config, as the recipe scripts do.
@@ -104,9 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_train_compare(args: argparse.Namespace) -> int:
     """Record the environment's rollouts once, replay them to both trainers, print the step times."""
+    from ..trainers.teardown import end_distributed
     from .compare import compare, format_comparison
     from .console import quiet_third_party
-    from .teardown import end_distributed
 
     quiet_third_party()
     script_args, training_args = _recipe(args, disable_tqdm=True)

@@ -56,21 +56,61 @@ class ModelSize:
 # quick: CI's smoke run. tiny: unit tests (hidden 32, vocab 128).
 SIZES: dict[str, ModelSize] = {
     "default": ModelSize(
-        hidden=256, intermediate=768, groups=1, heads=4, kv_heads=2, head_dim=64, linear_heads=4,
-        linear_head_dim=32, experts=8, top_k=2, expert_intermediate=256, vocab=8192,
+        hidden=256,
+        intermediate=768,
+        groups=1,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        linear_heads=4,
+        linear_head_dim=32,
+        experts=8,
+        top_k=2,
+        expert_intermediate=256,
+        vocab=8192,
     ),
     # gpu: a step sized for one H100/H200 (bf16): Qwen3.5's head shapes, 8 layers.
     "gpu": ModelSize(
-        hidden=1024, intermediate=3072, groups=2, heads=8, kv_heads=2, head_dim=128, linear_heads=8,
-        linear_head_dim=128, experts=16, top_k=4, expert_intermediate=512, vocab=32768,
+        hidden=1024,
+        intermediate=3072,
+        groups=2,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        linear_heads=8,
+        linear_head_dim=128,
+        experts=16,
+        top_k=4,
+        expert_intermediate=512,
+        vocab=32768,
     ),
     "quick": ModelSize(
-        hidden=64, intermediate=192, groups=1, heads=4, kv_heads=2, head_dim=16, linear_heads=4,
-        linear_head_dim=16, experts=4, top_k=2, expert_intermediate=64, vocab=1024,
+        hidden=64,
+        intermediate=192,
+        groups=1,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        linear_heads=4,
+        linear_head_dim=16,
+        experts=4,
+        top_k=2,
+        expert_intermediate=64,
+        vocab=1024,
     ),
     "tiny": ModelSize(
-        hidden=32, intermediate=48, groups=1, heads=4, kv_heads=2, head_dim=8, linear_heads=2,
-        linear_head_dim=8, experts=4, top_k=2, expert_intermediate=16, vocab=128,
+        hidden=32,
+        intermediate=48,
+        groups=1,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        linear_heads=2,
+        linear_head_dim=8,
+        experts=4,
+        top_k=2,
+        expert_intermediate=16,
+        vocab=128,
     ),
 }
 
@@ -120,9 +160,13 @@ def _attn(s: ModelSize) -> dict:
 
 def _gdn(s: ModelSize) -> dict:
     return dict(
-        **_attn(s), layer_types=_hybrid_types(s), linear_num_key_heads=max(1, s.linear_heads // 2),
-        linear_num_value_heads=s.linear_heads, linear_key_head_dim=s.linear_head_dim,
-        linear_value_head_dim=s.linear_head_dim, linear_conv_kernel_dim=4,
+        **_attn(s),
+        layer_types=_hybrid_types(s),
+        linear_num_key_heads=max(1, s.linear_heads // 2),
+        linear_num_value_heads=s.linear_heads,
+        linear_key_head_dim=s.linear_head_dim,
+        linear_value_head_dim=s.linear_head_dim,
+        linear_conv_kernel_dim=4,
     )
 
 
@@ -132,22 +176,37 @@ def _moe(s: ModelSize) -> dict:
 
 def _mla(s: ModelSize) -> dict:
     return dict(
-        num_attention_heads=s.heads, num_key_value_heads=s.heads, kv_lora_rank=s.hidden // 4,
-        qk_rope_head_dim=s.head_dim // 2, qk_nope_head_dim=s.head_dim // 2, v_head_dim=s.head_dim,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.heads,
+        kv_lora_rank=s.hidden // 4,
+        qk_rope_head_dim=s.head_dim // 2,
+        qk_nope_head_dim=s.head_dim // 2,
+        v_head_dim=s.head_dim,
     )
 
 
 def _kimi(s: ModelSize) -> dict:
     return dict(
-        **_mla(s), layer_types=_hybrid_types(s), mlp_layer_types=["dense"] + ["sparse"] * (s.layers - 1),
-        linear_num_heads=s.linear_heads, linear_head_dim=s.linear_head_dim, linear_conv_kernel_dim=4,
-        num_local_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate,
+        **_mla(s),
+        layer_types=_hybrid_types(s),
+        mlp_layer_types=["dense"] + ["sparse"] * (s.layers - 1),
+        linear_num_heads=s.linear_heads,
+        linear_head_dim=s.linear_head_dim,
+        linear_conv_kernel_dim=4,
+        num_local_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.expert_intermediate,
     )
 
 
 def _bailing(s: ModelSize) -> dict:
     return dict(
-        **_kimi(s), head_dim=s.head_dim, n_group=1, topk_group=1, first_k_dense_replace=1, layer_group_size=4,
+        **_kimi(s),
+        head_dim=s.head_dim,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        layer_group_size=4,
     )
 
 
@@ -155,9 +214,17 @@ def _nemotron(s: ModelSize) -> dict:
     # Nemotron-H blocks are single sublayers: a mixer or attention block, then an MoE block.
     blocks = ["mamba", "moe", "mamba", "moe", "mamba", "moe", "attention", "moe"] * s.groups
     return dict(
-        **_attn(s), layers_block_type=blocks, mamba_num_heads=s.linear_heads, mamba_head_dim=s.linear_head_dim,
-        n_groups=1, ssm_state_size=s.linear_head_dim, conv_kernel=4, chunk_size=64, n_routed_experts=s.experts,
-        num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate,
+        **_attn(s),
+        layers_block_type=blocks,
+        mamba_num_heads=s.linear_heads,
+        mamba_head_dim=s.linear_head_dim,
+        n_groups=1,
+        ssm_state_size=s.linear_head_dim,
+        conv_kernel=4,
+        chunk_size=64,
+        n_routed_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.expert_intermediate,
         moe_shared_expert_intermediate_size=s.expert_intermediate,
     )
 
@@ -165,8 +232,12 @@ def _nemotron(s: ModelSize) -> dict:
 def _mamba2(s: ModelSize) -> dict:
     # Mamba2's mixers are 2 x hidden wide: the heads follow from the head dim
     return dict(
-        num_heads=2 * s.hidden // s.linear_head_dim, head_dim=s.linear_head_dim, n_groups=1,
-        state_size=s.linear_head_dim, conv_kernel=4, chunk_size=64,
+        num_heads=2 * s.hidden // s.linear_head_dim,
+        head_dim=s.linear_head_dim,
+        n_groups=1,
+        state_size=s.linear_head_dim,
+        conv_kernel=4,
+        chunk_size=64,
     )
 
 
@@ -181,9 +252,18 @@ def _count(config: tf.PretrainedConfig, kind: str) -> int:
 
 def _gdn_arch(c: tf.PretrainedConfig, experts: int = 0, top_k: int = 0) -> Arch:
     return Arch(
-        _count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim, "delta",
-        _count(c, "linear_attention"), c.linear_num_value_heads, c.linear_key_head_dim,
-        c.linear_value_head_dim, 64, experts, top_k,
+        _count(c, "full_attention"),
+        c.num_attention_heads,
+        c.head_dim,
+        c.head_dim,
+        "delta",
+        _count(c, "linear_attention"),
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        64,
+        experts,
+        top_k,
     )
 
 
@@ -193,24 +273,40 @@ def _gdn_moe_arch(c: tf.PretrainedConfig) -> Arch:
 
 def _kda_arch(c: tf.PretrainedConfig) -> Arch:
     return Arch(
-        _count(c, "full_attention"), c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
-        c.v_head_dim, "delta", _count(c, "linear_attention"), c.linear_num_heads, c.linear_head_dim,
-        c.linear_head_dim, 64, c.num_local_experts, c.num_experts_per_tok,
+        _count(c, "full_attention"),
+        c.num_attention_heads,
+        c.qk_nope_head_dim + c.qk_rope_head_dim,
+        c.v_head_dim,
+        "delta",
+        _count(c, "linear_attention"),
+        c.linear_num_heads,
+        c.linear_head_dim,
+        c.linear_head_dim,
+        64,
+        c.num_local_experts,
+        c.num_experts_per_tok,
     )
 
 
 def _nemotron_arch(c: tf.PretrainedConfig) -> Arch:
     return Arch(
-        _count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim, "ssd",
-        _count(c, "linear_attention"), c.mamba_num_heads, c.ssm_state_size, c.mamba_head_dim,
-        c.chunk_size, c.n_routed_experts, c.num_experts_per_tok,
+        _count(c, "full_attention"),
+        c.num_attention_heads,
+        c.head_dim,
+        c.head_dim,
+        "ssd",
+        _count(c, "linear_attention"),
+        c.mamba_num_heads,
+        c.ssm_state_size,
+        c.mamba_head_dim,
+        c.chunk_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
     )
 
 
 def _mamba2_arch(c: tf.PretrainedConfig) -> Arch:
-    return Arch(
-        0, 0, 0, 0, "ssd", _count(c, "linear_attention"), c.num_heads, c.state_size, c.head_dim, c.chunk_size
-    )
+    return Arch(0, 0, 0, 0, "ssd", _count(c, "linear_attention"), c.num_heads, c.state_size, c.head_dim, c.chunk_size)
 
 
 def _mamba_arch(c: tf.PretrainedConfig) -> Arch:
@@ -228,12 +324,16 @@ def _lfm2_arch(c: tf.PretrainedConfig) -> Arch:
 BENCH_FAMILIES: dict[str, _Family] = {
     "qwen3_5": _Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _gdn, _gdn_arch),
     "qwen3_5_moe": _Family(
-        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate), _gdn_moe_arch,
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate),
+        _gdn_moe_arch,
     ),
     "qwen3_next": _Family(
-        "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate), _gdn_moe_arch,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate),
+        _gdn_moe_arch,
     ),
     "olmo_hybrid": _Family("OlmoHybridConfig", "OlmoHybridForCausalLM", _gdn, _gdn_arch),
     "kimi_linear": _Family("KimiLinearConfig", "KimiLinearForCausalLM", _kimi, _kda_arch),
@@ -281,9 +381,15 @@ def build_model(
         size = SIZES[size]
     spec = BENCH_FAMILIES[family]
     kwargs = dict(
-        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers, max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     kwargs.update(spec.kwargs(size))
     for key in ("layer_types", "layers_block_type"):

@@ -68,7 +68,7 @@ def _memory(ax, record: dict) -> None:
 
 
 def plot_bench(record: dict, path: str | Path) -> None:
-    """Draw ``record`` (:func:`~harts_hf.bench.bench_record`) to ``path``: seconds per phase and mode
+    """Draw ``record`` (:func:`~harts_hf.lab.bench_record`) to ``path``: seconds per phase and mode
     with the ideal harts time, peak memory per mode, and a caption defining the modes."""
     import matplotlib
 

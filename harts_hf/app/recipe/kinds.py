@@ -11,9 +11,8 @@ from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
-from ...data import agent_tokenizer
-from ...envs import build_tokenizer
-from .. import (
+from ...sources import agent_tokenizer, build_tokenizer
+from ...trainers import (
     HARTSDPOConfig,
     HARTSDPOTrainer,
     HARTSGRPOConfig,

@@ -15,7 +15,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ...envs import build_tokenizer
+from ...sources import build_tokenizer
 from ..console import no_progress_bars, quiet_console
 from ..progress import StepLine
 from .arguments import BUILTIN_PREFIX, ModelArguments, builtin_model
@@ -32,7 +32,7 @@ def load_model(
     checkpoints that ship none)."""
     name = args.model_name_or_path
     if name.startswith(BUILTIN_PREFIX):
-        from ...bench.models import build_model
+        from ...lab.models import build_model
 
         return build_model(*builtin_model(name), seed=args.seed_model).model.train(), tokenizer()
     model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
@@ -45,7 +45,7 @@ def load_model(
 
 def build_trainer(args: ModelArguments, training_args: TrainingArguments) -> Trainer:
     """The recipe's HARTS trainer on its built-in data (``harts_enable=False``: the stock trainer)
-    whose console is :class:`~harts_hf.trainers.progress.StepLine` (TRL's metrics dict too with ``verbose``)."""
+    whose console is :class:`~harts_hf.app.progress.StepLine` (TRL's metrics dict too with ``verbose``)."""
     recipe = recipe_for(args)
     check_recipe(args, training_args)
     model, tokenizer = load_model(args, recipe.tokenizer)

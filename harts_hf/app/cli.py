@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from .planner import DEFAULT_MAX_TOKENS, CostModel, plan, plan_record, plot_plan, record_table
-from .trainers.cli import add_parser as add_train_parsers
-from .workloads import CPU_SCALE, WORKLOADS, forest_stats, get_workload
+from ..lab import plan_record, plot_plan, record_table
+from ..planner import DEFAULT_MAX_TOKENS, CostModel, plan
+from ..sources import CPU_SCALE, WORKLOADS, forest_stats, get_workload
+from .train import add_parser as add_train_parsers
 
 __all__ = ["build_parser", "main"]
 
@@ -85,7 +86,7 @@ def _check_config(args: argparse.Namespace) -> None:
     """Refuse a recipe (``--config``) that is missing, not YAML or sets an unknown key before the model
     is built (imported here: it loads transformers)."""
     if getattr(args, "config", None) is not None:
-        from .trainers.recipe import check_config
+        from .recipe import check_config
 
         try:
             check_config(args.config, args.trainer)
@@ -127,7 +128,7 @@ def _workload_parser(sub: argparse._SubParsersAction) -> None:
 def _quiet() -> None:
     """The train console's filters for a command that builds models (transformers' CPU-irrelevant
     kernel-fallback advice would break its progress bars)."""
-    from .trainers.console import quiet_third_party
+    from .console import quiet_third_party
 
     quiet_third_party()
 
@@ -202,7 +203,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="fit the planner's cost model (--memory: memory model) to a model on this machine"
     )
     p.add_argument("--model", metavar="FAMILY", default="qwen3_5", help="model family (default qwen3_5)")
-    p.add_argument("--size", default="quick", help="model size from harts_hf.bench.SIZES (default quick)")
+    p.add_argument("--size", default="quick", help="model size from harts_hf.lab.SIZES (default quick)")
     p.add_argument(
         "--repeats", type=_positive_int, default=3, help="timed runs per forest; the fastest counts (default 3)"
     )
@@ -229,8 +230,8 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Time the model's forward + backward on calibration forests and fit the cost model."""
     _quiet()
-    from .bench.calibrate import calibrate, format_cost_model
-    from .bench.models import build_model
+    from ..lab.calibrate import calibrate, format_cost_model
+    from ..lab.models import build_model
 
     began = time.perf_counter()
     try:
@@ -238,10 +239,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as err:
         raise SystemExit(f"harts-hf calibrate: {err}") from err
     if args.memory:
-        from .bench.calibrate_memory import calibrate_memory, format_breakdown, format_memory_model
-        from .engine import memory_model
-        from .engine.memory import memory_breakdown
-        from .modeling import patch_model
+        from ..engine import memory_model
+        from ..engine.memory import memory_breakdown
+        from ..lab.calibrate_memory import calibrate_memory, format_breakdown, format_memory_model
+        from ..modeling import patch_model
 
         try:
             measured = calibrate_memory(patch_model(model), tokens=args.tokens)
@@ -263,9 +264,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time stock, trajectory-wise and forest training steps of one model")
     p.add_argument("--quick", action="store_true", help="a small model and workload (CI's check; under 45 s)")
-    p.add_argument(
-        "--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)"
-    )
+    p.add_argument("--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.lab.BENCH_FAMILIES)")
     p.add_argument(
         "--workload",
         metavar="NAME",
@@ -275,7 +274,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scale", type=_positive_float, help="length multiplier of the workload (swe-like default 0.005, quick 0.002)"
     )
-    p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default: default; gpu for a CUDA run)")
+    p.add_argument("--size", help="model size from harts_hf.lab.SIZES (default: default; gpu for a CUDA run)")
     _add_run_options(p, plot="draw seconds per phase and mode, the ideal marked")
     p.set_defaults(run=cmd_bench)
 
@@ -283,7 +282,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark (imported here: it loads torch and transformers), print and save it."""
     _quiet()
-    from .bench import bench_record, default_config, plot_bench, run_bench, table
+    from ..lab import bench_record, default_config, plot_bench, run_bench, table
 
     try:
         config = default_config(
@@ -312,7 +311,7 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tasks", type=_positive_int, default=1, help="swe-like tasks of 8 episodes (default 1: ~1.5 min on one core)"
     )
-    p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.bench.ops.KINDS)")
+    p.add_argument("--kinds", nargs="+", metavar="KIND", help="layer kinds (default all of harts_hf.lab.ops.KINDS)")
     p.add_argument(
         "--repeats", type=_positive_int, default=3, help="timed runs per kind and mode, after a warm-up (default 3)"
     )
@@ -329,7 +328,7 @@ def _bench_ops_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench_ops(args: argparse.Namespace) -> int:
     """Benchmark the tree kernels on a SWE-like forest (imported here: it loads torch), print and save."""
     _quiet()
-    from .bench.ops import bench_ops, format_table
+    from ..lab.ops import bench_ops, format_table
 
     kinds = {} if args.kinds is None else {"kinds": args.kinds}
     try:
@@ -345,10 +344,8 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
 
 def _memory_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory", help="peak memory and step time vs trajectory length at one microbatch budget")
-    p.add_argument(
-        "--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.bench.BENCH_FAMILIES)"
-    )
-    p.add_argument("--size", help="model size from harts_hf.bench.SIZES (default quick)")
+    p.add_argument("--model", metavar="FAMILY", help="model family (default qwen3_5; see harts_hf.lab.BENCH_FAMILIES)")
+    p.add_argument("--size", help="model size from harts_hf.lab.SIZES (default quick)")
     p.add_argument(
         "--lengths",
         type=_positive_int,
@@ -374,7 +371,7 @@ def _memory_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_memory(args: argparse.Namespace) -> int:
     """Sweep trajectory lengths at one budget (imported here: it loads torch), print and save the record."""
     _quiet()
-    from .bench import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
+    from ..lab import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
 
     names = ("model", "size", "lengths", "budget", "one_unit_max_tokens", "stock_max_tokens", "repeats", "device")
     options = {name: getattr(args, name) for name in (*names, "dtype") if getattr(args, name) is not None}

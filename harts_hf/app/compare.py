@@ -16,10 +16,10 @@ import statistics
 import torch
 from trl import GRPOTrainer
 
-from ..envs import episode_rollout, ledger_dataset, sample_reward
-from .config import HARTSGRPOConfig
+from ..sources import episode_rollout, ledger_dataset, sample_reward
+from ..trainers.config import HARTSGRPOConfig
+from ..trainers.grpo import HARTSGRPOTrainer
 from .console import quiet_console
-from .grpo import HARTSGRPOTrainer
 from .recipe import AgenticArguments, load_model
 
 __all__ = ["compare", "format_comparison"]

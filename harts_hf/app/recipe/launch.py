@@ -14,8 +14,8 @@ from typing import NoReturn
 
 from trl import TrlParser
 
+from ...trainers.teardown import end_distributed
 from ..console import no_progress_bars, quiet_third_party
-from ..teardown import end_distributed
 from .build import build_trainer
 from .kinds import get_recipe
 from .parse import check_arguments, check_config, check_recipe, resume_from

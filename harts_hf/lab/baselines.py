@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..forest import RolloutForest
-from .assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_paths, rank_intervals
-from .balance import rank_imbalance, slot_imbalance, step_seconds
-from .cost import CostModel
-from .geometry import Geometry
-from .memory import Budget, MemoryModel
-from .node_parts import node_parts_of
-from .plan import Plan, build_plan
-from .slots import slot_pieces
-from .split import budget_cuts
+from ..planner.assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_paths, rank_intervals
+from ..planner.balance import rank_imbalance, slot_imbalance, step_seconds
+from ..planner.cost import CostModel
+from ..planner.geometry import Geometry
+from ..planner.memory import Budget, MemoryModel
+from ..planner.node_parts import node_parts_of
+from ..planner.plan import Plan, build_plan
+from ..planner.slots import slot_pieces
+from ..planner.split import budget_cuts
 
 __all__ = ["BASELINES", "Baseline", "dfs_kcut", "exact", "per_trajectory", "run_baselines", "trie_packing"]
 

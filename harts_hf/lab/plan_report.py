@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..forest import RolloutForest
+from ..planner.plan import Plan
 from .baselines import EXACT_SECONDS, run_baselines
-from .plan import Plan
 
 __all__ = ["PLANNERS", "legend", "plan_record", "planner_entries", "record_table"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..workloads import WORKLOADS
+from ..sources import WORKLOADS
 from .models import BENCH_FAMILIES, SIZES
 
 __all__ = ["DEFAULT_SCALE", "DTYPES", "QUICK_SCALE", "SWE_LIKE", "BenchConfig", "default_config"]
@@ -39,9 +39,9 @@ def check_model_options(model: str, size: str, dtype: str, device: str) -> None:
 
 @dataclass
 class BenchConfig:
-    model: str = field(default="qwen3_5", metadata={"help": "model family (harts_hf.bench.BENCH_FAMILIES)"})
-    size: str = field(default="default", metadata={"help": "model size (harts_hf.bench.SIZES)"})
-    workload: str = field(default="swe-like", metadata={"help": "workload name (harts_hf.workloads.WORKLOADS)"})
+    model: str = field(default="qwen3_5", metadata={"help": "model family (harts_hf.lab.BENCH_FAMILIES)"})
+    size: str = field(default="default", metadata={"help": "model size (harts_hf.lab.SIZES)"})
+    workload: str = field(default="swe-like", metadata={"help": "workload name (harts_hf.sources.WORKLOADS)"})
     scale: float | None = field(default=None, metadata={"help": "length scale of the workload (swe-like)"})
     workload_kwargs: dict = field(default_factory=dict, metadata={"help": "further keyword arguments of the workload"})
     dtype: str = field(default="fp32", metadata={"help": "model and compute dtype: fp32 or bf16"})

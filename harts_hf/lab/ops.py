@@ -60,8 +60,8 @@ from ..ops.linear_attention import ChunkKernel
 from ..ops.ragged_layout import ragged_layout_of
 from ..ops.rounds import rounds_of
 from ..ops.tree_batch import TreeBatch
-from ..planner.report import legend
 from .fla_report import fallback_note, sequential_calls
+from .plan_report import legend
 
 __all__ = ["KINDS", "LINEAR_KINDS", "bench_ops", "format_table", "keep_freed_memory"]
 

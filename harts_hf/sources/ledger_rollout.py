@@ -50,7 +50,7 @@ class _Episode:
 
 @dataclass
 class LedgerRunner:
-    """An :data:`~harts_hf.envs.episodes.EpisodeRunner` for :class:`LedgerEnv`.
+    """An :data:`~harts_hf.sources.episodes.EpisodeRunner` for :class:`LedgerEnv`.
 
     Args:
         max_turns: tool calls per episode (an ``answer`` ends it earlier).

@@ -1,7 +1,7 @@
 """``calibrate(model)``: fit the planner's cost model on this machine by timing a model on trees.
 
 Times one forward + backward of ``tree_forward`` per forest over forests of varied size, depth
-and branching (the shapes of ``harts_hf.workloads``), each as one microbatch, and fits
+and branching (the shapes of ``harts_hf.sources``), each as one microbatch, and fits
 :func:`~harts_hf.planner.cost.fit_cost_model` on their features (compact tokens, attended pairs,
 rounds, 1). Imports the modeling stack, unlike the rest of the planner.
 """
@@ -17,9 +17,9 @@ import torch
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
 from ..planner.cost import CostModel, fit_cost_model
-from ..planner.report import legend
+from ..sources import caterpillar, deep_chain, grpo_group, random_tree
 from ..trees import min_rounds
-from ..workloads import caterpillar, deep_chain, grpo_group, random_tree
+from .plan_report import legend
 
 __all__ = ["calibrate", "calibration_forests", "forest_features", "format_cost_model"]
 

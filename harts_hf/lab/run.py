@@ -22,7 +22,7 @@ from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..ops.rounds import rounds_of
 from ..ops.tree_batch import TreeBatch
-from ..workloads import get_workload
+from ..sources import get_workload
 from .config import BenchConfig
 from .flops import FlopModel
 from .loss import grpo_advantages

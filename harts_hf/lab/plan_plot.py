@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from ..forest import RolloutForest
-from .cost import cost_origin
-from .plan import Plan, as_forests
-from .report import planner_entries
+from ..planner.cost import cost_origin
+from ..planner.plan import Plan, as_forests
+from .plan_report import planner_entries
 
 __all__ = ["plot_plan"]
 
