@@ -1,12 +1,13 @@
 """Facts of a tree's shape that the forest, the planner and the ops all read, computed in one place
-from parent arrays (``parent[i]``: i's parent, -1 at a root): depths, chains, and the min-rounds
-rule of linear-attention paths. Vectorised: one step per level or per pointer jump."""
+from parent arrays (``parent[i]``: i's parent, -1 at a root): depths, chains, the min-rounds rule
+of linear-attention paths and the replay bound of a path off the chunk grid. Vectorised: one step
+per level or per pointer jump."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chain_starts", "min_rounds", "tree_levels"]
+__all__ = ["chain_starts", "min_rounds", "replay_length", "tree_levels"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -51,3 +52,10 @@ def min_rounds(parent: np.ndarray, depth: np.ndarray | None = None) -> tuple[np.
         r[par] = np.where(ties[par] >= 2, best[par] + 1, best[par])
         np.maximum.at(deep, par, deep[ch])
     return r, deep
+
+
+def replay_length(depth: np.ndarray, chunk: int) -> np.ndarray:
+    """Ancestors a linear-attention path whose first own token sits at ``depth`` replays: it starts
+    at the chunk grid below, ``floor(depth / chunk) * chunk``, so fewer than ``chunk`` (the bounded
+    replay: what a cut off the grid costs the planner, what the ops compute)."""
+    return depth % chunk

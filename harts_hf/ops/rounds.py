@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..trees import chain_starts, min_rounds, tree_levels
+from ..trees import chain_starts, min_rounds, replay_length, tree_levels
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -287,8 +287,8 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
     own_len = np.bincount(token_path, minlength=num_paths)
     own_off = np.concatenate(([0], np.cumsum(own_len)))
     start = own_order[own_off[:-1]]  # [P] piece index of each path's first own token
-    a = pos[start] // C * C  # [P] aligned start depth
-    replay_len = pos[start] - a
+    replay_len = replay_length(pos[start], C)
+    a = pos[start] - replay_len  # [P] aligned start depth
     chunks = -(-(replay_len + own_len) // C)
     path_round = node_round[node_of[start]]
     replay, state_tok = _replay(prev, nc + start, replay_len, C)

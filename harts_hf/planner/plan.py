@@ -34,6 +34,7 @@ import numpy as np
 from ..checks import require_positive_ints
 from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
+from ..trees import replay_length
 from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
@@ -67,12 +68,10 @@ class Plan:
     context) <= budget.tokens``) and linear-attention ``rounds``. Empty microbatches cost 0;
     ``peak_bytes`` is what ``memory_model`` predicts they hold.
 
-    Dependencies [D]: microbatch (``dep_rank``, ``dep_slot``) reads ``dep_tokens`` context tokens
-    held by piece ``dep_piece`` (always the same rank, an earlier slot). Ranks never exchange
-    activations.
-
-    Where each context row and boundary state of a microbatch comes from (the handoff addresses)
-    is compiled from these pieces by ``harts_hf.schedule``, the one place that derives them.
+    A microbatch's context lies in pieces of its own rank's earlier slots: ranks never exchange
+    activations. Which pieces, and where each context row and boundary state comes from (the
+    handoff addresses), is compiled from these pieces by ``harts_hf.schedule``, the one place that
+    derives them; the plan keeps only the context's size, which the budget decides on.
 
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
     last token; its whole path is on that rank). ``forest_digests``: per forest, the
@@ -96,10 +95,6 @@ class Plan:
     tokens: np.ndarray
     context: np.ndarray
     rounds: np.ndarray
-    dep_piece: np.ndarray
-    dep_rank: np.ndarray
-    dep_slot: np.ndarray
-    dep_tokens: np.ndarray
     traj_rank: list[np.ndarray]
     forest_digests: tuple[str, ...]
     num_compact_tokens: int
@@ -176,9 +171,9 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
     return out
 
 
-def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int):
-    """(src piece, dst microbatch, tokens) for the context of every microbatch: the union of its
-    entries' root paths, intersected with the rank's pieces."""
+def _context_tokens(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
+    """[num_mb] context tokens of every microbatch: the union of its entries' root paths,
+    intersected with the rank's pieces."""
     which, lo, hi = geo.path_intervals(entry)
     mb = entry_mb[which]
     stride = geo.num_tokens + 1
@@ -194,8 +189,7 @@ def _dependencies(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np
     src = pieces.by_token[np.repeat(k1, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
     dst = np.repeat(mb, n)
     count = np.minimum(np.repeat(hi, n), pieces.hi[src]) - np.maximum(np.repeat(lo, n), pieces.lo[src])
-    pair, inv = np.unique(src * num_mb + dst, return_inverse=True)
-    return pair // num_mb, pair % num_mb, np.bincount(inv, weights=count).astype(np.int64)
+    return np.bincount(dst, weights=count, minlength=num_mb).astype(np.int64)
 
 
 def _replay(
@@ -210,7 +204,7 @@ def _replay(
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
     has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0
     lonely = ~has_child[s]
-    return int(((geo.token_depth(pt[lonely]) + 1) % chunk).sum())
+    return int(replay_length(geo.token_depth(pt[lonely]) + 1, chunk).sum())
 
 
 def _traj_rank(geo: Geometry, forests: list[RolloutForest], pieces: Pieces) -> list[np.ndarray]:
@@ -313,8 +307,7 @@ def build_plan(
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    dep_piece, dep_mb, dep_tokens = _dependencies(geo, pieces, entry, entry_mb, num_mb)
-    context = np.bincount(dep_mb, weights=dep_tokens, minlength=num_mb).astype(np.int64)
+    context = _context_tokens(geo, pieces, entry, entry_mb, num_mb)
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)
@@ -336,10 +329,6 @@ def build_plan(
         tokens=tokens.reshape(shape),
         context=context.reshape(shape),
         rounds=parts.rounds.reshape(shape),
-        dep_piece=dep_piece,
-        dep_rank=dep_mb // pieces.num_slots,
-        dep_slot=dep_mb % pieces.num_slots,
-        dep_tokens=dep_tokens,
         traj_rank=_traj_rank(geo, forests, pieces),
         forest_digests=tuple(forest.shape_digest for forest in forests),
         num_compact_tokens=geo.num_tokens,

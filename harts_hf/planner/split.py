@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..trees import replay_length
 from .assign import RankIntervals
 from .geometry import Geometry
 from .memory import Budget
@@ -35,11 +36,11 @@ def _snap(geo: Geometry, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, atomic: 
     v = geo.node_of(t)
     ns = np.maximum(geo.start[v], lo)
     ne = np.minimum(geo.start[v] + geo.length[v], hi)
-    down = t - (geo.depth[v] + t - geo.start[v]) % chunk
+    down = t - replay_length(geo.depth[v] + t - geo.start[v], chunk)  # the aligned token at or before t
     cand = np.stack([down, down + chunk, ns, ne], axis=1)  # [K, 4]
     ok = (cand >= ns[:, None]) & (cand <= ne[:, None])
     safe = np.minimum(cand, geo.num_tokens - 1)
-    replay = np.where(cand < geo.num_tokens, geo.token_depth(safe) % chunk, 0)
+    replay = np.where(cand < geo.num_tokens, replay_length(geo.token_depth(safe), chunk), 0)
     score = np.where(ok, np.abs(cand - x[:, None]) + replay, np.inf)
     best = cand[np.arange(x.size), np.argmin(score, axis=1)]
     return np.where(atomic, np.where(x - lo < hi - x, lo, hi), best)
@@ -111,7 +112,7 @@ def _last_fit(
     t = np.minimum(iv.lo[j] + cap - iv_start[j], iv.hi[j])
     inner = np.minimum(t, iv.hi[j] - 1)
     v = geo.node_of(inner)
-    down = t - (geo.depth[v] + t - geo.start[v]) % chunk
+    down = t - replay_length(geo.depth[v] + t - geo.start[v], chunk)  # the aligned token at or before t
     best = np.where(iv.atomic[j] & (t < iv.hi[j]), iv.lo[j], np.maximum(np.maximum(down, geo.start[v]), iv.lo[j]))
     best = np.where(t == iv.hi[j], t, best)
     pos = iv_start[j] + best - iv.lo[j]
