@@ -1,8 +1,8 @@
 """TreeEngine: one rank's row of a :class:`~harts_hf.planner.Plan`, run on a patched model, exactly.
 
-Each unit (one forest's share of a microbatch slot, compiled once at construction by
-:func:`harts_hf.schedule.rank_units`: token ids, tree tables, pairs and handoff addresses, all on
-the device) is one packed call of the base model over its own compact tokens; the tokens it needs
+The engine runs a :class:`~harts_hf.schedule.Schedule`, compiled once at construction. Each of its
+units (one forest's share of a microbatch slot: token ids, tree tables, pairs and handoff
+addresses, all on the device) is one packed call of the base model over its own compact tokens; the tokens it needs
 from earlier slots (ancestor K/V, conv halos, recurrent states and replay inputs) come through its
 :class:`~.handoff.Handoff`, passed down on a per-run view of the unit's tree kwarg. The model run
 makes no host transfer (``tests/test_host_transfers.py``).
@@ -56,7 +56,7 @@ from ..ops.precision import AutocastState
 from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
-from ..schedule import Builders, TrajectoryRows, Unit, rank_units
+from ..schedule import Schedule, Unit
 from .handoff import Handoff, Store
 
 __all__ = ["Recording", "TreeEngine"]
@@ -146,24 +146,28 @@ class TreeEngine:
         self._no_sync = no_sync
         with torch.no_grad():  # the probe runs as the wrapper's forward too (FSDP2 gathers the root's parameters)
             tables = self._forward(lambda: model_tables(self.hf, self.adapter))
-        self.units: list[Unit] = rank_units(self.forests, plan, rank, tables, self.device)
-        self.calls = max(calls, len(self.units))
-        self._padding = _padding_unit(tables, self.device) if self.calls > len(self.units) else None
-        self.owned = [torch.as_tensor(t == rank, device=self.device) for t in plan.traj_rank]
-        # Pairs are numbered in forest order (non-root compact tokens): P_f per forest, and per unit
-        # the numbers of the pairs it produces.
-        self.num_pairs = [int((f.prev >= 0).sum()) for f in self.forests]
-        self._layouts = [TrajectoryRows.of(f, self.device) for f in self.forests]
-        self._pair_index = [
-            torch.as_tensor(self.forests[u.forest].pair_number[u.pairs], device=self.device) for u in self.units
-        ]
-        self._token_index = [torch.as_tensor(u.tokens, device=self.device) for u in self.units]
+        self.schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """The rank's model calls (its schedule's units)."""
+        return self.schedule.units
+
+    @property
+    def calls(self) -> int:
+        """Model calls per pass, padding included."""
+        return self.schedule.calls
+
+    @property
+    def owned(self) -> tuple[torch.Tensor, ...]:
+        """Per forest [B_f] bool: the trajectories whose loss this rank computes."""
+        return self.schedule.owned
 
     def computed_tokens(self) -> list[torch.Tensor]:
         """Per forest [N_f] bool: the compact tokens this rank's units compute (a shared trunk may be
         computed on several ranks)."""
         out = [torch.zeros(f.num_compact_tokens, dtype=torch.bool, device=self.device) for f in self.forests]
-        for unit, tokens in zip(self.units, self._token_index):
+        for unit, tokens in zip(self.units, self.schedule.token_index):
             out[unit.forest][tokens] = True
         return out
 
@@ -232,7 +236,7 @@ class TreeEngine:
         if per_token and return_entropy:
             raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
         store = Store()
-        if (per_token or len(self.units) == 1) and self._padding is None:
+        if (per_token or len(self.units) == 1) and self.schedule.padding is None:
             return self._stream(store, loss_fn, return_entropy)
         return self._replay(store, loss_fn, return_entropy)
 
@@ -296,7 +300,7 @@ class TreeEngine:
         done = 0
         if kept is not None:
             with self._sync_last(done):
-                if kept.handoff.unit is self._padding:
+                if kept.handoff.unit is self.schedule.padding:
                     torch.autograd.backward(kept.outputs[0], torch.zeros_like(kept.outputs[0]))
                     padding -= 1
                 else:
@@ -326,14 +330,14 @@ class TreeEngine:
         """Backpropagate a unit's run: its outputs with their shares of the pass's gradients."""
         unit = run.handoff.unit
         lp, ent, logits = run.outputs
-        pairs = self._pair_index[unit.index]
+        pairs = self.schedule.pair_index[unit.index]
         tensors, unit_grads = [lp], [grads[unit.forest][pairs]]
         if entropy_grads is not None:
             tensors.append(ent)
             unit_grads.append(entropy_grads[unit.forest][pairs])
         if router_grads is not None:
             tensors.append(logits)
-            unit_grads.append(router_grads[unit.forest][:, self._token_index[unit.index]].to(logits.dtype))
+            unit_grads.append(router_grads[unit.forest][:, self.schedule.token_index[unit.index]].to(logits.dtype))
         self._send(store, run.handoff, tensors, unit_grads)
 
     def _sync_last(self, done: int) -> AbstractContextManager:
@@ -368,14 +372,15 @@ class TreeEngine:
 
     def _layout(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         return [
-            torch.where(owned[:, None], layout(v), 0.0) for v, layout, owned in zip(values, self._layouts, self.owned)
+            torch.where(owned[:, None], layout(v), 0.0)
+            for v, layout, owned in zip(values, self.schedule.rows, self.owned)
         ]
 
     def _scatter(self, per_unit: list[torch.Tensor], units: list[Unit] | None = None) -> list[torch.Tensor]:
         """Pair values of ``units`` (default all) -> per forest [P_f] (0 for the other pairs)."""
-        out = [torch.zeros(n, device=self.device) for n in self.num_pairs]
+        out = [torch.zeros(n, device=self.device) for n in self.schedule.num_pairs]
         for unit, value in zip(units or self.units, per_unit):
-            out[unit.forest] = out[unit.forest].index_put((self._pair_index[unit.index],), value.float())
+            out[unit.forest] = out[unit.forest].index_put((self.schedule.pair_index[unit.index],), value.float())
         return out
 
     def _scatter_tokens(self, per_unit: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
@@ -384,7 +389,7 @@ class TreeEngine:
         layers, _, experts = like.shape
         out = [like.new_zeros(layers, f.num_compact_tokens, experts) for f in self.forests]
         for unit, value in zip(self.units, per_unit):
-            out[unit.forest] = out[unit.forest].index_copy(1, self._token_index[unit.index], value)
+            out[unit.forest] = out[unit.forest].index_copy(1, self.schedule.token_index[unit.index], value)
         return out
 
     def _record(
@@ -405,11 +410,11 @@ class TreeEngine:
         """Every model call of the rank (its units, then its padding calls) without grad, but, with
         ``keep_last``, the last, which runs with grad in the sync context of the replay's first
         backward pass and is returned with its graph; the values come detached."""
-        calls = [*self.units, *[self._padding] * (self.calls - len(self.units))]
+        calls = self.schedule.call_order()
         lps, ents, routers, stats, kept = [], [], [], [], None
         for i, unit in enumerate(calls):
             keep = keep_last and i == len(calls) - 1
-            padding = unit is self._padding
+            padding = unit is self.schedule.padding
             with torch.set_grad_enabled(keep), self._sync_last(0) if keep else contextlib.nullcontext():
                 handoff = Handoff(Store() if padding else store, unit, grad=keep)
                 wanted = () if padding else statistics
@@ -427,8 +432,9 @@ class TreeEngine:
         return values, ents, self._scatter_tokens(routers, routers[0]) if router else None, per_name, kept
 
     def _run_padding(self, *, grad: bool, router: bool = False):
-        """A padding call (:func:`_padding_unit`): records nothing any unit reads."""
-        return self._run(self._padding, Handoff(Store(), self._padding, grad=grad), False, router)
+        """A padding call (``Schedule.padding``): records nothing any unit reads."""
+        padding = self.schedule.padding
+        return self._run(padding, Handoff(Store(), padding, grad=grad), False, router)
 
     def _run(
         self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False, statistics: tuple[str, ...] = ()
@@ -456,12 +462,6 @@ class _GradRun(NamedTuple):
 
     handoff: Handoff
     outputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def _padding_unit(tables: Builders, device: torch.device) -> Unit:
-    """A two-token chain in one unit: what a rank runs for a model call it has no unit for."""
-    forest = RolloutForest.from_sequences([[0, 0]])
-    return rank_units([forest], make_plan(forest, world_size=1, max_tokens_per_microbatch=2), 0, tables, device)[0]
 
 
 class Recording:

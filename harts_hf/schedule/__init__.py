@@ -1,5 +1,7 @@
 """The compiled schedule: every unit (model call) of a step, device-ready before the model runs.
 
+- ``schedule.py``: :class:`Schedule`, one rank's pass over a plan (its units, padding calls,
+  owned trajectories and the gathers back to forest order and TRL's rows): what the engine runs.
 - ``units.py``: :class:`Unit` (token ids, tree tables, log-prob pairs, handoff addresses) and
   the compilers: :func:`rank_units` (a rank's row of a plan) and :func:`forest_unit` (a whole
   forest, what ``tree_logprobs`` runs).
@@ -8,12 +10,14 @@
 """
 
 from .rows import TrajectoryRows
+from .schedule import Schedule
 from .tables import Builders, build_tables, chunk_sizes
 from .units import Gather, Unit, forest_unit, handoff_rows, rank_units
 
 __all__ = [
     "Builders",
     "Gather",
+    "Schedule",
     "TrajectoryRows",
     "Unit",
     "build_tables",

@@ -1,0 +1,92 @@
+"""The Schedule: one rank's pass over a plan, compiled once, that the engine runs.
+
+Everything the engine reads while the model runs comes compiled here, before it: the rank's
+units in call order (``rank_units``: token ids, tree tables, log-prob pairs, handoff addresses),
+the padding call a rank with fewer units makes so that every rank makes as many model calls,
+which trajectories' losses this rank owns, and the gathers that put each unit's pair values and
+token values back in forest order and TRL's row layout. Legend: P_f pairs of forest f, N_f its
+compact tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..forest import RolloutForest
+from ..planner.plan import Plan
+from ..planner.plan import plan as make_plan
+from .rows import TrajectoryRows
+from .tables import Builders
+from .units import Unit, rank_units
+
+__all__ = ["Schedule"]
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """``rank``'s row of ``plan`` over ``forests``, compiled on ``device``.
+
+    Args:
+        units: the rank's model calls, in slot order.
+        calls: the model calls every pass makes (>= ``len(units)``: the rest are ``padding``).
+        padding: a two-token chain that records nothing any unit reads (None without padding calls).
+        owned: per forest [B_f] bool, the trajectories whose loss this rank computes.
+        rows: per forest, pair values -> TRL's ``[B_f, L_f - 1]`` layout.
+        num_pairs: per forest P_f.
+        pair_index: per unit, the forest-order numbers of the pairs it produces.
+        token_index: per unit, its compact tokens (device).
+    """
+
+    forests: tuple[RolloutForest, ...]
+    plan: Plan
+    rank: int
+    device: torch.device
+    units: tuple[Unit, ...]
+    calls: int
+    padding: Unit | None
+    owned: tuple[torch.Tensor, ...]
+    rows: tuple[TrajectoryRows, ...]
+    num_pairs: tuple[int, ...]
+    pair_index: tuple[torch.Tensor, ...]
+    token_index: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def compile(
+        cls,
+        forests: Sequence[RolloutForest],
+        plan: Plan,
+        rank: int,
+        builders: Builders,
+        device: torch.device,
+        calls: int = 0,
+    ) -> Schedule:
+        """The schedule of ``rank``; ``calls``: at least this many model calls per pass (padding)."""
+        units = rank_units(list(forests), plan, rank, builders, device)
+        calls = max(calls, len(units))
+        return cls(
+            forests=tuple(forests),
+            plan=plan,
+            rank=rank,
+            device=device,
+            units=tuple(units),
+            calls=calls,
+            padding=_padding_unit(builders, device) if calls > len(units) else None,
+            owned=tuple(torch.as_tensor(t == rank, device=device) for t in plan.traj_rank),
+            rows=tuple(TrajectoryRows.of(f, device) for f in forests),
+            num_pairs=tuple(int((f.prev >= 0).sum()) for f in forests),
+            pair_index=tuple(torch.as_tensor(forests[u.forest].pair_number[u.pairs], device=device) for u in units),
+            token_index=tuple(torch.as_tensor(u.tokens, device=device) for u in units),
+        )
+
+    def call_order(self) -> list[Unit]:
+        """Every model call of a pass: the units, then the padding calls."""
+        return [*self.units, *[self.padding] * (self.calls - len(self.units))]
+
+
+def _padding_unit(builders: Builders, device: torch.device) -> Unit:
+    """A two-token chain in one unit: what a rank runs for a model call it has no unit for."""
+    forest = RolloutForest.from_sequences([[0, 0]])
+    return rank_units([forest], make_plan(forest, world_size=1, max_tokens_per_microbatch=2), 0, builders, device)[0]
