@@ -8,13 +8,13 @@
 - ``dfs_kcut`` (AReaL-DTA): the DFS order cut into ``world_size`` contiguous ranges by binary
   search on the cost model (each rank recomputes its range's ancestors), each range then cut
   greedily into microbatches of the budget.
-- ``exact`` (Tree Training's partitioner): OR-Tools CP-SAT assigns the finest units :func:`plan`'s rules make to ranks
-  minimising the largest rank cost (shared chains counted on every rank that needs them), then the
+- ``exact`` (Tree Training's partitioner): OR-Tools CP-SAT assigns the finest branches :func:`plan`'s
+  rules make to ranks minimising the largest rank cost (shared chains counted on every rank that needs them), then the
   same slot cut as :func:`plan`. Small instances only; skipped with a message without ortools.
 
 Every baseline reports a [R, S] microbatch cost table; ranks with fewer microbatches idle (cost 0).
 
-Legend: B trajectories, R ranks, S slots, U units.
+Legend: B trajectories, R ranks, S slots, U branches.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..forest import RolloutForest
-from ..planner.assign import UNIT_RULES, Assignment, RankIntervals, find_units, group_paths, rank_intervals
+from ..planner.assign import BRANCH_RULES, Assignment, RankIntervals, find_branches, group_paths, rank_intervals
 from ..planner.balance import rank_imbalance, slot_imbalance, step_seconds
 from ..planner.cost import CostModel
 from ..planner.geometry import Geometry
@@ -38,7 +38,7 @@ from ..planner.split import budget_cuts
 
 __all__ = ["BASELINES", "Baseline", "dfs_kcut", "exact", "per_trajectory", "run_baselines", "trie_packing"]
 
-EXACT_MAX_UNITS = 400  # CP-SAT instances beyond this many units are not "small"
+EXACT_MAX_BRANCHES = 400  # CP-SAT instances beyond this many branches are not "small"
 EXACT_SECONDS = 10.0  # CP-SAT time limit
 TRIE_MAX_TRAJECTORIES = 8192  # trie packing keeps two [B, B] int32 tables of common prefixes
 
@@ -227,30 +227,30 @@ def exact(
         return Baseline(None, None, None, {"skipped": "ortools is not installed (pip install ortools)"})
     began = time.perf_counter()
     geo = Geometry.of(forests, cost)
-    # the finest units any rule of the planner makes: the solver's optimum bounds every rule's plan
-    unit_node, unit_group, group_node = find_units(geo, world_size, budget.tokens, UNIT_RULES[-1])
-    if unit_node.size > EXACT_MAX_UNITS:
-        too_big = f"{unit_node.size} units > {EXACT_MAX_UNITS}: not a small instance"
+    # the finest branches any rule of the planner makes: the solver's optimum bounds every rule's plan
+    branch_node, branch_group, group_node = find_branches(geo, world_size, budget.tokens, BRANCH_RULES[-1])
+    if branch_node.size > EXACT_MAX_BRANCHES:
+        too_big = f"{branch_node.size} branches > {EXACT_MAX_BRANCHES}: not a small instance"
         return Baseline(None, None, None, {"skipped": too_big})
-    unit_cost = geo.prefix(geo.end[unit_node]) - geo.cum[unit_node]
+    branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
     paths = group_paths(geo, group_node)
     tops = np.unique(np.concatenate(paths + [np.zeros(0, dtype=np.int64)]))
     scale = 1e7 / geo.total_cost
-    c_unit = np.rint(unit_cost * scale).astype(int).tolist()
+    c_branch = np.rint(branch_cost * scale).astype(int).tolist()
     c_top = np.rint(geo.node_cost[tops] * scale).astype(int).tolist()
     top_index = {int(k): i for i, k in enumerate(tops)}
 
     model = cp_model.CpModel()
-    x = [[model.NewBoolVar(f"x{u}_{r}") for r in range(world_size)] for u in range(unit_node.size)]
+    x = [[model.NewBoolVar(f"x{u}_{r}") for r in range(world_size)] for u in range(branch_node.size)]
     y = [[model.NewBoolVar(f"y{k}_{r}") for r in range(world_size)] for k in range(tops.size)]
-    z = model.NewIntVar(0, sum(c_unit) + sum(c_top), "z")
-    for u in range(unit_node.size):
+    z = model.NewIntVar(0, sum(c_branch) + sum(c_top), "z")
+    for u in range(branch_node.size):
         model.AddExactlyOne(x[u])
-        for k in paths[unit_group[u]].tolist():
+        for k in paths[branch_group[u]].tolist():
             for r in range(world_size):
                 model.AddImplication(x[u][r], y[top_index[k]][r])
     for r in range(world_size):
-        load = sum(c * x[u][r] for u, c in enumerate(c_unit)) + sum(c * y[k][r] for k, c in enumerate(c_top))
+        load = sum(c * x[u][r] for u, c in enumerate(c_branch)) + sum(c * y[k][r] for k, c in enumerate(c_top))
         model.Add(load <= z)
     model.Add(x[0][0] == 1)  # ranks are interchangeable
     model.Minimize(z)
@@ -262,8 +262,8 @@ def exact(
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Baseline(None, None, None, {"skipped": f"CP-SAT found no solution in {seconds:g} s"})
-    unit_rank = np.array([[solver.Value(v) for v in row].index(1) for row in x], dtype=np.int64)
-    asg = Assignment(unit_node, unit_cost, unit_group, paths, unit_rank)
+    branch_rank = np.array([[solver.Value(v) for v in row].index(1) for row in x], dtype=np.int64)
+    asg = Assignment(branch_node, branch_cost, branch_group, paths, branch_rank)
     iv = rank_intervals(geo, asg, world_size, budget.tokens)
     pieces = slot_pieces(geo, iv, world_size, budget, chunk, cost)
     p = build_plan(geo, list(forests), pieces, cost, budget, memory, chunk, began, world_size)

@@ -62,7 +62,7 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -
     tree, num_trees, branches = _piece_trees(plan, forests)
     palette = [colormaps["tab10"](i) for i in range(10) if i != 7]  # tab10's grey marks shared chains
     color = [
-        SHARED_GREY if u < 0 else palette[t % len(palette)] for t, u in zip(tree.tolist(), plan.piece_unit.tolist())
+        SHARED_GREY if u < 0 else palette[t % len(palette)] for t, u in zip(tree.tolist(), plan.piece_branch.tolist())
     ]
     ax.barh(plan.piece_rank, width, left=left, height=0.8, color=color, edgecolor="white", linewidth=0.2)
     rep = plan.piece_replica

@@ -15,7 +15,7 @@ PLANNERS = {
     "per_trajectory": "no sharing (trajectory-wise training): trajectories spread over ranks",
     "trie_packing": "AReaL: tries of trajectories up to the budget; a prefix shared by two tries runs twice",
     "dfs_kcut": "AReaL-DTA: the DFS order cut into one contiguous range per rank",
-    "exact": "Tree Training: CP-SAT's optimal rank assignment of our finest units (small instances)",
+    "exact": "Tree Training: CP-SAT's optimal rank assignment of our finest branches (small instances)",
 }
 """One line per planner of the table and the plot (``baselines.py`` says more)."""
 

@@ -1,27 +1,27 @@
-"""Data-parallel rank assignment: whole subtrees ("units") to ranks, shared tops replicated.
+"""Data-parallel rank assignment: whole subtrees ("branches") to ranks, shared tops replicated.
 
 Ranks exchange nothing but gradients (DESIGN: accelerate's gradient sync does the rest), so a
 rank computes every ancestor its tokens need. The planner therefore gives each rank whole
-subtrees (*units*) and lets each rank recompute the shared chains above them (*tops*: the system
-prompt, a task prompt); the copies are the plan's redundancy, and keeping a rank's units under few
+subtrees (*branches*) and lets each rank recompute the shared chains above them (*tops*: the system
+prompt, a task prompt); the copies are the plan's redundancy, and keeping a rank's branches under few
 tops keeps them small.
 
-Units: a tree whose cost is at most ``total / (4 * world_size)`` is one unit; a larger node whose
-split pays (``find_units``, by a :class:`UnitRule`) is a top and its children are considered in
-turn. Units that share a parent top form a *group*. The planner tries every rule of
-:data:`UNIT_RULES` (keep trees that fit one microbatch whole, or divide them; split only where it
+Branches: a tree whose cost is at most ``total / (4 * world_size)`` is one branch; a larger node whose
+split pays (``find_branches``, by a :class:`BranchRule`) is a top and its children are considered in
+turn. Branches that share a parent top form a *group*. The planner tries every rule of
+:data:`BRANCH_RULES` (keep trees that fit one microbatch whole, or divide them; split only where it
 shrinks the largest indivisible part by a quarter, or by anything) and keeps the plan with the
 lowest predicted step time: the cost model decides whether a shared prefix recomputed on another
 rank beats an idle rank.
 
 Assignment: binary search on the rank capacity; for a capacity, ranks are filled one after
-another, each walking the groups in DFS order and taking, largest first, the units that still fit
+another, each walking the groups in DFS order and taking, largest first, the branches that still fit
 (paying the group's top chains the rank does not hold yet). Siblings under one top can go in any
-order, which lets small units fill what the large ones leave. A local search then trades one or
-two units between the largest rank and another while that lowers it (``_refine``). The fill
-loops per taken unit; units are few (a few per rank, by construction).
+order, which lets small branches fill what the large ones leave. A local search then trades one or
+two branches between the largest rank and another while that lowers it (``_refine``). The fill
+loops per taken branch; branches are few (a few per rank, by construction).
 
-Legend: M nodes, U units, G groups, R ranks, I intervals.
+Legend: M nodes, U branches, G groups, R ranks, I intervals.
 """
 
 from __future__ import annotations
@@ -33,25 +33,25 @@ import numpy as np
 from .geometry import Geometry
 
 __all__ = [
-    "UNIT_RULES",
+    "BRANCH_RULES",
     "Assignment",
     "RankIntervals",
-    "UnitRule",
+    "BranchRule",
     "assign_ranks",
-    "find_units",
+    "find_branches",
     "group_paths",
     "rank_intervals",
 ]
 
-UNITS_PER_RANK = 4  # a unit costs at most 1 / (UNITS_PER_RANK * R) of the forests
+BRANCHES_PER_RANK = 4  # a branch costs at most 1 / (BRANCHES_PER_RANK * R) of the forests
 MIN_GAIN = 0.25  # splitting a node must shrink its largest indivisible part by this fraction
 TRADE_LIMIT = 2_000_000  # trades x top chains the local search evaluates per kind and step
 LOOKAHEAD = 1  # groups with leftovers a rank walks past to fill its last gap
 
 
 @dataclass(frozen=True)
-class UnitRule:
-    """When a node is split into units of its children (see :func:`find_units`).
+class BranchRule:
+    """When a node is split into branches of its children (see :func:`find_branches`).
 
     Args:
         divide_fitting: a tree that fits one microbatch may be divided between ranks (its shared
@@ -64,38 +64,38 @@ class UnitRule:
     min_gain: float
 
 
-UNIT_RULES = (UnitRule(False, MIN_GAIN), UnitRule(True, MIN_GAIN), UnitRule(True, 0.0))
+BRANCH_RULES = (BranchRule(False, MIN_GAIN), BranchRule(True, MIN_GAIN), BranchRule(True, 0.0))
 """The rules ``plan`` tries, in order; the first is the only one for a single rank."""
 
 
 @dataclass(frozen=True, eq=False)
 class Assignment:
-    """Units and their ranks.
+    """Branches and their ranks.
 
     Args:
-        unit_node: [U] root node of each unit (its subtree is the unit), DFS order.
-        unit_cost: [U] cost of each unit's subtree.
-        unit_group: [U] group of each unit.
-        group_path: [G] list of top nodes (root first) above each group's units.
-        unit_rank: [U] rank computing each unit.
+        branch_node: [U] root node of each branch (its subtree is the branch), DFS order.
+        branch_cost: [U] cost of each branch's subtree.
+        branch_group: [U] group of each branch.
+        group_path: [G] list of top nodes (root first) above each group's branches.
+        branch_rank: [U] rank computing each branch.
     """
 
-    unit_node: np.ndarray
-    unit_cost: np.ndarray
-    unit_group: np.ndarray
+    branch_node: np.ndarray
+    branch_cost: np.ndarray
+    branch_group: np.ndarray
     group_path: list[np.ndarray]
-    unit_rank: np.ndarray
+    branch_rank: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
 class RankIntervals:
     """Each rank's tokens as global DFS intervals, sorted by (rank, lo): the rank's *sequence*.
 
-    Every interval is one top chain (``unit == -1``) or one unit's subtree; the sequence of a rank
+    Every interval is one top chain (``branch == -1``) or one branch's subtree; the sequence of a rank
     is a DFS pre-order of the tokens it computes (its closure under ancestors).
 
     Args:
-        rank, lo, hi, unit: [I]. replica: [I] bool, tokens another rank owns (recomputed here).
+        rank, lo, hi, branch: [I]. replica: [I] bool, tokens another rank owns (recomputed here).
         atomic: [I] bool, a whole tree that fits one microbatch: kept whole where balance allows
             (``pack.py``).
     """
@@ -103,7 +103,7 @@ class RankIntervals:
     rank: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
-    unit: np.ndarray
+    branch: np.ndarray
     replica: np.ndarray
     atomic: np.ndarray
 
@@ -115,12 +115,12 @@ def _levels_down(geo: Geometry) -> list[np.ndarray]:
     return [order[bounds[k] : bounds[k + 1]] for k in range(bounds.size - 1)]
 
 
-def find_units(
-    geo: Geometry, world_size: int, max_tokens: int, rule: UnitRule = UNIT_RULES[0]
+def find_branches(
+    geo: Geometry, world_size: int, max_tokens: int, rule: BranchRule = BRANCH_RULES[0]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(unit root nodes [U], group of each unit [U], group top node [G], -1 for whole trees).
+    """(branch root nodes [U], group of each branch [U], group top node [G], -1 for whole trees).
 
-    A node is split (becomes a top) when its subtree costs more than a unit may, splitting pays
+    A node is split (becomes a top) when its subtree costs more than a branch may, splitting pays
     (its chain plus the largest part its children can be cut into, ``h``, is at most
     ``1 - rule.min_gain`` of its subtree, or below it for a gain of 0: at a gain of a quarter a
     caterpillar's trunk never pays, every rank taking a leaf would recompute the trunk), its tree
@@ -140,18 +140,18 @@ def find_units(
     has_child = np.bincount(geo.parent[geo.parent >= 0], minlength=m) > 0
     part = own + child_h
     pays = part <= (1 - rule.min_gain) * sub if rule.min_gain > 0 else part < sub
-    big = (sub > geo.total_cost / (UNITS_PER_RANK * world_size)) & has_child & pays & (world_size > 1)
+    big = (sub > geo.total_cost / (BRANCHES_PER_RANK * world_size)) & has_child & pays & (world_size > 1)
     top = big if rule.divide_fitting else big & (geo.end - geo.start > max_tokens)[geo.root]
     for ch in levels[1:]:
         top[ch] &= top[geo.parent[ch]]
     parent_top = np.where(geo.parent >= 0, top[np.maximum(geo.parent, 0)], True)
-    unit_node = np.flatnonzero(~top & parent_top)
-    parent = geo.parent[unit_node]
+    branch_node = np.flatnonzero(~top & parent_top)
+    parent = geo.parent[branch_node]
     # Groups in DFS order of their top; whole trees (no top) last, as gap fillers.
     key = np.where(parent >= 0, parent, m)
-    group_key, unit_group = np.unique(key, return_inverse=True)
+    group_key, branch_group = np.unique(key, return_inverse=True)
     group_node = np.where(group_key < m, group_key, -1)
-    return unit_node, unit_group, group_node
+    return branch_node, branch_group, group_node
 
 
 def group_paths(geo: Geometry, group_node: np.ndarray) -> list[np.ndarray]:
@@ -176,9 +176,9 @@ def _fill(
     node_cost: np.ndarray,
     world_size: int,
 ) -> np.ndarray | None:
-    """Ranks of the units at this capacity (see module docstring), or None if they do not fit.
+    """Ranks of the branches at this capacity (see module docstring), or None if they do not fit.
 
-    ``order[g]``: units of group g, largest first.
+    ``order[g]``: branches of group g, largest first.
     """
     rank = np.full(cost.size, -1, dtype=np.int64)
     left = [u.copy() for u in order]
@@ -187,13 +187,13 @@ def _fill(
         load, held, skipped = 0.0, set(), 0
         last = r == world_size - 1
         for g in range(first, len(left)):
-            units = left[g]
-            if not units.size:
+            branches = left[g]
+            if not branches.size:
                 continue
             need = sum(node_cost[n] for n in paths[g] if n not in held)
             cap = capacity - load - need
-            sizes = cost[units]  # descending
-            take = np.zeros(units.size, dtype=bool)
+            sizes = cost[branches]  # descending
+            take = np.zeros(branches.size, dtype=bool)
             # Largest-first: the longest prefix that fits, then the largest that fits what is left.
             k = int(np.searchsorted(np.cumsum(sizes), cap, side="right"))
             take[:k] = True
@@ -205,10 +205,10 @@ def _fill(
                 take[free[0]] = True
                 cap -= sizes[free[0]]
             if take.any():
-                rank[units[take]] = r
+                rank[branches[take]] = r
                 load = capacity - cap
                 held.update(paths[g].tolist())
-                left[g] = units[~take]
+                left[g] = branches[~take]
             if left[g].size and not last:
                 skipped += 1
                 if skipped > LOOKAHEAD:
@@ -218,13 +218,13 @@ def _fill(
     return rank if first == len(left) else None
 
 
-def _bundles(units: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Single units (second member -1) or, for size 2, pairs of units on one rank: (first, second)."""
+def _bundles(branches: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Single branches (second member -1) or, for size 2, pairs of branches on one rank: (first, second)."""
     if size == 1:
-        return units, np.full(units.size, -1)
-    i, j = np.triu_indices(units.size, k=1)
-    same = rank[units[i]] == rank[units[j]]
-    return units[i[same]], units[j[same]]
+        return branches, np.full(branches.size, -1)
+    i, j = np.triu_indices(branches.size, k=1)
+    same = rank[branches[i]] == rank[branches[j]]
+    return branches[i[same]], branches[j[same]]
 
 
 def _trade(
@@ -240,7 +240,7 @@ def _trade(
 ) -> tuple[np.ndarray, np.ndarray]:
     """New loads of rank ``a`` and of the other rank when ``a`` gives bundle ``give`` [X] and takes
     bundle ``take`` [Y] from rank ``to`` [Y] (``take`` may be empty: -1, -1): ([X, Y], [X, Y]).
-    Top chains are counted exactly: a rank pays one while any of its units needs it."""
+    Top chains are counted exactly: a rank pays one while any of its branches needs it."""
 
     def sums(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = np.where(first >= 0, cost[first], 0.0) + np.where(second >= 0, cost[second], 0.0)
@@ -266,8 +266,8 @@ def _refine(
     world_size: int,
 ) -> np.ndarray:
     """Local search on the largest rank load: apply the trade that lowers it most (rank a gives one
-    of its units, or two, to another rank and takes nothing, one or two of that rank's units back;
-    never two for two), while one does. Trades of one unit each way come first; pairs only when
+    of its branches, or two, to another rank and takes nothing, one or two of that rank's branches back;
+    never two for two), while one does. Trades of one branch each way come first; pairs only when
     those are exhausted. Vectorised over the trades of a step."""
     tops = np.unique(np.concatenate(paths + [np.zeros(0, dtype=np.int64)]))
     on_path = np.zeros((len(paths), tops.size), dtype=np.int64)  # [G, K]
@@ -277,7 +277,7 @@ def _refine(
     need = on_path[group]  # [U, K]
     rank = rank.copy()
     for _ in range(4 * rank.size):
-        count = np.zeros((world_size, tops.size), dtype=np.int64)  # [R, K] units needing each top
+        count = np.zeros((world_size, tops.size), dtype=np.int64)  # [R, K] branches needing each top
         np.add.at(count, rank, need)
         load = np.bincount(rank, weights=cost, minlength=world_size) + (count > 0) @ top_cost
         a = int(np.argmax(load))
@@ -309,56 +309,56 @@ def _refine(
     return rank
 
 
-def assign_ranks(geo: Geometry, world_size: int, units: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Assignment:
-    """The rank of every unit of ``units`` (what :func:`find_units` returns): binary search on the
+def assign_ranks(geo: Geometry, world_size: int, branches: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Assignment:
+    """The rank of every branch of ``branches`` (what :func:`find_branches` returns): binary search on the
     rank capacity, then local search."""
-    unit_node, unit_group, group_node = units
-    unit_cost = geo.prefix(geo.end[unit_node]) - geo.cum[unit_node]
+    branch_node, branch_group, group_node = branches
+    branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
     paths = group_paths(geo, group_node)
     node_cost = geo.node_cost
-    by_group = np.lexsort((-unit_cost, unit_group))
-    bounds = np.searchsorted(unit_group[by_group], np.arange(group_node.size + 1))
+    by_group = np.lexsort((-branch_cost, branch_group))
+    bounds = np.searchsorted(branch_group[by_group], np.arange(group_node.size + 1))
     order = [by_group[bounds[g] : bounds[g + 1]] for g in range(group_node.size)]
     if world_size == 1:
-        rank = np.zeros(unit_node.size, dtype=np.int64)
+        rank = np.zeros(branch_node.size, dtype=np.int64)
     else:
         path_cost = np.array([node_cost[p].sum() for p in paths])
-        lo = max(geo.total_cost / world_size, float((unit_cost + path_cost[unit_group]).max()))
+        lo = max(geo.total_cost / world_size, float((branch_cost + path_cost[branch_group]).max()))
         hi = lo
-        while (rank := _fill(hi, order, unit_cost, paths, node_cost, world_size)) is None:
+        while (rank := _fill(hi, order, branch_cost, paths, node_cost, world_size)) is None:
             lo, hi = hi, hi * 1.25
         best = rank
         while hi - lo > 1e-5 * hi:
             mid = (lo + hi) / 2
-            got = _fill(mid, order, unit_cost, paths, node_cost, world_size)
+            got = _fill(mid, order, branch_cost, paths, node_cost, world_size)
             if got is None:
                 lo = mid
             else:
                 hi, best = mid, got
-        rank = _refine(best, unit_cost, unit_group, paths, node_cost, world_size)
-    return Assignment(unit_node, unit_cost, unit_group, paths, rank)
+        rank = _refine(best, branch_cost, branch_group, paths, node_cost, world_size)
+    return Assignment(branch_node, branch_cost, branch_group, paths, rank)
 
 
 def rank_intervals(geo: Geometry, asg: Assignment, world_size: int, max_tokens: int) -> RankIntervals:
-    """Every rank's top chains and units as sorted DFS intervals; a top's owner is the lowest
+    """Every rank's top chains and branches as sorted DFS intervals; a top's owner is the lowest
     rank that computes it, the others hold replicas."""
     path_len = np.array([p.size for p in asg.group_path], dtype=np.int64)
     flat = np.concatenate(asg.group_path + [np.zeros(0, dtype=np.int64)])
     off = np.concatenate(([0], np.cumsum(path_len)))
-    reps = path_len[asg.unit_group]
-    pos = np.repeat(off[asg.unit_group], reps) + np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-    pairs = np.unique(np.stack([np.repeat(asg.unit_rank, reps), flat[pos]], axis=1), axis=0).reshape(-1, 2)
+    reps = path_len[asg.branch_group]
+    pos = np.repeat(off[asg.branch_group], reps) + np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+    pairs = np.unique(np.stack([np.repeat(asg.branch_rank, reps), flat[pos]], axis=1), axis=0).reshape(-1, 2)
     top_rank, top_node = pairs[:, 0], pairs[:, 1]
     owner = np.full(geo.num_nodes, world_size, dtype=np.int64)
     np.minimum.at(owner, top_node, top_rank)
 
-    u = asg.unit_node
+    u = asg.branch_node
     whole_fit = (geo.parent[u] < 0) & (geo.end[u] - geo.start[u] <= max_tokens)
-    rank = np.concatenate((top_rank, asg.unit_rank))
+    rank = np.concatenate((top_rank, asg.branch_rank))
     lo = np.concatenate((geo.start[top_node], geo.start[u]))
     hi = np.concatenate((geo.start[top_node] + geo.length[top_node], geo.end[u]))
-    unit = np.concatenate((np.full(top_node.size, -1), np.arange(u.size)))
+    branch = np.concatenate((np.full(top_node.size, -1), np.arange(u.size)))
     replica = np.concatenate((top_rank != owner[top_node], np.zeros(u.size, dtype=bool)))
     atomic = np.concatenate((np.zeros(top_node.size, dtype=bool), whole_fit))
     order = np.lexsort((lo, rank))
-    return RankIntervals(rank[order], lo[order], hi[order], unit[order], replica[order], atomic[order])
+    return RankIntervals(rank[order], lo[order], hi[order], branch[order], replica[order], atomic[order])

@@ -43,10 +43,10 @@ def pack_whole_trees(
     new_slot = np.empty_like(order)
     np.put_along_axis(new_slot, order, np.arange(num_slots)[None].repeat(world_size, 0), axis=1)
     trees = Pieces(
-        rank, new_slot[rank, slot], iv.lo[packed], iv.hi[packed], iv.unit[packed], iv.replica[packed], num_slots
+        rank, new_slot[rank, slot], iv.lo[packed], iv.hi[packed], iv.branch[packed], iv.replica[packed], num_slots
     )
     keep = np.ones(iv.rank.size, dtype=bool)
     keep[packed] = False
-    fields = (iv.rank, iv.lo, iv.hi, iv.unit, iv.replica)
+    fields = (iv.rank, iv.lo, iv.hi, iv.branch, iv.replica)
     rest = RankIntervals(*(f[keep] for f in fields), np.zeros(int(keep.sum()), dtype=bool))  # the rest is cut
     return rest, trees, np.take_along_axis(bins, order, axis=1)

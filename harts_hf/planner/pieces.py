@@ -26,7 +26,7 @@ class Pieces:
     so its first piece carries its context.
 
     Args:
-        rank, slot, lo, hi, unit, replica: [P]; ``lo:hi`` global tokens.
+        rank, slot, lo, hi, branch, replica: [P]; ``lo:hi`` global tokens.
         num_slots: S, the same on every rank.
     """
 
@@ -34,7 +34,7 @@ class Pieces:
     slot: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
-    unit: np.ndarray
+    branch: np.ndarray
     replica: np.ndarray
     num_slots: int
 
@@ -80,13 +80,13 @@ def pieces_of(iv: RankIntervals, world_size: int, cut_pos: np.ndarray, cut_rank:
     slot = np.searchsorted(cut_pos, lo_pos, side="right") - cuts_before
     lo = iv.lo[i] + lo_pos - iv_start[i]
     hi = lo + hi_pos - lo_pos
-    return Pieces(rank, slot, lo, hi, iv.unit[i], iv.replica[i], num_slots)
+    return Pieces(rank, slot, lo, hi, iv.branch[i], iv.replica[i], num_slots)
 
 
 def merge(a: Pieces, b: Pieces) -> Pieces:
     """Pieces of both, ordered by (rank, slot), ``a``'s before ``b``'s in a microbatch, then DFS:
     a microbatch's first piece then carries its context (``a`` holds the cut sequences)."""
-    cat = {f: np.concatenate((getattr(a, f), getattr(b, f))) for f in ("rank", "slot", "lo", "hi", "unit", "replica")}
+    cat = {f: np.concatenate((getattr(a, f), getattr(b, f))) for f in ("rank", "slot", "lo", "hi", "branch", "replica")}
     second = np.r_[np.zeros(a.rank.size, dtype=bool), np.ones(b.rank.size, dtype=bool)]
     order = np.lexsort((cat["lo"], second, cat["slot"], cat["rank"]))
     return Pieces(**{f: v[order] for f, v in cat.items()}, num_slots=a.num_slots)

@@ -7,7 +7,7 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    recomputes the shared chains above its subtrees (ranks exchange only gradients), which is the
    plan's redundancy besides the bounded replay. Whether a tree that fits one microbatch is
    divided between ranks is the cost model's call: the plan is made under each rule of
-   ``assign.UNIT_RULES`` and the lowest predicted step time wins (an idle rank loses to a shared
+   ``assign.BRANCH_RULES`` and the lowest predicted step time wins (an idle rank loses to a shared
    prompt recomputed on it as soon as the prompt costs less than the work it takes over).
 2. Slots (``slots.py``): each rank's whole trees packed into S microbatches (``pack.py``), the
    rest of its DFS sequence cut at the cost quantiles that fill every slot (``split.py``), the
@@ -35,7 +35,7 @@ from ..checks import require_positive_ints
 from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
 from ..trees import replay_length
-from .assign import UNIT_RULES, assign_ranks, find_units, rank_intervals
+from .assign import BRANCH_RULES, assign_ranks, find_branches, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
@@ -61,7 +61,8 @@ class Plan:
     ``piece_start:piece_end`` (a shared chain above the rank's subtrees, a whole tree, or a DFS
     range of one subtree; never two trees). ``piece_replica``: the tokens are owned by another
     rank and recomputed here as context (their losses belong to the owner: see ``traj_rank``).
-    ``piece_unit``: the balancing unit (subtree) of the piece, -1 for a shared chain.
+    ``piece_branch``: the branch (a subtree assigned whole to one rank, ``assign.py``) the piece
+    belongs to, -1 for a shared chain.
 
     Microbatches [R, S] (slot s of rank r): predicted ``cost`` (seconds), own ``tokens``,
     ``context`` tokens (ancestors in earlier slots its attention reads; ``budget.footprint(tokens,
@@ -90,7 +91,7 @@ class Plan:
     piece_start: np.ndarray
     piece_end: np.ndarray
     piece_replica: np.ndarray
-    piece_unit: np.ndarray
+    piece_branch: np.ndarray
     cost: np.ndarray
     tokens: np.ndarray
     context: np.ndarray
@@ -270,12 +271,12 @@ def plan(
             )
         )
     best, tried = None, []
-    for rule in UNIT_RULES if world_size > 1 else UNIT_RULES[:1]:
-        units = find_units(geo, world_size, budget.tokens, rule)
-        if any(np.array_equal(units[0], seen) for seen in tried):
+    for rule in BRANCH_RULES if world_size > 1 else BRANCH_RULES[:1]:
+        branches = find_branches(geo, world_size, budget.tokens, rule)
+        if any(np.array_equal(branches[0], seen) for seen in tried):
             continue
-        tried.append(units[0])
-        iv = rank_intervals(geo, assign_ranks(geo, world_size, units), world_size, budget.tokens)
+        tried.append(branches[0])
+        iv = rank_intervals(geo, assign_ranks(geo, world_size, branches), world_size, budget.tokens)
         pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost)
         candidate = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
         if best is None or candidate.step_seconds < best.step_seconds:
@@ -324,7 +325,7 @@ def build_plan(
         piece_start=pieces.lo - geo.forest_tokens[forest_of],
         piece_end=pieces.hi - geo.forest_tokens[forest_of],
         piece_replica=pieces.replica,
-        piece_unit=pieces.unit,
+        piece_branch=pieces.branch,
         cost=cost_table.reshape(shape),
         tokens=tokens.reshape(shape),
         context=context.reshape(shape),

@@ -84,8 +84,8 @@ def _fill_last_slot(
     slots = pieces.num_slots
     if slots == 1:
         return None
-    unit = geo.prefix(iv.hi) - geo.prefix(iv.lo)  # [I] cost of each interval
-    total = np.bincount(iv.rank, weights=unit, minlength=world_size)  # [R]
+    interval_cost = geo.prefix(iv.hi) - geo.prefix(iv.lo)  # [I]
+    total = np.bincount(iv.rank, weights=interval_cost, minlength=world_size)  # [R]
     tokens = np.bincount(iv.rank, weights=iv.hi - iv.lo, minlength=world_size)
     per_token = np.divide(total, tokens, out=np.zeros_like(total), where=tokens > 0)
     # the room the budget leaves the last slot beside the context its current start reads

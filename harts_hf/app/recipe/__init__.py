@@ -19,7 +19,7 @@ from .arguments import (
     builtin_model,
 )
 from .build import build_trainer, load_model
-from .kinds import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe, recipe_for
+from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe, recipe_for
 from .launch import launch, train_recipe
 from .parse import check_arguments, check_config, check_recipe, parse_recipe, resume_from
 from .source import resolve_config

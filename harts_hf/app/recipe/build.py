@@ -19,7 +19,7 @@ from ...sources import build_tokenizer
 from ..console import no_progress_bars, quiet_console
 from ..progress import StepLine
 from .arguments import BUILTIN_PREFIX, ModelArguments, builtin_model
-from .kinds import recipe_for
+from .recipes import recipe_for
 from .parse import check_recipe
 
 __all__ = ["build_trainer", "load_model"]

@@ -17,7 +17,7 @@ from trl import TrlParser
 from ...trainers.teardown import end_distributed
 from ..console import no_progress_bars, quiet_third_party
 from .build import build_trainer
-from .kinds import get_recipe
+from .recipes import get_recipe
 from .parse import check_arguments, check_config, check_recipe, resume_from
 
 __all__ = ["launch", "train_recipe"]

@@ -14,7 +14,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from .arguments import BUILTIN_PREFIX, ModelArguments, builtin_model
-from .kinds import RECIPES, Recipe, get_recipe
+from .recipes import RECIPES, Recipe, get_recipe
 from .source import resolve_config
 
 __all__ = ["check_arguments", "check_config", "check_recipe", "parse_recipe", "resume_from"]
