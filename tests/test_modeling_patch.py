@@ -186,6 +186,38 @@ def test_tampered_modeling_module_is_refused(tamper, monkeypatch):
     assert not is_patched(model) and model.config._attn_implementation == "sdpa"
 
 
+def _as_hub_module(fn):
+    """``fn`` as transformers 5.25 (with ``kernels``) leaves a hub-replaceable function: an
+    ``nn.Module`` instance whose ``forward`` closes over it."""
+
+    def make(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    return make(fn)
+
+
+def test_kernel_hooks_held_as_modules_are_read_through(monkeypatch):
+    """A kernel function wrapped as 5.25 wraps it is checked by its own signature and source, and
+    its tree calls bind their arguments by its names: the model patches and its tree run matches
+    the unpatched model (``verify=True``); a drifted one is refused as drifted (no TypeError), with
+    what to do."""
+    module = sys.modules[GDN_MODULE]
+    rule = module.torch_chunk_gated_delta_rule
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _as_hub_module(rule))
+    model = patch_model(tiny_model("qwen3_5"), verify=True)
+    unpatch_model(model)
+    assert isinstance(module.torch_chunk_gated_delta_rule, torch.nn.Module)  # the module is back
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _as_hub_module(lambda query, key, value, **kw: None))
+    monkeypatch.setattr(tf, "__version__", "5.99.0")
+    with pytest.raises(UnsupportedModelError, match="lost parameters") as err:
+        patch_model(tiny_model("qwen3_5"))
+    assert "found transformers 5.99.0" in str(err.value) and "pip install 'transformers~=5.23.0'" in str(err.value)
+
+
 def _lightning_without_norm_and_gate(
     self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs
 ):

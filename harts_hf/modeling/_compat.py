@@ -36,6 +36,7 @@ __all__ = [
     "hf_model",
     "is_quantized",
     "keep_checkpointing",
+    "kernel_function",
     "load_balancing_loss",
     "mask_function",
     "model_class",
@@ -47,6 +48,7 @@ __all__ = [
     "set_attention_name",
     "set_attention",
     "source",
+    "version_advice",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,10 +112,32 @@ def family_name(model: PreTrainedModel) -> str:
     return leaf if prefix.startswith("transformers.models.") else module
 
 
+def kernel_function(fn: Callable) -> Callable:
+    """The Python function behind a modeling module's kernel hook. transformers 5.25 (with
+    ``kernels`` installed) turns a hub-replaceable function into an ``nn.Module`` instance whose
+    ``forward`` closes over it as ``func``; 5.23 keeps the function (its decorators set
+    ``__wrapped__``). Read so that a newer release is refused with its drift, not a TypeError."""
+    if isinstance(fn, nn.Module):
+        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if callable(inner):
+            return inner
+    return fn
+
+
 def parameters(fn: Callable) -> tuple[str, ...]:
     """Parameter names of a kernel function; hub-kernel decorators keep the torch function at
     ``__wrapped__``, which ``inspect.signature`` follows."""
-    return tuple(inspect.signature(fn).parameters)
+    return tuple(inspect.signature(kernel_function(fn)).parameters)
+
+
+def version_advice() -> str:
+    """What to do when a family's internals moved under another transformers release."""
+    if transformers.__version__.startswith(CHECKED_TRANSFORMERS + "."):
+        return ""
+    return (
+        f"; found transformers {transformers.__version__}: install the release harts-hf supports, "
+        f"pip install 'transformers~={CHECKED_TRANSFORMERS}.0'"
+    )
 
 
 def modeling_module(model: PreTrainedModel) -> ModuleType:
@@ -129,7 +153,7 @@ def forward_source(cls: type) -> str:
 @functools.cache
 def source(fn: Callable) -> str:
     """Source of a (possibly wrapped) function: the original's, once harts-hf wrapped it."""
-    return inspect.getsource(inspect.unwrap(fn))
+    return inspect.getsource(inspect.unwrap(kernel_function(fn)))
 
 
 def attention_function(name: str) -> Callable | None:

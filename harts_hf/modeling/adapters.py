@@ -84,7 +84,9 @@ class FamilyAdapter:
         if problems:
             raise UnsupportedModelError(
                 f"the {self.family} modeling code does not match harts-hf's adapter "
-                f"(checked against transformers {_compat.CHECKED_TRANSFORMERS}): " + "; ".join(problems)
+                f"(checked against transformers {_compat.CHECKED_TRANSFORMERS}): "
+                + "; ".join(problems)
+                + _compat.version_advice()
             )
 
     def _drift(self, module: ModuleType) -> list[str]:
@@ -221,7 +223,10 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     )
 }
 
-_INDEXED = "{}: a learned indexer picks each query's top-k keys; harts-hf has no tree kernel for indexed (sparse top-k) attention"
+_INDEXED = (
+    "{}: a learned indexer picks each query's top-k keys; harts-hf has no tree kernel for indexed (sparse top-k) "
+    "attention"
+)
 _NO_KERNEL = "its {} has no tree kernel in harts-hf"
 _VISION = "a vision-language model: harts-hf takes the {} text model (load the language model as {})"
 

@@ -37,9 +37,12 @@ __all__ = ["from_pretrained", "patch_model", "unpatch_model"]
 
 
 def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
-    signature = inspect.signature(original)
+    """``original`` (a function, or the module transformers 5.25 makes of it) unchanged on calls
+    without a tree; its arguments, bound by name, to the kind's tree call on calls with one."""
+    function = _compat.kernel_function(original)
+    signature = inspect.signature(function)
 
-    @functools.wraps(original)
+    @functools.wraps(function)
     def kernel(*args, **kwargs):
         batch = kwargs.get(TREE_KWARG)
         if batch is None:
