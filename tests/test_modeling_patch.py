@@ -16,6 +16,7 @@ from tiny_models import FAMILIES, VOCAB, family_forest, tiny_model
 from harts_hf.forest import RolloutForest
 from harts_hf.modeling import (
     UnsupportedModelError,
+    _compat,
     from_pretrained,
     is_patched,
     patch_model,
@@ -212,7 +213,7 @@ def test_kernel_hooks_held_as_modules_are_read_through(monkeypatch):
     unpatch_model(model)
     assert isinstance(module.torch_chunk_gated_delta_rule, torch.nn.Module)  # the module is back
     monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _as_hub_module(lambda query, key, value, **kw: None))
-    monkeypatch.setattr(tf, "__version__", "5.99.0")
+    monkeypatch.setattr(_compat.transformers, "__version__", "5.99.0")  # the module object _compat reads
     with pytest.raises(UnsupportedModelError, match="lost parameters") as err:
         patch_model(tiny_model("qwen3_5"))
     assert "found transformers 5.99.0" in str(err.value) and "pip install 'transformers~=5.23.0'" in str(err.value)
