@@ -16,7 +16,7 @@ import test_trainer_rloo as rloo
 import test_trainer_sft as sft
 import torch
 from datasets import Dataset
-from trainer_args import Snapshots
+from trainer_args import Snapshots, flat_parameters
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer, HARTSRLOOConfig, HARTSRLOOTrainer
@@ -33,8 +33,8 @@ EVAL_KEYS = ("eval_loss", "eval_kl", "eval_entropy", "eval_logps/chosen", "eval_
 
 
 def _rollout_run(kind: str, harts: bool, model_dir: str, tmp_path, **overrides):
-    """(parameters before and after every step, losses, eval losses) of a GRPO / RLOO exactness run;
-    ``eval=True``: its prompts as eval data too."""
+    """(parameters before and after every step, losses, eval metrics, the reference's parameters at
+    the end) of a GRPO / RLOO exactness run; ``eval=True``: its prompts as eval data too."""
     module, classes = {
         "grpo": (grpo, ((GRPOTrainer, GRPOConfig), (HARTSGRPOTrainer, HARTSGRPOConfig))),
         "rloo": (rloo, ((RLOOTrainer, RLOOConfig), (HARTSRLOOTrainer, HARTSRLOOConfig))),
@@ -51,7 +51,8 @@ def _rollout_run(kind: str, harts: bool, model_dir: str, tmp_path, **overrides):
 
 
 def _fused_run(kind: str, harts: bool, case: str, tmp_path, model_dir: str, **overrides):
-    """(parameters before and after every step, losses, eval losses) of an SFT / DPO exactness run."""
+    """(parameters before and after every step, losses, eval metrics, the reference's parameters at
+    the end) of an SFT / DPO exactness run."""
     if kind == "sft":
         out = sft.train(case, harts, tmp_path, **overrides)
     else:
@@ -62,7 +63,7 @@ def _fused_run(kind: str, harts: bool, case: str, tmp_path, model_dir: str, **ov
 
 def _flat(model: torch.nn.Module | None) -> torch.Tensor | None:
     """A reference model's parameters, flat (None without one: LoRA, beta=0, SFT)."""
-    return None if model is None else Snapshots._flat(model, trained=False)
+    return None if model is None else flat_parameters(model, trained=False)
 
 
 def _eval_metrics(log_history: list[dict]) -> list[dict[str, float]]:

@@ -58,13 +58,13 @@ class Snapshots(TrainerCallback):
     """The trained parameters (a LoRA model's: its adapters), flat, at the start and after every step."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.params = [self._flat(model)]
+        self.params = [flat_parameters(model)]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.params.append(self._flat(model))
+        self.params.append(flat_parameters(model))
 
-    @staticmethod
-    def _flat(model, trained: bool = True) -> torch.Tensor:
-        """``model``'s parameters (``trained``: those that train only), flat, in float32."""
-        params = [p for p in model.parameters() if p.requires_grad or not trained]
-        return torch.cat([p.detach().float().flatten().clone() for p in params])
+
+def flat_parameters(model, trained: bool = True) -> torch.Tensor:
+    """``model``'s parameters (``trained``: those that train only), flat, in float32."""
+    params = [p for p in model.parameters() if p.requires_grad or not trained]
+    return torch.cat([p.detach().float().flatten().clone() for p in params])

@@ -2,10 +2,10 @@
 
 The engine runs a :class:`~harts_hf.schedule.Schedule`, compiled once at construction. Each of its
 units (one forest's share of a microbatch slot: token ids, tree tables, pairs and handoff
-addresses, all on the device) is one packed call of the base model over its own compact tokens; the tokens it needs
-from earlier slots (ancestor K/V, conv halos, recurrent states and replay inputs) come through its
-:class:`~.handoff.Handoff`, passed down on a per-run view of the unit's tree kwarg. The model run
-makes no host transfer (``tests/test_host_transfers.py``).
+addresses, all on the device) is one packed call of the base model over its own compact tokens;
+the tokens it needs from earlier slots (ancestor K/V, conv halos, recurrent states and replay
+inputs) come through its :class:`~.handoff.Handoff`, passed down on a per-run view of the unit's
+tree kwarg. The model run makes no host transfer (``tests/test_host_transfers.py``).
 
 Backward policy (bounded, exact for every objective):
 - a plan of ONE unit (the forest fits one microbatch) runs forward with grad, applies the loss to

@@ -27,7 +27,8 @@ __all__ = ["Schedule"]
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """``rank``'s row of ``plan`` over ``forests``, compiled on ``device``.
+    """One rank's row of a plan over its forests, compiled on the device (:meth:`compile`); the
+    engine that runs it keeps the forests and the plan.
 
     Args:
         units: the rank's model calls, in slot order.
@@ -40,10 +41,6 @@ class Schedule:
         token_index: per unit, its compact tokens (device).
     """
 
-    forests: tuple[RolloutForest, ...]
-    plan: Plan
-    rank: int
-    device: torch.device
     units: tuple[Unit, ...]
     calls: int
     padding: Unit | None
@@ -63,14 +60,11 @@ class Schedule:
         device: torch.device,
         calls: int = 0,
     ) -> Schedule:
-        """The schedule of ``rank``; ``calls``: at least this many model calls per pass (padding)."""
+        """``rank``'s schedule of ``plan`` over ``forests`` on ``device``; ``calls``: at least this many
+        model calls per pass (padding)."""
         units = rank_units(list(forests), plan, rank, builders, device)
         calls = max(calls, len(units))
         return cls(
-            forests=tuple(forests),
-            plan=plan,
-            rank=rank,
-            device=device,
             units=tuple(units),
             calls=calls,
             padding=_padding_unit(builders, device) if calls > len(units) else None,

@@ -32,7 +32,7 @@ MODES = ("stock", "harts")
 DEPS = ["parameterized"]  # test dependencies some TRL versions import; installed to a private dir if missing
 
 
-def _private_deps(out: Path, trl_repo: Path, files: list[str]) -> list[str]:
+def _private_deps(trl_repo: Path, files: list[str]) -> list[str]:
     """Install the test files' missing third-party imports (from DEPS) into ``/tmp`` and return the dir
     to put on PYTHONPATH (the project's own dependency files stay as they are)."""
     text = "".join((trl_repo / "tests" / f"test_{f}_trainer.py").read_text() for f in files)
@@ -154,7 +154,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if (args.trl_repo / "trl").is_dir():
         sys.exit(f"{args.trl_repo}/trl exists: pytest would import that trl instead of the installed one; remove it")
-    extra_path = _private_deps(args.out, args.trl_repo, args.files)
+    extra_path = _private_deps(args.trl_repo, args.files)
     # build the stand-ins once, before the pytest processes race for them
     env = _env(args.out, args.trl_repo, "stock", args.out / "unused.json", args.timeout, extra_path)
     built = subprocess.run([sys.executable, str(HERE / "standins.py"), env["TRL_SUITES_STANDINS"], "--trl-repo",
