@@ -54,7 +54,7 @@ def oracle(model, seqs, loss_fn, width):
     return lp.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def engine_run(model, forest, the_plan, loss_fn, per_token=False):
+def engine_run(model, forest, the_plan, loss_fn):
     """Every rank of ``the_plan`` in turn, gradients summed (what an all-reduce gives). A rank's
     loss sees its own rows live and the other ranks' rows as constants (a gathered objective)."""
     with torch.no_grad():
@@ -69,7 +69,7 @@ def engine_run(model, forest, the_plan, loss_fn, per_token=False):
         lp = engine.logprobs()[0]
         own = engine.owned[0]
         lps[own] = lp[own]
-        engine.backward(lambda l, own=own: loss_fn([torch.where(own[:, None], l[0], others)]), per_token=per_token)
+        engine.backward(lambda l, own=own: loss_fn([torch.where(own[:, None], l[0], others)]))
     return lps, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
 
 
@@ -111,10 +111,7 @@ def test_dfs_cuts_equal_trajectory_wise(family_model, cuts):
     the_plan = dfs_cut_plan(forest, np.asarray(cuts))
     assert the_plan.num_slots >= len(cuts)
     ref = oracle(family_model, seqs, loss_fn, forest.max_length - 1)
-    assert_same(ref, engine_run(family_model, forest, the_plan, loss_fn, per_token=True))
-    assert_same(
-        oracle(family_model, seqs, loss_fn, forest.max_length - 1), engine_run(family_model, forest, the_plan, loss_fn)
-    )
+    assert_same(ref, engine_run(family_model, forest, the_plan, loss_fn))
 
 
 def test_random_cuts_sequence_level_objective():
@@ -172,7 +169,6 @@ def test_planned_pieces_and_ranks(world_size, shape):
     assert sizes.sum() == the_plan.num_pieces
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
     assert_same(ref, engine_run(model, forest, the_plan, loss_fn))
-    assert_same(ref, engine_run(model, forest, the_plan, loss_fn, per_token=True))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])  # kimi: three convs in one mixer
@@ -285,8 +281,7 @@ def test_public_api():
     assert {"TreeEngine", "plan", "Plan", "patch_model", "tree_logprobs", "RolloutForest"} <= set(harts_hf.__all__)
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_returned_loss_is_the_whole_objective(per_token):
+def test_returned_loss_is_the_whole_objective():
     model = patch_model(tiny_model("qwen3_5"))
     seqs, forest = _forest(4)
     weights = torch.as_tensor(
@@ -296,11 +291,9 @@ def test_returned_loss_is_the_whole_objective(per_token):
     with torch.no_grad():
         expected = loss_fn([tree_logprobs(model, forest)])
     engine = TreeEngine(model, forest, dfs_cut_plan(forest, np.array([10, 64, 80])))
-    torch.testing.assert_close(engine.backward(loss_fn, per_token=per_token), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="entropies"):
-        engine.backward(loss_fn, per_token=True, return_entropy=True) if per_token else (_ for _ in ()).throw(
-            ValueError("entropies")
-        )
+    torch.testing.assert_close(engine.backward(loss_fn), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="scalar"):
+        engine.backward(lambda lps: lps[0])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -360,10 +353,10 @@ def test_a_loss_without_log_probs_and_a_second_backward():
     model = patch_model(tiny_model("qwen3_5"))
     forest = RolloutForest.from_sequences([[5, 6, 7, 8], [5, 6, 9]])
     constant = lambda lps: torch.tensor(1.0)
-    for per_token in (False, True):
-        engine = TreeEngine(model, forest, max_tokens_per_microbatch=4)
-        assert len(engine.units) > 1
-        assert float(engine.backward(constant, per_token=per_token)) == 1.0
+    for budget in (4, 64):  # several units, and one
+        engine = TreeEngine(model, forest, max_tokens_per_microbatch=budget)
+        assert (len(engine.units) > 1) == (budget == 4)
+        assert float(engine.backward(constant)) == 1.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     values = TreeEngine(model, forest, max_tokens_per_microbatch=4).attached_logprobs()[0]
     values.sum().backward(retain_graph=True)

@@ -184,7 +184,7 @@ def check_tree_logprobs(family: str, monkeypatch: pytest.MonkeyPatch, *, checkpo
     assert_no_host_transfer(lambda: (tree_logprobs(model, forest) * weights).sum().backward(), monkeypatch)
 
 
-def check_engine(family: str, *, per_token: bool, checkpointing: bool) -> None:
+def check_engine(family: str, *, checkpointing: bool) -> None:
     model = patched(family, checkpointing=checkpointing)
     forests = [small_forest(0), small_forest(1)]
     weights = [loss_weights(forest, seed) for seed, forest in enumerate(forests)]
@@ -194,7 +194,7 @@ def check_engine(family: str, *, per_token: bool, checkpointing: bool) -> None:
     def loss_fn(lps: list[torch.Tensor]) -> torch.Tensor:
         return sum((lp * w).sum() for lp, w in zip(lps, weights))
 
-    assert_no_host_transfer(lambda: engine.backward(loss_fn, per_token=per_token))
+    assert_no_host_transfer(lambda: engine.backward(loss_fn))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -202,10 +202,9 @@ def test_tree_logprobs(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_tree_logprobs(family, monkeypatch, checkpointing=False)
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["replay", "per-token"])
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
-def test_engine(family: str, per_token: bool) -> None:
-    check_engine(family, per_token=per_token, checkpointing=False)
+def test_engine(family: str) -> None:
+    check_engine(family, checkpointing=False)
 
 
 @pytest.mark.parametrize("family", CHECKPOINT_FAMILIES)
@@ -213,10 +212,9 @@ def test_tree_logprobs_checkpointed(family: str, monkeypatch: pytest.MonkeyPatch
     check_tree_logprobs(family, monkeypatch, checkpointing=True)
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["replay", "per-token"])
 @pytest.mark.parametrize("family", CHECKPOINT_FAMILIES)
-def test_engine_checkpointed(family: str, per_token: bool) -> None:
-    check_engine(family, per_token=per_token, checkpointing=True)
+def test_engine_checkpointed(family: str) -> None:
+    check_engine(family, checkpointing=True)
 
 
 def test_trap_records_and_restores() -> None:

@@ -7,21 +7,19 @@ the tokens it needs from earlier slots (ancestor K/V, conv halos, recurrent stat
 inputs) come through its :class:`~.handoff.Handoff`, passed down on a per-run view of the unit's
 tree kwarg. The model run makes no host transfer (``tests/test_host_transfers.py``).
 
-Backward policy (bounded, exact for every objective):
-- a plan of ONE unit (the forest fits one microbatch) runs forward with grad, applies the loss to
-  the log-probs and backpropagates, holding one graph;
-- otherwise a recording pass computes every unit once without grad (keeping its boundary values:
-  inputs at the rows later units read, states at their chunk-aligned restarts), the loss is
-  applied to the complete per-trajectory log-probs (so sequence-level objectives such as GSPO's
-  see whole trajectories), and units then rerun with grad in reverse slot order, each
-  backpropagating its log-prob gradients plus the boundary gradients its consumers sent, and
-  sending its own context gradients to its producers. The last unit is recorded with grad and
-  keeps its graph: its backward comes first, without a rerun. Every unit is backpropagated once; at
-  most one unit's graph is alive, so peak activation memory is one microbatch's (plus the boundary
-  values), at the price of one extra forward per token of every unit but the last;
-- a per-token objective (``per_token=True``: a sum of per-token terms with fixed normalisers)
-  streams instead: a unit no later unit reads from runs forward, loss and backward at once; only
-  units with consumers are recorded first and replayed, in reverse order, after them.
+Backward (one path, bounded, exact for every objective): a recording pass computes every model
+call once without grad, keeping its boundary values (inputs at the rows later units read, states
+at their chunk-aligned restarts), except the last, which runs with grad and keeps its graph. The
+loss is applied to the complete per-trajectory log-probs (so sequence-level objectives such as
+GSPO's see whole trajectories); its gradients w.r.t. them then flow back through the calls in
+reverse slot order: the kept call first, from its graph, then every other unit rerun with grad,
+each backpropagating its log-prob gradients plus the boundary gradients its consumers sent and
+sending its own context gradients to its producers. Every unit is backpropagated once; at most one
+graph is alive, so peak activation memory is one microbatch's (plus the boundary values), at the
+price of one extra forward per token of every unit but the last (none for a plan of one unit).
+:meth:`TreeEngine.backward` (a loss function), :meth:`Recording.backward` (gradients a caller
+gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd graph) are three
+doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
 
 Data parallel: each unit's model call can run as the forward of the wrapper the caller trains
@@ -46,12 +44,13 @@ from ..forest import RolloutForest
 from ..modeling.errors import UnsupportedModelError
 from ..modeling.logprobs import (
     model_head,
+    run_unit,
     stochastic_parts,
     validate_forest,
     validate_temperature,
 )
 from ..modeling.registry import patched_adapter
-from ..modeling.tables import model_tables, run_base
+from ..modeling.tables import model_tables
 from ..ops.precision import AutocastState
 from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
@@ -220,67 +219,25 @@ class TreeEngine:
         lp = recording.attached()
         return (lp, recording.entropies) if return_entropy else lp
 
-    def backward(self, loss_fn: LossFn, *, per_token: bool = False, return_entropy: bool = False) -> torch.Tensor:
+    def backward(self, loss_fn: LossFn, *, return_entropy: bool = False) -> torch.Tensor:
         """Backpropagate ``loss_fn(logprobs)`` (``loss_fn(logprobs, entropies)`` with
         ``return_entropy``; entropies carry no gradient) into the model's parameters, exactly as
         ``loss_fn`` over trajectory-wise log-probs would; gradients accumulate in ``.grad``.
 
         ``logprobs`` is the list :meth:`logprobs` returns, differentiable; ``loss_fn`` must ignore
-        rows this rank does not own. ``per_token=True`` promises that ``loss_fn`` is a sum of
-        per-token terms, each depending on its own log-prob only (normalisers fixed in advance,
-        as TRL's token-level losses are): units then stream, each applying ``loss_fn`` to its own
-        log-probs (the others given as constant zeros), and only units that later units read from
-        run twice. Returns the loss, detached.
+        rows this rank does not own. It is the engine's one backward path, for a caller that owns the
+        loss: :meth:`record` (the last call keeps its graph), the loss over whole trajectories, then
+        :meth:`Recording.backward_pairs` with its gradients. Returns the loss, detached.
         """
-        _check_no_dropout(self.hf)
-        if per_token and return_entropy:
-            raise ValueError("per_token streaming sees one unit's entropies at a time: it takes no entropies")
-        store = Store()
-        if (per_token or len(self.units) == 1) and self.schedule.padding is None:
-            return self._stream(store, loss_fn, return_entropy)
-        return self._replay(store, loss_fn, return_entropy)
-
-    def _stream(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
-        """Units nobody reads from: forward, loss, backward at once; the others: recorded now and
-        backpropagated in reverse order once their consumers have sent their gradients."""
-        lps, ents, deferred = [None] * len(self.units), [None] * len(self.units), []
-        done = 0
-        for unit in self.units:
-            if unit.exports.size:
-                with torch.no_grad():
-                    lps[unit.index], ents[unit.index], *_ = self._run(unit, Handoff(store, unit, grad=False), entropy)
-                deferred.append(unit)
-            else:
-                with self._sync_last(done):
-                    lps[unit.index], ents[unit.index] = self._backprop(store, unit, loss_fn, entropy)
-                done += 1
-        for unit in reversed(deferred):
-            with self._sync_last(done):
-                self._backprop(store, unit, loss_fn, False)
-            done += 1
-        with torch.no_grad():
-            return self._apply(loss_fn, self._scatter(lps), self._scatter(ents) if entropy else None)
-
-    def _backprop(
-        self, store: Store, unit: Unit, loss_fn: LossFn, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ``unit`` with grad and backpropagate ``loss_fn`` of its own log-probs plus the
-        gradients its consumers sent; returns its (detached) log-probs and entropies."""
-        handoff = Handoff(store, unit, grad=True)
-        lp, ent, *_ = self._run(unit, handoff, entropy)
-        loss = self._apply(loss_fn, self._scatter([lp], [unit]), self._scatter([ent], [unit]) if entropy else None)
-        self._send(store, handoff, [loss], [torch.ones_like(loss)])
-        return lp.detach(), None if ent is None else ent.detach()
-
-    def _replay(self, store: Store, loss_fn: LossFn, entropy: bool) -> torch.Tensor:
-        """Record every unit (the last keeps its graph), apply the loss to whole trajectories,
-        replay the others in reverse."""
-        values, ents, _, _, kept = self._record(store, entropy, keep_last=True)
-        values = [v.requires_grad_(True) for v in values]
-        loss = self._apply(loss_fn, values, ents)
+        recording = self.record(return_entropy, keep_graph=True)
+        values = [v.detach().requires_grad_() for v in recording.values]
+        lp = self._layout(values)
+        loss = loss_fn(lp) if not return_entropy else loss_fn(lp, recording.entropies)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("loss_fn must return a scalar tensor")
         if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
-            loss.backward()
-            self._replay_units(store, [torch.zeros_like(v) if v.grad is None else v.grad for v in values], kept=kept)
+            grads = torch.autograd.grad(loss, values, allow_unused=True)
+            recording.backward_pairs([torch.zeros_like(v) if g is None else g for g, v in zip(grads, values)])
         return loss.detach()
 
     def _replay_units(
@@ -358,28 +315,16 @@ class TreeEngine:
         store.add_grads(handoff.leaves)
         store.release(handoff.unit)
 
-    def _apply(
-        self,
-        loss_fn: LossFn,
-        values: list[torch.Tensor],
-        ents: list[torch.Tensor] | None,
-    ) -> torch.Tensor:
-        lp = self._layout(values)
-        loss = loss_fn(lp) if ents is None else loss_fn(lp, [e.detach() for e in self._layout(ents)])
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError("loss_fn must return a scalar tensor")
-        return loss
-
     def _layout(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         return [
             torch.where(owned[:, None], layout(v), 0.0)
             for v, layout, owned in zip(values, self.schedule.rows, self.owned)
         ]
 
-    def _scatter(self, per_unit: list[torch.Tensor], units: list[Unit] | None = None) -> list[torch.Tensor]:
-        """Pair values of ``units`` (default all) -> per forest [P_f] (0 for the other pairs)."""
+    def _scatter(self, per_unit: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pair values of every unit -> per forest [P_f] (0 for the pairs other ranks compute)."""
         out = [torch.zeros(n, device=self.device) for n in self.schedule.num_pairs]
-        for unit, value in zip(units or self.units, per_unit):
+        for unit, value in zip(self.units, per_unit):
             out[unit.forest] = out[unit.forest].index_put((self.schedule.pair_index[unit.index],), value.float())
         return out
 
@@ -444,14 +389,13 @@ class TreeEngine:
         ``router`` the MoE layers' router logits of its own tokens [layers, n, E], and the [p] head
         ``statistics`` (``logprobs.PAIR_STATISTICS`` other than the entropy) by name."""
         batch = unit.batch.with_handoff(handoff)
-        extra = {"output_router_logits": True} if router else {}
+        wanted = ("entropy",) * entropy + statistics
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
-            out = run_base(self.hf, self.adapter, unit.input_ids, batch, **extra)
-            hidden = out.last_hidden_state[0]  # [N, H]
-            wanted = ("entropy",) * entropy + statistics
-            lp, stats = self.head.pair_values(hidden, unit.pair_rows, unit.targets, self.temperature, wanted)
-            return lp, stats.pop("entropy", None), torch.stack(out.router_logits) if router else None, stats
+            lp, stats, routers = run_unit(
+                self.hf, self.adapter, self.head, unit, batch, self.temperature, wanted, router
+            )
+            return lp, stats.pop("entropy", None), None if routers is None else torch.stack(routers), stats
 
         return self._forward(run)
 

@@ -24,7 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..forest import RolloutForest
-from ..schedule import TrajectoryRows, Unit, forest_unit
+from ..ops.tree_batch import TreeBatch
+from ..schedule import Schedule, Unit
 from .adapters import FamilyAdapter
 from .errors import UnsupportedModelError
 from .moe import expert_load, router_aux_loss
@@ -38,6 +39,7 @@ __all__ = [
     "TreeOutput",
     "compile_forest",
     "model_head",
+    "run_unit",
     "stochastic_parts",
     "tree_forward",
     "tree_logprobs",
@@ -189,10 +191,30 @@ def model_head(hf, adapter: FamilyAdapter, head_chunk_tokens: int | None = None)
     )
 
 
-def compile_forest(hf, adapter: FamilyAdapter, forest: RolloutForest) -> tuple[Unit, TrajectoryRows]:
-    """The forest's one unit and its trajectory rows, compiled on the host before the model runs."""
-    device = hf.get_output_embeddings().weight.device
-    return forest_unit(forest, model_tables(hf, adapter), device), TrajectoryRows.of(forest, device)
+def compile_forest(hf, adapter: FamilyAdapter, forest: RolloutForest) -> Schedule:
+    """The forest's one-unit schedule, compiled on the host before the model runs."""
+    return Schedule.whole(forest, model_tables(hf, adapter), hf.get_output_embeddings().weight.device)
+
+
+def run_unit(
+    hf,
+    adapter: FamilyAdapter,
+    head: Head,
+    unit: Unit,
+    batch: TreeBatch,
+    temperature: float,
+    statistics: tuple[str, ...] = (),
+    router: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, ...] | None]:
+    """One model call: the base model over ``unit``'s own tokens (``batch``: its tree, carrying the
+    run's handoff where the engine gives one), then the head over its pairs. Returns the [p]
+    log-probs, the [p] ``statistics`` by name and, with ``router``, the router logits of every MoE
+    layer [n, E]."""
+    extra = {"output_router_logits": True} if router else {}
+    out = run_base(hf, adapter, unit.input_ids, batch, **extra)
+    hidden = out.last_hidden_state[0]  # [N, H]
+    lp, stats = head.pair_values(hidden, unit.pair_rows, unit.targets, temperature, statistics)
+    return lp, stats, tuple(out.router_logits) if router else None
 
 
 def tree_forward(
@@ -231,21 +253,18 @@ def tree_forward(
     validate_forest(hf, forest)
     if output_router_logits and not adapter.aux_loss:
         raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
-    pair_head = model_head(hf, adapter, head_chunk_tokens)
-    unit, layout = compile_forest(hf, adapter, forest)
-    extra = {"output_router_logits": True} if output_router_logits else {}
-    out = run_base(hf, adapter, unit.input_ids, unit.batch, **extra)
-    hidden = out.last_hidden_state[0]  # [N, H]
-    lp, stats = pair_head.pair_values(
-        hidden, unit.pair_rows, unit.targets, temperature, ("entropy",) * return_entropy + tuple(statistics)
-    )
+    schedule = compile_forest(hf, adapter, forest)
+    (unit,), (layout,) = schedule.units, schedule.rows
+    wanted = ("entropy",) * return_entropy + tuple(statistics)
+    head = model_head(hf, adapter, head_chunk_tokens)
+    lp, stats, routers = run_unit(hf, adapter, head, unit, unit.batch, temperature, wanted, output_router_logits)
     result = TreeOutput(layout(lp), layout(stats.pop("entropy")) if return_entropy else None)
     for name, value in stats.items():
         setattr(result, name, layout(value) > 0 if value.dtype == torch.bool else layout(value))
     if output_router_logits:
-        weights = torch.as_tensor(forest.multiplicity, device=hidden.device, dtype=torch.float32)  # [N]
-        result.aux_loss = router_aux_loss(hf, out.router_logits, weights)
-        result.expert_load = expert_load(out.router_logits, weights, hf.num_experts_per_tok)
+        weights = torch.as_tensor(forest.multiplicity, device=lp.device, dtype=torch.float32)  # [N]
+        result.aux_loss = router_aux_loss(hf, routers, weights)
+        result.expert_load = expert_load(routers, weights, hf.num_experts_per_tok)
     return result
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..forest import RolloutForest
@@ -20,7 +21,7 @@ from ..planner.plan import Plan
 from ..planner.plan import plan as make_plan
 from .rows import TrajectoryRows
 from .tables import Builders
-from .units import Unit, rank_units
+from .units import Unit, forest_unit, rank_units
 
 __all__ = ["Schedule"]
 
@@ -63,12 +64,32 @@ class Schedule:
         """``rank``'s schedule of ``plan`` over ``forests`` on ``device``; ``calls``: at least this many
         model calls per pass (padding)."""
         units = rank_units(list(forests), plan, rank, builders, device)
-        calls = max(calls, len(units))
+        owned = [np.asarray(t == rank) for t in plan.traj_rank]
+        return cls._assemble(forests, units, owned, builders, device, max(calls, len(units)))
+
+    @classmethod
+    def whole(cls, forest: RolloutForest, builders: Builders, device: torch.device | str) -> Schedule:
+        """The one-unit schedule of a whole forest: every token and pair in one model call, no
+        handoff, every trajectory owned (what ``tree_forward`` runs)."""
+        device = torch.device(device)
+        units = [forest_unit(forest, builders, device)]
+        return cls._assemble([forest], units, [np.ones(forest.num_trajectories, dtype=bool)], builders, device, 1)
+
+    @classmethod
+    def _assemble(
+        cls,
+        forests: Sequence[RolloutForest],
+        units: list[Unit],
+        owned: list[np.ndarray],
+        builders: Builders,
+        device: torch.device,
+        calls: int,
+    ) -> Schedule:
         return cls(
             units=tuple(units),
             calls=calls,
             padding=_padding_unit(builders, device) if calls > len(units) else None,
-            owned=tuple(torch.as_tensor(t == rank, device=device) for t in plan.traj_rank),
+            owned=tuple(torch.as_tensor(o, device=device) for o in owned),
             rows=tuple(TrajectoryRows.of(f, device) for f in forests),
             num_pairs=tuple(int((f.prev >= 0).sum()) for f in forests),
             pair_index=tuple(torch.as_tensor(forests[u.forest].pair_number[u.pairs], device=device) for u in units),
