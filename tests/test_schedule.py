@@ -14,6 +14,8 @@ from harts_hf.ops.attention import tree_attention
 from harts_hf.ops.fla.waves import waves_of
 from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
+from harts_hf.planner import plan
+from harts_hf.schedule import Schedule
 
 META = torch.device("meta")
 
@@ -57,3 +59,23 @@ def test_with_state_out_keeps_only_the_named_tables() -> None:
     again = batch.with_state_out({64: np.zeros(0, dtype=np.int64)}, keep=(("rounds", 64),))
     assert list(again._cache) == [("rounds", 64)] and again._cache[("rounds", 64)] is rounds
     assert again.state_out[64].size == 0 and batch.state_out[64].size
+
+
+def test_a_schedule_serves_only_its_plan_rank_tables_and_calls() -> None:
+    """Another pass over the same plan reuses a schedule (``TreeEngine(schedule=...)``); anything
+    that would make it another schedule compiles afresh."""
+    forest = RolloutForest.from_sequences(NASTY_TREES["branch_at_65"](np.random.default_rng(0)))
+    the_plan = plan(forest, world_size=2, max_tokens_per_microbatch=160)
+    builders = {("rounds", 64): lambda b: rounds_of(b, 64)}
+    cpu = torch.device("cpu")
+    schedule = Schedule.compile([forest], the_plan, 1, builders, cpu, calls=the_plan.unit_counts.max())
+    assert schedule.serves(the_plan, 1, dict(builders), 0, cpu)
+    replanned = plan(forest, world_size=2, max_tokens_per_microbatch=160)
+    assert not schedule.serves(replanned, 1, builders, 0, cpu)  # equal, but not the plan it was compiled from
+    assert not schedule.serves(the_plan, 0, builders, 0, cpu)
+    assert not schedule.serves(the_plan, 1, {**builders, ("conv_halo", 4): None}, 0, cpu)
+    assert not schedule.serves(the_plan, 1, builders, schedule.calls + 1, cpu)
+    assert not schedule.serves(the_plan, 1, builders, 0, META)
+    whole = Schedule.whole(forest, builders, cpu)
+    assert len(whole.units) == 1 and bool(whole.owned[0].all()) and whole.calls == 1
+    assert whole.pair_index[0].tolist() == list(range(whole.num_pairs[0]))

@@ -21,6 +21,7 @@ from tiny_models import tiny_model
 from trainer_args import saved_model, sgd_args
 from trl import GRPOConfig, GRPOTrainer
 
+from harts_hf.schedule import Schedule
 from harts_hf.sources.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
 
@@ -275,14 +276,21 @@ def test_a_budget_below_one_chunk_is_warned_about():
     [
         pytest.param(dict(loss_type="dapo", beta=0.1), id="dapo-beta"),
         pytest.param(dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2), id="gspo-mu2"),
+        pytest.param(dict(loss_type="dapo", num_iterations=2, beta=0.1), id="dapo-mu2-beta"),
     ],
 )
-def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path):
-    """Microbatch forests above the budget run as planned pieces (policy, old policy, reference)."""
+def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path, monkeypatch):
+    """Microbatch forests above the budget run as planned pieces (policy, old policy, reference);
+    the reference pass reuses the old-policy pass's schedule (the same rows)."""
     stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    served = []
+    serves = Schedule.serves
+    monkeypatch.setattr(Schedule, "serves", lambda self, *a: served.append(serves(self, *a)) or served[-1])
     harts, harts_losses = train(
         HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=48, **overrides
     )
+    both = overrides.get("num_iterations", 1) > 1 and overrides.get("beta", 0) > 0  # an old-policy and a reference pass
+    assert any(served) == both, served
     microbatches = [h["harts/microbatches"] for h in harts.state.log_history if "harts/microbatches" in h]
     assert microbatches and min(microbatches) >= 3  # the engine split every forest
     np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)

@@ -68,18 +68,18 @@ def _recipe(args: argparse.Namespace, **forced) -> tuple:
         raise SystemExit(f"harts-hf {args.command}: {err}") from err
 
 
-def _trl_flags(argv: list[str], kind: str) -> dict[str, str | list[str]]:
+def _trl_flags(argv: list[str], trainer: str) -> dict[str, str | list[str]]:
     """``--key value``, ``--key=value``, ``--key v1 v2`` (a list field, as TRL's CLI takes it) and a
     bare switch ``--key`` (true) as recipe values (text, typed by ``parse_recipe``); an argument that
     is no recipe key is refused with the closest one."""
     from .recipe import check_arguments, get_recipe
 
-    keys, values, i = get_recipe(kind).keys, {}, 0
+    keys, values, i = get_recipe(trainer).keys, {}, 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
         key = flag.removeprefix("--").replace("-", "_")
         if not flag.startswith("--") or key not in keys:
-            check_arguments(argv[i:], kind)
+            check_arguments(argv[i:], trainer)
         end = i + 1
         while not eq and end < len(argv) and not argv[end].startswith("--"):
             end += 1

@@ -98,6 +98,9 @@ class TreeEngine:
             calls (a two-token chain whose gradient is zero) after its units, so that a wrapper
             whose every call is collective (FSDP2 gathers the parameters in each, DDP syncs in the
             last) sees as many on every rank.
+        schedule: an earlier engine's :class:`~harts_hf.schedule.Schedule`, reused where it is
+            ``rank``'s of this ``plan`` and serves this model (the same tables, calls and device);
+            compiled afresh otherwise.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class TreeEngine:
         forward: Forward | None = None,
         no_sync: Callable[[], AbstractContextManager] | None = None,
         calls: int = 0,
+        schedule: Schedule | None = None,
     ):
         validate_temperature(temperature)
         self.hf, self.adapter = patched_adapter(model)
@@ -145,7 +149,9 @@ class TreeEngine:
         self._no_sync = no_sync
         with torch.no_grad():  # the probe runs as the wrapper's forward too (FSDP2 gathers the root's parameters)
             tables = self._forward(lambda: model_tables(self.hf, self.adapter))
-        self.schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
+        if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
+            schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
+        self.schedule = schedule
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -177,8 +183,8 @@ class TreeEngine:
         rank does not own are 0); with ``return_entropy`` also the entropies, same layout."""
         with torch.no_grad():
             lp, ent, *_ = self._record(Store(), return_entropy)
-        lp = self._layout(lp)
-        return (lp, self._layout(ent)) if return_entropy else lp
+        lp = self._as_rows(lp)
+        return (lp, self._as_rows(ent)) if return_entropy else lp
 
     def record(
         self,
@@ -231,7 +237,7 @@ class TreeEngine:
         """
         recording = self.record(return_entropy, keep_graph=True)
         values = [v.detach().requires_grad_() for v in recording.values]
-        lp = self._layout(values)
+        lp = self._as_rows(values)
         loss = loss_fn(lp) if not return_entropy else loss_fn(lp, recording.entropies)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError("loss_fn must return a scalar tensor")
@@ -315,7 +321,8 @@ class TreeEngine:
         store.add_grads(handoff.leaves)
         store.release(handoff.unit)
 
-    def _layout(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _as_rows(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per forest [P_f] pair values -> TRL's [B_f, L_f - 1] rows, 0 in the rows other ranks own."""
         return [
             torch.where(owned[:, None], layout(v), 0.0)
             for v, layout, owned in zip(values, self.schedule.rows, self.owned)
@@ -430,9 +437,9 @@ class Recording:
         self._autocast = AutocastState.current(engine.device)  # the replay runs the units under it again
         self.values, self._ents = values, ents  # per forest [P_f] pair values
         self.router_logits = router_logits
-        self.logprobs = engine._layout(values)
-        self.entropies = None if ents is None else engine._layout(ents)
-        self.statistics = {name: engine._layout(v) for name, v in (statistics or {}).items()}
+        self.logprobs = engine._as_rows(values)
+        self.entropies = None if ents is None else engine._as_rows(ents)
+        self.statistics = {name: engine._as_rows(v) for name, v in (statistics or {}).items()}
 
     def attached(self) -> list[torch.Tensor]:
         """:attr:`logprobs` attached to the autograd graph: backpropagating any loss through them
@@ -444,7 +451,7 @@ class Recording:
         anchor = next((p for p in self.engine.hf.parameters() if p.requires_grad), None)
         if anchor is not None:  # a frozen model has no graph to attach to (as its own forward)
             values = _Replay.apply(self, anchor, *values)
-        return self.engine._layout(list(values))
+        return self.engine._as_rows(list(values))
 
     @property
     def boundary_bytes(self) -> int:
@@ -475,7 +482,7 @@ class Recording:
         """Gradients w.r.t. the layout's rows -> w.r.t. the pair values (a pair feeds every row
         that shares it)."""
         pairs = [torch.zeros_like(v, requires_grad=True) for v in self.values]
-        torch.autograd.backward(self.engine._layout(pairs), row_grads)
+        torch.autograd.backward(self.engine._as_rows(pairs), row_grads)
         return [torch.zeros_like(p) if p.grad is None else p.grad for p in pairs]
 
     def backward_pairs(

@@ -93,9 +93,9 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -
     ]
 
 
-def _imbalance(kind: str) -> Callable[[dict], float | None]:
-    """A record entry's ``kind`` imbalance (None for a skipped baseline)."""
-    return lambda entry: None if entry["imbalance"] is None else entry["imbalance"][kind]
+def _imbalance(over: str) -> Callable[[dict], float | None]:
+    """A record entry's imbalance over ``over`` ("slot" or "rank"; None for a skipped baseline)."""
+    return lambda entry: None if entry["imbalance"] is None else entry["imbalance"][over]
 
 
 PANELS: dict[str, tuple[Callable[[dict], float | None], float]] = {

@@ -68,10 +68,8 @@ class AutocastState:
 
     @classmethod
     def current(cls, device: torch.device) -> AutocastState:
-        kind = device.type
-        return cls(
-            kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled()
-        )
+        on = device.type
+        return cls(on, torch.is_autocast_enabled(on), torch.get_autocast_dtype(on), torch.is_autocast_cache_enabled())
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:

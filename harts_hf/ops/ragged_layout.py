@@ -140,7 +140,7 @@ class _Chunks(NamedTuple):
     path: np.ndarray
     step: np.ndarray
     lo: np.ndarray  # the first path offset it computes
-    kind: np.ndarray  # index of its length
+    length_class: np.ndarray  # index of its length
     order: np.ndarray  # [X] the chunks in visiting order (round, step, ending, length, rank)
     position: np.ndarray  # its place among its step's visiting positions
     local: np.ndarray  # its place among its round's chunks of its length (visiting order)
@@ -159,22 +159,22 @@ def _chunks(rounds: Rounds, skip: np.ndarray, bucket: int) -> tuple[_Chunks, np.
     size = np.minimum(step * C + C, rounds.path_length[path]) - lo
     length = np.minimum(-(-size // bucket) * bucket, C)
     lengths = np.unique(length)[::-1]
-    kind = np.searchsorted(-lengths, -length)
+    length_class = np.searchsorted(-lengths, -length)
     rnd, ends = rounds.path_round[path], step == counts[path] - 1
-    order = np.lexsort((rounds.path_rank[path], kind, ends, step, rnd))
+    order = np.lexsort((rounds.path_rank[path], length_class, ends, step, rnd))
     starts = _block_starts(rnd[order], step[order])
     position = np.empty_like(order)
     position[order] = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
-    by_length = order[np.argsort(kind[order], kind="stable")]  # per length: round, then visiting order
-    per_length = np.bincount(kind, minlength=lengths.size)
+    by_length = order[np.argsort(length_class[order], kind="stable")]  # per length: round, then visiting order
+    per_length = np.bincount(length_class, minlength=lengths.size)
     chunk = np.empty_like(order)
     chunk[by_length] = np.arange(order.size) - np.repeat(np.cumsum(per_length) - per_length, per_length)
-    blocks = _block_starts(kind[by_length], rnd[by_length])
+    blocks = _block_starts(length_class[by_length], rnd[by_length])
     local = np.empty_like(order)
     local[by_length] = np.arange(order.size) - np.repeat(blocks, np.diff(np.r_[blocks, order.size]))
     offsets = np.cumsum(lengths * per_length) - lengths * per_length
-    slot = offsets[kind] + lengths[kind] * chunk
-    return _Chunks(path, step, lo, kind, order, position, local, chunk, slot), lengths, per_length
+    slot = offsets[length_class] + lengths[length_class] * chunk
+    return _Chunks(path, step, lo, length_class, order, position, local, chunk, slot), lengths, per_length
 
 
 class _Reads(NamedTuple):
@@ -219,7 +219,7 @@ def _reads(rounds: Rounds, ch: _Chunks, skip: np.ndarray, state_out: np.ndarray 
     kept_row[kept] = np.arange(kept.size) - np.repeat(np.cumsum(num_kept) - num_kept, num_kept)
     finals = np.bincount(rounds.path_round[final], minlength=num_rounds) > 0
     final_row = num_kept[rounds.path_round] + rounds.path_rank
-    key = np.stack([rnd[mid_chunk], ch.kind[mid_chunk], ch.local[mid_chunk], mid_row])
+    key = np.stack([rnd[mid_chunk], ch.length_class[mid_chunk], ch.local[mid_chunk], mid_row])
     mids, mid_of = np.unique(key, axis=1, return_inverse=True)  # siblings share one
     unique_chunk = np.empty(mids.shape[1], dtype=np.int64)
     unique_chunk[mid_of] = mid_chunk
@@ -263,13 +263,13 @@ def build_ragged_layout(
     # Each round's steps and visits, from the visiting order.
     order = ch.order
     rnd, step, ends = rounds.path_round[ch.path[order]], ch.step[order], ch.step[order] == counts[ch.path[order]] - 1
-    visits = _block_starts(rnd, step, ends, ch.kind[order])
+    visits = _block_starts(rnd, step, ends, ch.length_class[order])
     visit_size = np.diff(np.r_[visits, order.size])
-    visit_kind = ch.kind[order][visits]
+    visit_class = ch.length_class[order][visits]
     steps = _block_starts(rnd, step)
     step_visits = np.searchsorted(visits, np.r_[steps, order.size]).tolist()
     round_steps = np.searchsorted(rnd[steps], np.arange(rounds.num_rounds + 1)).tolist()
-    pairs, going = list(zip(visit_kind.tolist(), visit_size.tolist())), (~ends[visits]).tolist()
+    pairs, going = list(zip(visit_class.tolist(), visit_size.tolist())), (~ends[visits]).tolist()
     bounds = np.r_[steps, order.size].tolist()
     out = []
     for r in range(rounds.num_rounds):
@@ -291,7 +291,7 @@ def build_ragged_layout(
         ending = order[bounds[round_steps[r]] : bounds[round_steps[r + 1]]]
         ending = ending[ch.step[ending] == counts[ch.path[ending]] - 1]
         mids = slice(reads.mid_bounds[r], reads.mid_bounds[r + 1])
-        (_, kind, local, row), chunk = reads.mids[:, mids], reads.mid_chunk[mids]
+        (_, length_class, local, row), chunk = reads.mids[:, mids], reads.mid_chunk[mids]
         picks = reads.out_row[reads.out_round == r]
         out.append(
             ScanRound(
@@ -302,12 +302,12 @@ def build_ragged_layout(
                 mids=[
                     MidStates(
                         length=j,
-                        local=as_t(local[kind == j]),
-                        chunk=as_t(ch.chunk[chunk[kind == j]]),
-                        row=as_t(row[kind == j]),
-                        start=as_t(reads.kept_row[chunk[kind == j]]),
+                        local=as_t(local[length_class == j]),
+                        chunk=as_t(ch.chunk[chunk[length_class == j]]),
+                        row=as_t(row[length_class == j]),
+                        start=as_t(reads.kept_row[chunk[length_class == j]]),
                     )
-                    for j in np.unique(kind).tolist()
+                    for j in np.unique(length_class).tolist()
                 ],
                 picks=as_t(picks) if picks.size else None,
             )
@@ -316,7 +316,7 @@ def build_ragged_layout(
         rounds=out,
         lengths=lengths.tolist(),
         chunks=per_length.tolist(),
-        sections=[visit_size[visit_kind == j].tolist() for j in range(lengths.size)],
+        sections=[visit_size[visit_class == j].tolist() for j in range(lengths.size)],
         gather=as_t(rounds.input_rows(gather)),
         output=as_t(output),
         pick_order=None if state_out is None else as_t(np.argsort(np.argsort(reads.out_round, kind="stable"))),

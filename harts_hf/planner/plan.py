@@ -245,9 +245,9 @@ def plan(
         require_positive_ints("plan", max_tokens_per_microbatch=max_tokens_per_microbatch)
     if max_bytes_per_microbatch is not None and memory_model is None:
         raise ValueError("max_bytes_per_microbatch needs the model's memory model (harts_hf.modeling.memory_model)")
-    for name, value, kind in (("cost_model", cost_model, CostModel), ("memory_model", memory_model, MemoryModel)):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    for name, value, expected in (("cost_model", cost_model, CostModel), ("memory_model", memory_model, MemoryModel)):
+        if value is not None and not isinstance(value, expected):
+            raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}")
     cost = cost_model or DEFAULT_COST_MODEL
     memory = memory_model or TOKEN_MEMORY
     budget = memory.budget(max_tokens=max_tokens_per_microbatch, max_bytes=max_bytes_per_microbatch)

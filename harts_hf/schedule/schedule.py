@@ -10,7 +10,7 @@ compact tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,8 @@ class Schedule:
         num_pairs: per forest P_f.
         pair_index: per unit, the forest-order numbers of the pairs it produces.
         token_index: per unit, its compact tokens (device).
+        tables: the keys of the tree tables every unit carries (the model's builders).
+        plan, rank: what it was compiled from (None for a whole forest's schedule).
     """
 
     units: tuple[Unit, ...]
@@ -50,6 +52,9 @@ class Schedule:
     num_pairs: tuple[int, ...]
     pair_index: tuple[torch.Tensor, ...]
     token_index: tuple[torch.Tensor, ...]
+    tables: frozenset[Hashable]
+    plan: Plan | None
+    rank: int
 
     @classmethod
     def compile(
@@ -65,7 +70,7 @@ class Schedule:
         model calls per pass (padding)."""
         units = rank_units(list(forests), plan, rank, builders, device)
         owned = [np.asarray(t == rank) for t in plan.traj_rank]
-        return cls._assemble(forests, units, owned, builders, device, max(calls, len(units)))
+        return cls._assemble(forests, units, owned, builders, device, max(calls, len(units)), plan, rank)
 
     @classmethod
     def whole(cls, forest: RolloutForest, builders: Builders, device: torch.device | str) -> Schedule:
@@ -73,7 +78,8 @@ class Schedule:
         handoff, every trajectory owned (what ``tree_forward`` runs)."""
         device = torch.device(device)
         units = [forest_unit(forest, builders, device)]
-        return cls._assemble([forest], units, [np.ones(forest.num_trajectories, dtype=bool)], builders, device, 1)
+        owned = [np.ones(forest.num_trajectories, dtype=bool)]
+        return cls._assemble([forest], units, owned, builders, device, 1, None, 0)
 
     @classmethod
     def _assemble(
@@ -84,6 +90,8 @@ class Schedule:
         builders: Builders,
         device: torch.device,
         calls: int,
+        plan: Plan | None,
+        rank: int,
     ) -> Schedule:
         return cls(
             units=tuple(units),
@@ -94,6 +102,22 @@ class Schedule:
             num_pairs=tuple(int((f.prev >= 0).sum()) for f in forests),
             pair_index=tuple(torch.as_tensor(forests[u.forest].pair_number[u.pairs], device=device) for u in units),
             token_index=tuple(torch.as_tensor(u.tokens, device=device) for u in units),
+            tables=frozenset(builders),
+            plan=plan,
+            rank=rank,
+        )
+
+    def serves(self, plan: Plan, rank: int, builders: Builders, calls: int, device: torch.device) -> bool:
+        """Whether this is ``rank``'s schedule of ``plan`` for a model whose layers read the tables of
+        ``builders``, with at least ``calls`` model calls per pass, on ``device``: another pass over
+        the same plan (the reference model after the old policy) reuses it instead of compiling."""
+        on = self.units[0].input_ids.device if self.units else None
+        return (
+            self.plan is plan
+            and self.rank == rank
+            and self.tables == frozenset(builders)
+            and self.calls == max(calls, len(self.units))
+            and on in (None, device)
         )
 
     def call_order(self) -> list[Unit]:

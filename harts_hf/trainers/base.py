@@ -26,10 +26,10 @@ class HARTSTrainerMixin:
     _memory: MemoryModel | None = None  # the policy's, probed in its first pass
 
     @staticmethod
-    def _default_args(model, config_class: type, kind: str) -> HARTSArguments:
-        """TRL's default config for ``model`` when none is given: ``<name>-HARTS-<kind>`` as the output dir."""
+    def _default_args(model, config_class: type, trainer: str) -> HARTSArguments:
+        """TRL's default config for ``model`` when none is given: ``<name>-HARTS-<trainer>`` as the output dir."""
         name = model if isinstance(model, str) else model.config.name_or_path or "model"
-        return config_class(f"{name.split('/')[-1]}-HARTS-{kind}")
+        return config_class(f"{name.split('/')[-1]}-HARTS-{trainer}")
 
     @property
     def _harts_enabled(self) -> bool:

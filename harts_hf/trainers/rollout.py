@@ -50,6 +50,9 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         self._harts_step: HARTSStep | None = None
         self._loss_call: tuple | None = None  # (model, inputs) of the loss pass that is running
         self._served = -1  # the HARTS step's microbatch the last loss pass read
+        self._no_grad_step: HARTSStep | None = (
+            None  # the last no-grad pass: the next one over its rows reuses its schedule
+        )
         if self._harts_enabled:
             self._prepare_harts((self.model, self.ref_model))
 
@@ -84,7 +87,16 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         else:  # old policy, reference, evaluation: the rows of every rank under one plan
             batch = {"input_ids": input_ids, "attention_mask": attention_mask}
             options = self._plan_options()
-            step, j = HARTSStep(self, model, [batch], options, entropy=compute_entropy, router=compute_aux_loss), 0
+            step = HARTSStep(
+                self,
+                model,
+                [batch],
+                options,
+                entropy=compute_entropy,
+                router=compute_aux_loss,
+                previous=self._no_grad_step,
+            )
+            self._no_grad_step, j = step, 0
         if step is not None:
             logps, entropies = step.values(j, attention_mask, logits_to_keep)
             return logps, entropies if compute_entropy else None, step.aux_loss(j) if compute_aux_loss else None
@@ -121,6 +133,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
         j = step.index(inputs) if step is not None else None
         if j is None:
             block = buffered_block(self, inputs, block_length)
+            self._no_grad_step = None  # the generation's passes are over: free their schedule
             options = self._plan_options()
             step = self._harts_step = HARTSStep(
                 self, model, block, options, entropy_grad=self._entropy_grad(), router=router_loss_enabled(self)

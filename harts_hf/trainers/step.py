@@ -59,6 +59,11 @@ def batch_rows(batch: dict) -> list[np.ndarray]:
     return row_sequences(ids, mask)
 
 
+def _same_rows(a: RolloutForest, b: RolloutForest) -> bool:
+    """Whether two forests hold the same trajectories (tokens and shape)."""
+    return a.shape_digest == b.shape_digest and np.array_equal(a.tokens, b.tokens)
+
+
 class HARTSStep:
     """One block's log-probs and entropies on every rank (module docstring). Every rank makes it
     at the same time (it all-gathers the rows and sums the values over the ranks). Made with grad
@@ -74,6 +79,8 @@ class HARTSStep:
         entropy: compute the entropies too.
         entropy_grad: the losses backpropagate through the entropies (TRL's entropy bonus).
         router: the losses add the MoE router loss of each microbatch (:meth:`aux_loss`).
+        previous: an earlier step; where its rows and plan options are this one's (the reference
+            pass after the old-policy pass), its forest, plan and schedule are reused.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class HARTSStep:
         entropy: bool = True,
         entropy_grad: bool = False,
         router: bool = False,
+        previous: HARTSStep | None = None,
     ):
         began = time.perf_counter()
         acc = self.accelerator = trainer.accelerator
@@ -97,10 +105,14 @@ class HARTSStep:
         bounds = first + np.cumsum([0] + [len(part) for part in rows])
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
         self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
+        self.plan_options = plan_options
+        same = (
+            previous is not None and previous.plan_options == plan_options and _same_rows(previous.forest, self.forest)
+        )
         # the router loss of microbatch j averages over its rows' tokens: a compact token counts once per row
         weight = lambda a, b: torch.as_tensor(self.forest.multiplicity_of(np.arange(a, b)), dtype=torch.float32)
         self._token_weights = [weight(a, b).to(acc.device) for a, b in zip(bounds[:-1], bounds[1:])] if router else []
-        self.plan = plan(self.forest, world_size=acc.num_processes, **plan_options)
+        self.plan = previous.plan if same else plan(self.forest, world_size=acc.num_processes, **plan_options)
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
         # the parameters in every call, so every rank needs as many: the engine pads with empty calls.
@@ -115,6 +127,7 @@ class HARTSStep:
             forward=lambda run: model(harts_call=run),
             no_sync=lambda: acc.no_sync(model),
             calls=needed if acc.num_processes > 1 else 0,
+            schedule=previous.engine.schedule if same else None,
         )
         self.grad = torch.is_grad_enabled()
         # A rank's only call keeps its graph (no replay) where its backward runs in this forward's

@@ -1,11 +1,11 @@
-"""The recipes shared by ``harts-hf train --trainer KIND`` and ``recipes/<kind>_agentic.py``: GRPO and
+"""The recipes shared by ``harts-hf train --trainer NAME`` and ``recipes/<name>_agentic.py``: GRPO and
 RLOO on the built-in tool environment, SFT and DPO on the built-in agent conversations.
 
-A recipe is one YAML file in TRL's conventions: the fields of the kind's HARTS config plus its data
-arguments (``arguments.py``), read with ``TrlParser`` (``--config``). A config may be a file, a
-directory holding ``config.yaml`` (the Hub-publishable layout: ``config.yaml`` + a model-card
-``README.md``), or a Hub repo id with that layout (``source.py``). The kinds differ only in their
-declaration (``kinds.py``); reading and checking (``parse.py``), building (``build.py``) and the
+A recipe is one YAML file in TRL's conventions: the fields of its trainer's HARTS config plus its
+data arguments (``arguments.py``), read with ``TrlParser`` (``--config``). A config may be a file, a
+directory holding ``config.yaml`` (what a Hub repo publishes: ``config.yaml`` + a model-card
+``README.md``), or a Hub repo id with those files (``source.py``). The recipes differ only in their
+declaration (``recipes.py``); reading and checking (``parse.py``), building (``build.py``) and the
 script body (``launch.py``) are one path for all four.
 """
 

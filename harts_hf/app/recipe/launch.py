@@ -1,5 +1,5 @@
-"""The body of the accelerate-launched recipe scripts (``recipes/<kind>_agentic.py``): TRL's parser
-on the kind's two dataclasses, the checks, training (resumed from ``--resume_from_checkpoint PATH``,
+"""The body of the accelerate-launched recipe scripts (``recipes/<trainer>_agentic.py``): TRL's parser
+on the trainer's two dataclasses, the checks, training (resumed from ``--resume_from_checkpoint PATH``,
 or ``true`` for the output directory's last checkpoint, as TRL's scripts do), saving.
 
 ``--config`` is a TRL YAML (the trainer config's fields and the data arguments'); any field can also
@@ -31,19 +31,19 @@ class _Parser(TrlParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def launch(kind: str, argv: list[str]) -> None:
-    """Train recipe ``kind`` as ``argv`` (a script's command line) says, and save the model."""
+def launch(trainer: str, argv: list[str]) -> None:
+    """Train recipe ``trainer`` as ``argv`` (a script's command line) says, and save the model."""
     quiet_third_party()
-    recipe = get_recipe(kind)
+    recipe = get_recipe(trainer)
     parser = _Parser((recipe.arguments, recipe.config))
     try:
         if "--config" in argv:  # a config directory or Hub repo id as well as a YAML file, its keys checked
             i = argv.index("--config") + 1
             if i == len(argv):
                 parser.error("argument --config: expected one argument")
-            argv[i] = str(check_config(argv[i], kind))
+            argv[i] = str(check_config(argv[i], trainer))
         script_args, training_args, unused = parser.parse_args_and_config(argv, return_remaining_strings=True)
-        check_arguments(unused, kind)
+        check_arguments(unused, trainer)
         check_recipe(script_args, training_args)
     except (OSError, ValueError) as err:
         parser.error(str(err))

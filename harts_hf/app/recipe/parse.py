@@ -37,10 +37,10 @@ def _check_keys(keys: Iterable[object], where: str, recipe: Recipe) -> None:
             raise ValueError(f"unknown key {key!r} in {where} ({_hint(str(key), recipe)})")
 
 
-def check_config(ref: str | Path, kind: str = "grpo") -> Path:
-    """The YAML file of recipe ``ref`` (:func:`resolve_config`) for trainer ``kind``, read before any
+def check_config(ref: str | Path, trainer: str = "grpo") -> Path:
+    """The YAML file of recipe ``ref`` (:func:`resolve_config`) for trainer ``trainer``, read before any
     work: a one-line ValueError when it is not YAML, not a mapping, or sets a key that is no field."""
-    recipe = get_recipe(kind)
+    recipe = get_recipe(trainer)
     path = resolve_config(ref)
     try:
         with path.open() as file:
@@ -54,12 +54,12 @@ def check_config(ref: str | Path, kind: str = "grpo") -> Path:
     return path
 
 
-def check_arguments(unused: Sequence[str], kind: str = "grpo") -> None:
+def check_arguments(unused: Sequence[str], trainer: str = "grpo") -> None:
     """Refuse the command-line strings ``TrlParser`` left unused (``return_remaining_strings=True``),
     the first one named with the closest recipe flag."""
     if unused:
         key = unused[0].lstrip("-").partition("=")[0].replace("-", "_")
-        raise ValueError(f"unknown argument {unused[0]!r} ({_hint(key, get_recipe(kind), '--')})")
+        raise ValueError(f"unknown argument {unused[0]!r} ({_hint(key, get_recipe(trainer), '--')})")
 
 
 def resume_from(value: str | None) -> str | bool | None:
@@ -101,21 +101,21 @@ def _list_item(hint: object) -> object | None:
     return typing.get_args(lists[0])[0] if len(lists) == 1 else None
 
 
-def _as_scalar(key: str, value: object, kind: type) -> object:
-    """``value`` (a YAML value, or a flag's text) as the field's ``kind``, or a one-line ValueError."""
-    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+def _as_scalar(key: str, value: object, expected: type) -> object:
+    """``value`` (a YAML value, or a flag's text) as the field's ``expected``, or a one-line ValueError."""
+    if expected is bool and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
         return value.lower() in ("true", "1", "yes")
-    if kind is not bool and isinstance(value, str):
+    if expected is not bool and isinstance(value, str):
         try:
-            return kind(value)
+            return expected(value)
         except ValueError:
             pass
-    if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)):
+    if isinstance(value, expected) and not (expected is not bool and isinstance(value, bool)):
         return value
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     names = {bool: "true or false", int: "an integer", float: "a number"}
-    raise ValueError(f"{key} must be {names[kind]}, got {value!r}")
+    raise ValueError(f"{key} must be {names[expected]}, got {value!r}")
 
 
 def _typed(values: dict, recipe: Recipe) -> dict:
@@ -130,17 +130,17 @@ def _typed(values: dict, recipe: Recipe) -> dict:
             continue
         if _list_item(hint) is not None:
             items = value if isinstance(value, list) else [value]
-            kind = _scalar_type(_list_item(hint))
-            out[key] = items if kind is None else [_as_scalar(key, v, kind) for v in items]
-        elif (kind := _scalar_type(hint)) is not None:
-            out[key] = _as_scalar(key, value, kind)
+            expected = _scalar_type(_list_item(hint))
+            out[key] = items if expected is None else [_as_scalar(key, v, expected) for v in items]
+        elif (expected := _scalar_type(hint)) is not None:
+            out[key] = _as_scalar(key, value, expected)
     return out
 
 
-def parse_recipe(values: dict, kind: str = "grpo") -> tuple[ModelArguments, TrainingArguments]:
-    """(data arguments, trainer config) of trainer ``kind`` from one flat dict of recipe values
+def parse_recipe(values: dict, trainer: str = "grpo") -> tuple[ModelArguments, TrainingArguments]:
+    """(data arguments, trainer config) of trainer ``trainer`` from one flat dict of recipe values
     (numbers and switches may be text, as flags give them), checked by :func:`check_recipe`."""
-    recipe = get_recipe(kind)
+    recipe = get_recipe(trainer)
     _check_keys(values, "the recipe", recipe)
     values = _typed(values, recipe)
     args, training_args = HfArgumentParser((recipe.arguments, recipe.config)).parse_dict(values)

@@ -41,7 +41,7 @@ def _always(training_args: TrainingArguments) -> bool:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One trainer kind's recipe (module docstring)."""
+    """One trainer's recipe (module docstring)."""
 
     name: str
     trainer: type[Trainer]
@@ -163,13 +163,13 @@ DEFAULT_RECIPE: dict = RECIPES["grpo"].defaults
 """The embedded default run (``harts-hf train``); recipes/configs/qwen3_5_quick_agentic holds the same values."""
 
 
-def get_recipe(kind: str) -> Recipe:
-    """The recipe of trainer kind ``kind``; an unknown one fails with the sorted valid names."""
-    if kind not in RECIPES:
-        raise ValueError(f"unknown trainer {kind!r}; choose one of {', '.join(sorted(RECIPES))}")
-    return RECIPES[kind]
+def get_recipe(trainer: str) -> Recipe:
+    """The recipe of trainer ``trainer``; an unknown one fails with the sorted valid names."""
+    if trainer not in RECIPES:
+        raise ValueError(f"unknown trainer {trainer!r}; choose one of {', '.join(sorted(RECIPES))}")
+    return RECIPES[trainer]
 
 
 def recipe_for(args: ModelArguments) -> Recipe:
-    """The recipe whose data arguments ``args`` are (each kind has its own class)."""
+    """The recipe whose data arguments ``args`` are (each trainer has its own class)."""
     return next(r for r in RECIPES.values() if type(args) is r.arguments)

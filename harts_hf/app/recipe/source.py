@@ -1,5 +1,5 @@
-"""Where a recipe's YAML comes from: a file, a directory holding ``config.yaml`` (the Hub-publishable
-layout: ``config.yaml`` + a model-card ``README.md``), or a Hub repo id with that layout."""
+"""Where a recipe's YAML comes from: a file, a directory holding ``config.yaml`` (what a Hub repo
+publishes: ``config.yaml`` + a model-card ``README.md``), or a Hub repo id with those files."""
 
 from __future__ import annotations
 
