@@ -41,12 +41,12 @@ import torch
 from torch import nn
 
 from ..forest import RolloutForest
-from ..modeling.errors import UnsupportedModelError
 from ..modeling.logprobs import (
     model_head,
     run_unit,
     stochastic_parts,
     validate_forest,
+    validate_router_logits,
     validate_temperature,
 )
 from ..modeling.registry import patched_adapter
@@ -207,8 +207,8 @@ class TreeEngine:
         ``statistics``: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other
         than the entropy; no gradient), :attr:`Recording.statistics`."""
         _check_no_dropout(self.hf)
-        if return_router_logits and not self.adapter.aux_loss:
-            raise UnsupportedModelError(f"the {self.adapter.family} family computes no router load-balancing loss")
+        if return_router_logits:
+            validate_router_logits(self.adapter)
         store = Store()
         keep = torch.is_grad_enabled() and (self.calls > 1 or keep_graph)
         values, ents, routers, stats, kept = self._record(
@@ -233,17 +233,16 @@ class TreeEngine:
         ``logprobs`` is the list :meth:`logprobs` returns, differentiable; ``loss_fn`` must ignore
         rows this rank does not own. It is the engine's one backward path, for a caller that owns the
         loss: :meth:`record` (the last call keeps its graph), the loss over whole trajectories, then
-        :meth:`Recording.backward_pairs` with its gradients. Returns the loss, detached.
+        :meth:`Recording.backward` with its gradients. Returns the loss, detached.
         """
         recording = self.record(return_entropy, keep_graph=True)
-        values = [v.detach().requires_grad_() for v in recording.values]
-        lp = self._as_rows(values)
+        lp = [v.requires_grad_() for v in recording.logprobs]
         loss = loss_fn(lp) if not return_entropy else loss_fn(lp, recording.entropies)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError("loss_fn must return a scalar tensor")
         if loss.requires_grad:  # else the loss ignores the log-probs: nothing to backpropagate
-            grads = torch.autograd.grad(loss, values, allow_unused=True)
-            recording.backward_pairs([torch.zeros_like(v) if g is None else g for g, v in zip(grads, values)])
+            grads = torch.autograd.grad(loss, lp, allow_unused=True)
+            recording.backward([torch.zeros_like(v) if g is None else g for g, v in zip(grads, lp)])
         return loss.detach()
 
     def _replay_units(
@@ -479,11 +478,12 @@ class Recording:
         self.backward_pairs(to_pairs(grads), to_pairs(entropy_grads), router_grads)
 
     def _pair_grads(self, row_grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients w.r.t. the layout's rows -> w.r.t. the pair values (a pair feeds every row
-        that shares it)."""
-        pairs = [torch.zeros_like(v, requires_grad=True) for v in self.values]
-        torch.autograd.backward(self.engine._as_rows(pairs), row_grads)
-        return [torch.zeros_like(p) if p.grad is None else p.grad for p in pairs]
+        """Gradients w.r.t. the rows -> w.r.t. the pair values (each forest's rows' adjoint)."""
+        schedule = self.engine.schedule
+        return [
+            rows.pair_grads(g.to(v.dtype), v.numel(), owned)
+            for g, v, rows, owned in zip(row_grads, self.values, schedule.rows, schedule.owned)
+        ]
 
     def backward_pairs(
         self,

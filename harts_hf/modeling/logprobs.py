@@ -43,6 +43,7 @@ __all__ = [
     "stochastic_parts",
     "tree_forward",
     "tree_logprobs",
+    "validate_router_logits",
 ]
 
 HEAD_CHUNK_ELEMENTS = 1 << 22  # logits held at once by the chunked head (16 MiB in fp32: a chunk and its
@@ -77,6 +78,12 @@ def validate_temperature(temperature: float) -> None:
     """Refuse a temperature the logits cannot be divided by (zero, negative, NaN or infinite)."""
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
+def validate_router_logits(adapter: FamilyAdapter) -> None:
+    """Refuse router logits (for the router loss) from a family whose CausalLM computes none."""
+    if not adapter.aux_loss:
+        raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
 
 
 def stochastic_parts(hf) -> list[str]:
@@ -251,8 +258,8 @@ def tree_forward(
             stacklevel=2,
         )
     validate_forest(hf, forest)
-    if output_router_logits and not adapter.aux_loss:
-        raise UnsupportedModelError(f"the {adapter.family} family computes no router load-balancing loss")
+    if output_router_logits:
+        validate_router_logits(adapter)
     schedule = compile_forest(hf, adapter, forest)
     (unit,), (layout,) = schedule.units, schedule.rows
     wanted = ("entropy",) * return_entropy + tuple(statistics)

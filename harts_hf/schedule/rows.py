@@ -31,3 +31,11 @@ class TrajectoryRows:
         if values.numel() == 0:  # nothing to predict: zeros still on the graph (zero gradients, as stock)
             return values.new_zeros(self.pair.shape) + values.sum()
         return torch.where(self.valid, values[self.pair], 0.0)
+
+    def pair_grads(self, row_grads: torch.Tensor, num_pairs: int, owned: torch.Tensor) -> torch.Tensor:
+        """The adjoint of the rows of the ``owned`` [B] trajectories: gradients w.r.t. the
+        [B, max_len - 1] rows -> w.r.t. the [P] pair values (a pair feeds every row through it)."""
+        if num_pairs == 0:  # nothing to predict: every column is past its row's end
+            return row_grads.new_zeros(0)
+        kept = torch.where(self.valid & owned[:, None], row_grads, 0.0)  # no boolean indexing: no device sync
+        return row_grads.new_zeros(num_pairs).index_add_(0, self.pair.flatten(), kept.flatten())
