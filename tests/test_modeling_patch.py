@@ -304,3 +304,14 @@ def test_from_pretrained_patches(tmp_path):
     assert is_patched(model)
     forest = RolloutForest.from_sequences(family_forest(np.random.default_rng(0), small=True))
     assert tree_logprobs(model, forest).requires_grad
+
+
+def test_every_supported_family_is_declared_once():
+    """One declaration per family (``harts_hf.lab.models.FAMILIES``: the bench's models, the tests'
+    tiny models and the TRL suites' stand-ins read it) for exactly the families the adapter table
+    patches, under the same names."""
+    from harts_hf.lab.models import BENCH_FAMILIES, FAMILIES
+
+    assert sorted(FAMILIES) == supported_families()
+    assert set(BENCH_FAMILIES) <= set(FAMILIES)
+    assert all(FAMILIES[name].arch is not None for name in BENCH_FAMILIES)

@@ -1,7 +1,8 @@
 """Tiny random causal LMs of every supported family, built offline from config classes.
 
-Each builder covers every layer kind of its family in 2-4 layers (hidden 32-64, vocab 128), so a
-tree test exercises every patched kernel. Mamba2 families use a 16-token SSD chunk so short trees
+Each family's tiny model (declared with the family in ``harts_hf.lab.models.FAMILIES``) covers
+every layer kind of its family in 2-4 layers (hidden 32-64, vocab 128), so a tree test exercises
+every patched kernel. Mamba2 families use a 16-token SSD chunk so short trees
 cross several chunk boundaries; GDN/KDA keep transformers' fixed 64-token chunk.
 """
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 from harts_hf.forest import RolloutForest
+from harts_hf.lab.models import FAMILIES, TINY_EXPERTS, TINY_SHARED, TINY_VOCAB
 from harts_hf.modeling import tree_forward
 
 __all__ = [
@@ -42,202 +44,8 @@ __all__ = [
     "variation",
 ]
 
-VOCAB = 128
-
-_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_GDN = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-)
-_HYBRID = ["linear_attention", "full_attention", "linear_attention"]
-_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
-_MLA = dict(
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=12,
-)
-EXPERTS = 4
-_MOE = dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
-_MAMBA_V1 = dict(state_size=8, conv_kernel=4, time_step_rank=4)  # 48 channels (the shared intermediate size)
-_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
-
-# family -> (config class, model class, config kwargs beyond the shared ones)
-FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(**_ATTN, **_GDN, layer_types=_HYBRID)),
-    "qwen3_5_moe": (
-        "Qwen3_5MoeTextConfig",
-        "Qwen3_5MoeForCausalLM",
-        dict(**_ATTN, **_GDN, **_MOE, shared_expert_intermediate_size=16, layer_types=_HYBRID),
-    ),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        dict(**_ATTN, **_GDN, **_MOE, shared_expert_intermediate_size=16, layer_types=_HYBRID),
-    ),
-    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(**_ATTN, **_GDN, layer_types=_HYBRID)),
-    "kimi_linear": (
-        "KimiLinearConfig",
-        "KimiLinearForCausalLM",
-        dict(
-            **_MLA,
-            linear_num_heads=2,
-            linear_head_dim=8,
-            linear_conv_kernel_dim=4,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            layer_types=_HYBRID,
-            mlp_layer_types=["dense", "sparse", "sparse"],
-        ),
-    ),
-    "bailing_hybrid": (
-        "BailingHybridConfig",
-        "BailingHybridForCausalLM",
-        dict(
-            **_MLA,
-            head_dim=8,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            layer_group_size=3,
-            layer_types=_HYBRID,
-            mlp_layer_types=["dense", "sparse", "sparse"],
-        ),
-    ),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(**_ATTN, layer_types=["conv", "full_attention", "conv"])),
-    "lfm3": (
-        "Lfm3Config",
-        "Lfm3ForCausalLM",
-        dict(**_ATTN, sliding_window=24, layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
-    ),
-    "lfm2_moe": (
-        "Lfm2MoeConfig",
-        "Lfm2MoeForCausalLM",
-        dict(**_ATTN, **_MOE, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
-    ),
-    "nemotron_h": (
-        "NemotronHConfig",
-        "NemotronHForCausalLM",
-        dict(
-            **_ATTN,
-            mamba_num_heads=4,
-            mamba_head_dim=8,
-            n_groups=2,
-            ssm_state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            n_routed_experts=EXPERTS,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            moe_shared_expert_intermediate_size=16,
-            layers_block_type=["mamba", "attention", "moe", "mlp"],
-        ),
-    ),
-    "falcon_h1": (
-        "FalconH1Config",
-        "FalconH1ForCausalLM",
-        dict(**_ATTN, **_MAMBA, mamba_d_ssm=64, lm_head_multiplier=0.5),
-    ),
-    "granitemoehybrid": (
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            **_MAMBA,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=2,
-            shared_intermediate_size=16,
-            logits_scaling=2.0,
-            position_embedding_type="rope",
-            layer_types=["mamba", "attention", "mamba"],
-        ),
-    ),
-    "bamba": (
-        "BambaConfig",
-        "BambaForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, **_MAMBA, attn_layer_indices=[1]),
-    ),
-    "zamba2": (
-        "Zamba2Config",
-        "Zamba2ForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_ngroups=2,
-            n_mamba_heads=4,
-            chunk_size=16,
-            layers_block_type=["mamba", "hybrid", "mamba"],
-        ),
-    ),
-    "mamba2": (
-        "Mamba2Config",
-        "Mamba2ForCausalLM",
-        dict(num_heads=8, head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16),
-    ),
-    "mamba": ("MambaConfig", "MambaForCausalLM", _MAMBA_V1),
-    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", _MAMBA_V1),
-    "minimax": (
-        "MiniMaxConfig",
-        "MiniMaxForCausalLM",
-        dict(**_ATTN, num_local_experts=EXPERTS, num_experts_per_tok=2, block_size=16, layer_types=_HYBRID),
-    ),
-    "jamba": (
-        "JambaConfig",
-        "JambaForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_experts=EXPERTS,
-            num_experts_per_tok=2,
-            mamba_d_state=8,
-            mamba_dt_rank=4,
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            expert_layer_period=2,
-            expert_layer_offset=0,
-        ),
-    ),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(**_ATTN)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(**_ATTN, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(**_ATTN)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(**_ATTN)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**_ATTN, **_MOE)),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        dict(**_ATTN, sliding_window=24, final_logit_softcapping=5.0, attn_logit_softcapping=4.0, layer_types=_SLIDING),
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(**_ATTN, sliding_window=24, final_logit_softcapping=5.0, layer_types=_SLIDING),
-    ),
-}
-
-_SHARED = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-)
+VOCAB = TINY_VOCAB
+EXPERTS = TINY_EXPERTS
 
 
 def tiny_model(
@@ -246,13 +54,13 @@ def tiny_model(
     """A freshly initialised tiny ``family`` causal LM (eval mode), reproducible from ``seed``;
     ``attn`` falls back to "eager" for families without sdpa support (gemma2); float64 MoE
     experts run eagerly."""
-    config_cls, model_cls, extra = FAMILIES[family]
-    kwargs = {**_SHARED, **extra}
+    spec = FAMILIES[family]
+    kwargs = {**TINY_SHARED, **spec.tiny}
     for key in ("layer_types", "layers_block_type", "mlp_layer_types"):
         if key in kwargs:
             kwargs["num_hidden_layers"] = len(kwargs[key])
-    config = getattr(tf, config_cls)(**kwargs)
-    cls = getattr(tf, model_cls)
+    config = getattr(tf, spec.config)(**kwargs)
+    cls = getattr(tf, spec.model)
     config._attn_implementation = attn if cls._supports_sdpa or attn != "sdpa" else "eager"
     if dtype == torch.float64:
         config._experts_implementation = "eager"  # torch's grouped_mm has no float64 kernel

@@ -1,5 +1,6 @@
 """The lab: what measures the library rather than being it (``harts-hf bench``, ``memory``,
-``calibrate``, ``plan``'s baselines, reports and plots, the benchmark models).
+``calibrate``, ``plan``'s baselines, reports and plots) and the model families as the project builds
+them (``models.py``: one declaration per family, read by the bench, the tests and the stand-ins).
 
 ``harts-hf bench``: stock vs trajectory-wise vs forest training of one model on one workload.
 
@@ -18,7 +19,7 @@ from .baselines import BASELINES, run_baselines
 from .config import BenchConfig, default_config
 from .flops import FlopModel, Work, compact_work, ideal_speedup, trajectory_work
 from .memory_sweep import MemorySweepConfig, memory_sweep, memory_table, plot_memory_sweep
-from .models import BENCH_FAMILIES, SIZES, Arch, BenchModel, ModelSize, build_model
+from .models import BENCH_FAMILIES, FAMILIES, SIZES, Arch, BenchModel, Family, ModelSize, build_model
 from .plan_plot import plot_plan
 from .plan_report import plan_record, record_table
 from .plot import plot_bench
@@ -28,6 +29,7 @@ from .run import MODES, PHASES, BenchRun, run_bench
 __all__ = [
     "BASELINES",
     "BENCH_FAMILIES",
+    "FAMILIES",
     "MODES",
     "PHASES",
     "SIZES",
@@ -35,6 +37,7 @@ __all__ = [
     "BenchConfig",
     "BenchModel",
     "BenchRun",
+    "Family",
     "FlopModel",
     "MemorySweepConfig",
     "ModelSize",

@@ -1,7 +1,8 @@
-"""Benchmark models: randomly initialised causal LMs of each family, built offline from config classes.
+"""Model families as the project builds them: randomly initialised causal LMs, offline, from config classes.
 
-Every family is a short declaration: its transformers config / model classes, the config keywords
-that give it a :class:`ModelSize`, and :func:`Arch` numbers (layer counts and mixer dimensions)
+Every family is one declaration (:class:`Family`, in :data:`FAMILIES`): its transformers config /
+model classes, its tiny test model's config keywords, and for bench models the config keywords
+that give it a :class:`ModelSize` and the :func:`Arch` numbers (layer counts and mixer dimensions)
 the analytic FLOP count needs. Hybrids follow a 3 : 1 pattern of linear (or SSM / conv) mixers
 to full-attention layers, like Qwen3.5, Kimi-Linear and Nemotron-H.
 """
@@ -17,7 +18,19 @@ import transformers as tf
 from ..chunking import CHUNK_SIZE
 from ..modeling import _compat
 
-__all__ = ["BENCH_FAMILIES", "SIZES", "Arch", "BenchModel", "ModelSize", "build_model"]
+__all__ = [
+    "BENCH_FAMILIES",
+    "FAMILIES",
+    "SIZES",
+    "TINY_EXPERTS",
+    "TINY_SHARED",
+    "TINY_VOCAB",
+    "Arch",
+    "BenchModel",
+    "Family",
+    "ModelSize",
+    "build_model",
+]
 
 
 @dataclass(frozen=True)
@@ -143,11 +156,24 @@ class Arch:
 
 
 @dataclass(frozen=True)
-class _Family:
+class Family:
+    """One model family as the project builds it; the bench, the tests' tiny models and the TRL
+    suites' stand-ins all read this declaration (the adapter that patches it is the library's,
+    ``harts_hf.modeling.adapters.ADAPTERS``, under the same name).
+
+    Args:
+        config, model: the transformers config and causal-LM class names.
+        tiny: config keywords beyond :data:`TINY_SHARED` of the tests' tiny model (every layer kind of
+            the family in 2-4 layers).
+        sized: the config keywords that give it a :class:`ModelSize` (None: not a bench model).
+        arch: the :class:`Arch` numbers the analytic FLOP count reads from its config.
+    """
+
     config: str
     model: str
-    kwargs: Callable[[ModelSize], dict]
-    arch: Callable[[tf.PretrainedConfig], Arch]
+    tiny: dict
+    sized: Callable[[ModelSize], dict] | None = None
+    arch: Callable[[tf.PretrainedConfig], Arch] | None = None
 
 
 def _hybrid_types(s: ModelSize, mixer: str = "linear_attention", attention: str = "full_attention") -> list[str]:
@@ -172,6 +198,14 @@ def _gdn(s: ModelSize) -> dict:
 
 def _moe(s: ModelSize) -> dict:
     return dict(num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_intermediate)
+
+
+def _gdn_moe(s: ModelSize) -> dict:
+    return dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate)
+
+
+def _conv_hybrid(s: ModelSize) -> dict:
+    return dict(**_attn(s), layer_types=_hybrid_types(s, "conv"))
 
 
 def _mla(s: ModelSize) -> dict:
@@ -321,35 +355,250 @@ def _lfm2_arch(c: tf.PretrainedConfig) -> Arch:
     return Arch(_count(c, "full_attention"), c.num_attention_heads, c.head_dim, c.head_dim)
 
 
-BENCH_FAMILIES: dict[str, _Family] = {
-    "qwen3_5": _Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _gdn, _gdn_arch),
-    "qwen3_5_moe": _Family(
+# ---------------------------------------------------------------- the tests' tiny models
+TINY_VOCAB = 128
+_TINY_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_TINY_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+_TINY_HYBRID = ["linear_attention", "full_attention", "linear_attention"]
+_TINY_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+_TINY_MLA = dict(
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+)
+TINY_EXPERTS = 4
+_TINY_MOE = dict(num_experts=TINY_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
+_TINY_MAMBA_V1 = dict(state_size=8, conv_kernel=4, time_step_rank=4)  # 48 channels (the shared intermediate size)
+_TINY_MAMBA = dict(
+    mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16
+)
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_5": Family(
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(**_TINY_ATTN, **_TINY_GDN, layer_types=_TINY_HYBRID),
+        sized=_gdn,
+        arch=_gdn_arch,
+    ),
+    "qwen3_5_moe": Family(
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
-        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate),
-        _gdn_moe_arch,
+        dict(**_TINY_ATTN, **_TINY_GDN, **_TINY_MOE, shared_expert_intermediate_size=16, layer_types=_TINY_HYBRID),
+        sized=_gdn_moe,
+        arch=_gdn_moe_arch,
     ),
-    "qwen3_next": _Family(
+    "qwen3_next": Family(
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
-        lambda s: dict(**_gdn(s), **_moe(s), shared_expert_intermediate_size=s.expert_intermediate),
-        _gdn_moe_arch,
+        dict(**_TINY_ATTN, **_TINY_GDN, **_TINY_MOE, shared_expert_intermediate_size=16, layer_types=_TINY_HYBRID),
+        sized=_gdn_moe,
+        arch=_gdn_moe_arch,
     ),
-    "olmo_hybrid": _Family("OlmoHybridConfig", "OlmoHybridForCausalLM", _gdn, _gdn_arch),
-    "kimi_linear": _Family("KimiLinearConfig", "KimiLinearForCausalLM", _kimi, _kda_arch),
-    "bailing_hybrid": _Family("BailingHybridConfig", "BailingHybridForCausalLM", _bailing, _kda_arch),
-    "nemotron_h": _Family("NemotronHConfig", "NemotronHForCausalLM", _nemotron, _nemotron_arch),
-    "lfm2": _Family(
-        "Lfm2Config", "Lfm2ForCausalLM", lambda s: dict(**_attn(s), layer_types=_hybrid_types(s, "conv")), _lfm2_arch
+    "olmo_hybrid": Family(
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(**_TINY_ATTN, **_TINY_GDN, layer_types=_TINY_HYBRID),
+        sized=_gdn,
+        arch=_gdn_arch,
     ),
-    "lfm3": _Family(  # full attention only: the FLOP count has no sliding-window term
-        "Lfm3Config", "Lfm3ForCausalLM", lambda s: dict(**_attn(s), layer_types=_hybrid_types(s, "conv")), _lfm2_arch
+    "kimi_linear": Family(
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            **_TINY_MLA,
+            linear_num_heads=2,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_local_experts=TINY_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            layer_types=_TINY_HYBRID,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+        sized=_kimi,
+        arch=_kda_arch,
     ),
-    "mamba2": _Family("Mamba2Config", "Mamba2ForCausalLM", _mamba2, _mamba2_arch),
-    "mamba": _Family("MambaConfig", "MambaForCausalLM", _mamba, _mamba_arch),
-    "falcon_mamba": _Family("FalconMambaConfig", "FalconMambaForCausalLM", _mamba, _mamba_arch),
-    "llama": _Family("LlamaConfig", "LlamaForCausalLM", _attn, _dense_arch),
+    "bailing_hybrid": Family(
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(
+            **_TINY_MLA,
+            head_dim=8,
+            num_local_experts=TINY_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            layer_group_size=3,
+            layer_types=_TINY_HYBRID,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+        sized=_bailing,
+        arch=_kda_arch,
+    ),
+    "lfm2": Family(
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(**_TINY_ATTN, layer_types=["conv", "full_attention", "conv"]),
+        sized=_conv_hybrid,
+        arch=_lfm2_arch,
+    ),
+    "lfm3": Family(
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(**_TINY_ATTN, sliding_window=24, layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
+        sized=_conv_hybrid,
+        arch=_lfm2_arch,
+    ),
+    "lfm2_moe": Family(
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(**_TINY_ATTN, **_TINY_MOE, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    ),
+    "nemotron_h": Family(
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            **_TINY_ATTN,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,
+            n_routed_experts=TINY_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            layers_block_type=["mamba", "attention", "moe", "mlp"],
+        ),
+        sized=_nemotron,
+        arch=_nemotron_arch,
+    ),
+    "falcon_h1": Family(
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(**_TINY_ATTN, **_TINY_MAMBA, mamba_d_ssm=64, lm_head_multiplier=0.5),
+    ),
+    "granitemoehybrid": Family(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **_TINY_MAMBA,
+            num_local_experts=TINY_EXPERTS,
+            num_experts_per_tok=2,
+            shared_intermediate_size=16,
+            logits_scaling=2.0,
+            position_embedding_type="rope",
+            layer_types=["mamba", "attention", "mamba"],
+        ),
+    ),
+    "bamba": Family(
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, **_TINY_MAMBA, attn_layer_indices=[1]),
+    ),
+    "zamba2": Family(
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_ngroups=2,
+            n_mamba_heads=4,
+            chunk_size=16,
+            layers_block_type=["mamba", "hybrid", "mamba"],
+        ),
+    ),
+    "mamba2": Family(
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(num_heads=8, head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16),
+        sized=_mamba2,
+        arch=_mamba2_arch,
+    ),
+    "mamba": Family("MambaConfig", "MambaForCausalLM", _TINY_MAMBA_V1, sized=_mamba, arch=_mamba_arch),
+    "falcon_mamba": Family(
+        "FalconMambaConfig", "FalconMambaForCausalLM", _TINY_MAMBA_V1, sized=_mamba, arch=_mamba_arch
+    ),
+    "minimax": Family(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(
+            **_TINY_ATTN, num_local_experts=TINY_EXPERTS, num_experts_per_tok=2, block_size=16, layer_types=_TINY_HYBRID
+        ),
+    ),
+    "jamba": Family(
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=TINY_EXPERTS,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+        ),
+    ),
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", dict(**_TINY_ATTN), sized=_attn, arch=_dense_arch),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", dict(**_TINY_ATTN, sliding_window=None)),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", dict(**_TINY_ATTN)),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(**_TINY_ATTN)),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**_TINY_ATTN, **_TINY_MOE)),
+    "gemma2": Family(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            **_TINY_ATTN,
+            sliding_window=24,
+            final_logit_softcapping=5.0,
+            attn_logit_softcapping=4.0,
+            layer_types=_TINY_SLIDING,
+        ),
+    ),
+    "gemma3": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(**_TINY_ATTN, sliding_window=24, final_logit_softcapping=5.0, layer_types=_TINY_SLIDING),
+    ),
 }
+
+TINY_SHARED = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+
+
+BENCH_FAMILIES: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.sized is not None}
+"""The families the bench builds at every :data:`SIZES` entry (lfm3: full attention only in the FLOP
+count, which has no sliding-window term)."""
 
 
 @dataclass
@@ -391,7 +640,7 @@ def build_model(
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    kwargs.update(spec.kwargs(size))
+    kwargs.update(spec.sized(size))
     for key in ("layer_types", "layers_block_type"):
         if key in kwargs:
             kwargs["num_hidden_layers"] = len(kwargs[key])

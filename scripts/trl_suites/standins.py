@@ -28,29 +28,24 @@ import torch
 import transformers as tf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from harts_hf.lab.models import FAMILIES, TINY_VOCAB
+
 __all__ = ["MODEL_IDS", "build", "hub_cache", "install_datasets", "provided"]
 
 COMMIT = "0" * 40  # the fake revision every stand-in is stored under (refs/main)
-VOCAB = 128
+VOCAB = TINY_VOCAB
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|finetune_right_pad_id|>"]
 """Qwen's pad / turn markers, one token each (plus the pad token the Llama reward test sets)."""
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# the families the stand-ins are built from: transformers config class, model class, config kwargs
-_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention"])  # fmt: skip
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(**_ATTN, **_GDN)),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(**_ATTN, **_GDN, **_MOE)),
-    "qwen3_5_reward": ("Qwen3_5TextConfig", "Qwen3_5TextForSequenceClassification", dict(**_ATTN, **_GDN, num_labels=1)),
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
-        **_ATTN, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
-        layers_block_type=["mamba", "attention", "moe", "mlp"])),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(**_ATTN, layer_types=["conv", "full_attention", "conv"])),
-}  # fmt: skip
+# the stand-ins' models: a family of harts_hf.lab.models.FAMILIES (its tiny config), the model class
+STANDINS: dict[str, tuple[str, str, dict]] = {
+    "qwen3_5": ("qwen3_5", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", {}),
+    "qwen3_5_reward": ("qwen3_5", "Qwen3_5TextForSequenceClassification", dict(num_labels=1)),
+    "nemotron_h": ("nemotron_h", "NemotronHForCausalLM", {}),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM", {}),
+}
 _SHARED = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=False)  # fmt: skip
 
@@ -115,12 +110,13 @@ def build_tokenizer(template: str | None) -> tf.PreTrainedTokenizerFast:
 
 def build_model(family: str, tok: tf.PreTrainedTokenizerFast, seed: int = 0) -> tf.PreTrainedModel:
     """A freshly initialised tiny ``family`` model whose special ids are ``tok``'s."""
-    config_cls, model_cls, extra = FAMILIES[family]
-    kwargs = {**_SHARED, **extra, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    name, model_cls, extra = STANDINS[family]
+    spec = FAMILIES[name]
+    kwargs = {**_SHARED, **spec.tiny, **extra, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
     for key in ("layer_types", "layers_block_type"):
         if key in kwargs:
             kwargs["num_hidden_layers"] = len(kwargs[key])
-    config = getattr(tf, config_cls)(**kwargs)
+    config = getattr(tf, spec.config)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(tf, model_cls)(config)
     if model.can_generate():
