@@ -280,10 +280,10 @@ class RolloutForest:
 
     # ------------------------------------------------------------------ trajectories back
     def multiplicity_of(self, trajectories: np.ndarray) -> np.ndarray:
-        """[N] how many of ``trajectories`` (indices) pass through each compact token (``multiplicity``
-        counts them all)."""
-        chosen = np.isin(self._traj_row, trajectories)  # [T] the trajectory tokens of the chosen ones
-        return np.bincount(self.restore[chosen], minlength=self.num_compact_tokens)
+        """[N] how many of ``trajectories`` (indices; one repeated counts as often) pass through each
+        compact token (``multiplicity`` counts them all once)."""
+        copies = np.bincount(trajectories, minlength=self.num_trajectories)[self._traj_row]  # [T]
+        return np.bincount(self.restore, weights=copies, minlength=self.num_compact_tokens).astype(np.int64)
 
     def trajectory_index(self, i: int) -> np.ndarray:
         """[len_i] compact index of each token of trajectory i."""

@@ -80,8 +80,11 @@ def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict
 def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
     forests, slots = spy_fused_outputs(monkeypatch)
     stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
-    calls = CASES[case].get("gradient_accumulation_steps", 1) * 2 * 2  # policy and reference, every microbatch
-    assert len(forests) == calls  # every pass ran as a forest
+    microbatches = CASES[case].get("gradient_accumulation_steps", 1)
+    rows = 2 * CASES[case].get("per_device_train_batch_size", 4)  # chosen and rejected of a microbatch
+    # the policy: one HARTS step per optimizer step over its microbatches; the reference: every microbatch
+    expected = [rows * microbatches] * 2 + [rows] * (2 * microbatches)
+    assert sorted(f.num_trajectories for f in forests) == sorted(expected)
     assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
     assert min(f.num_trajectory_tokens / f.num_compact_tokens for f in forests) > 1.5  # the histories were shared
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights

@@ -5,7 +5,8 @@ The test starts ``torchrun --nproc_per_node 2`` on this file once. Each worker t
 tests' cases (``test_trainer_sft``'s prompt-completion samples, ``test_trainer_dpo``'s multi-turn pairs
 under checkpointing), stock then HARTS, on its shard of the data (TRL's distributed sampler), and
 rank 0 saves the parameters after every step, the logged history and how many fused-head calls ran
-as forests. Each rank's microbatch is its own forest; DDP averages the gradients as it does for stock.
+as forests. Every optimizer step's microbatches of both ranks are one forest under one plan (the HARTS
+step; sft-pieces: cut into pieces, two microbatches per step); DDP syncs the gradients once per step.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 from launch import torchrun
 
 TOL = 1e-5
-CASES = {"sft": "prompt-completion", "dpo": "sigmoid-checkpointing"}  # kind -> that test file's case
-KEYS = {"sft": ["loss", "entropy", "mean_token_accuracy", "num_tokens"], "dpo": ["loss", "rewards/margins", "entropy"]}
+# run -> that test file's case; sft-pieces: two microbatches per step, its forest (both ranks' rows) cut into pieces
+CASES = {"sft": "prompt-completion", "sft-pieces": "text-two-microbatches-pieces", "dpo": "sigmoid-checkpointing"}
+SFT_KEYS = ["loss", "entropy", "mean_token_accuracy", "num_tokens"]
+KEYS = {"sft": SFT_KEYS, "sft-pieces": SFT_KEYS, "dpo": ["loss", "rewards/margins", "entropy"]}
 
 
 @pytest.mark.slow
@@ -54,7 +57,7 @@ def _worker(out: Path) -> None:
             with pytest.MonkeyPatch.context() as patch:
                 forests, _ = spy_fused_outputs(patch)
                 work = out / f"{kind}-{harts}-rank{rank}"
-                if kind == "sft":
+                if kind.startswith("sft"):
                     run = test_trainer_sft.train(case, harts, work)
                 else:
                     run = test_trainer_dpo.train(case, harts, model_dir, work)

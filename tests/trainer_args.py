@@ -39,18 +39,26 @@ def saved_model(path: Path, tokenizer, family: str = "qwen3_5") -> str:
 
 
 def spy_fused_outputs(monkeypatch) -> tuple[list, list[int]]:
-    """(forests, slots): every fused-head call's forest and its plan's slot count, recorded as
-    ``harts_hf.trainers.fused.fused_outputs`` runs (proof that a pass ran as a forest, in pieces or not)."""
+    """(forests, slots): the forest and plan slot count of every fused-head pass that ran as a forest:
+    each HARTS step (an optimizer step's microbatches, ``harts_hf.trainers.fused.HARTSStep``) and each
+    per-microbatch pass (``harts_hf.trainers.fused.fused_outputs``), in pieces or not."""
     import harts_hf.trainers.fused as fused
 
-    forests, slots, run = [], [], fused.fused_outputs
+    forests, slots, run, step = [], [], fused.fused_outputs, fused.HARTSStep
 
     def recorded(model, forest, *args, **kwargs):
         forests.append(forest)
         slots.append(kwargs["pieces"].num_slots)
         return run(model, forest, *args, **kwargs)
 
+    def stepped(*args, **kwargs):
+        made = step(*args, **kwargs)
+        forests.append(made.forest)
+        slots.append(made.plan.num_slots)
+        return made
+
     monkeypatch.setattr(fused, "fused_outputs", recorded)
+    monkeypatch.setattr(fused, "HARTSStep", stepped)
     return forests, slots
 
 

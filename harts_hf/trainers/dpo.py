@@ -18,7 +18,7 @@ from __future__ import annotations
 from trl import DPOTrainer
 
 from .config import HARTSDPOConfig
-from .fused import HARTSFusedHeadMixin
+from .fused import FUSED_INPUTS, HARTSFusedHeadMixin
 
 __all__ = ["HARTSDPOTrainer"]
 
@@ -31,6 +31,7 @@ class HARTSDPOTrainer(HARTSFusedHeadMixin, DPOTrainer):
     """
 
     _tag_names = ("trl", "dpo", "harts")
+    _batch_keys = FUSED_INPUTS | {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}  # DPO's collator
 
     def __init__(self, model, ref_model=None, args: HARTSDPOConfig | None = None, *rest, **kwargs):
         args = args if args is not None else self._default_args(model, HARTSDPOConfig, "DPO")

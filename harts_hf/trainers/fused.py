@@ -6,29 +6,40 @@ TRL 1.16's SFT and DPO trainers read per-token outputs of that call in the shift
 ``aux_loss`` (``trl.trainer.utils.FusedCausalLMOutput``). :func:`fused_outputs` computes them with
 one tree pass over the batch's rows, every shared prefix once, and scatters them back
 (``rows.to_shifted_layout``), so the trainer's own loss and metrics run unchanged.
-:class:`HARTSFusedHeadMixin` answers the call with it in a trainer.
+
+:class:`HARTSFusedHeadMixin` answers the call in a trainer. A training step's loss passes read a
+HARTS step (``step.py``, as GRPO's): at the optimizer step's first microbatch (``get_batch_samples``
+keeps them all) every rank's rows of every microbatch become one forest under one plan, recorded
+once; each loss pass finds its rows in it by their tokens and reads their values from leaf tensors,
+its backward fills their gradients (under ``no_sync``: no parameter is in that graph), and after the
+last microbatch the step backpropagates through its units once, syncing the gradients in its last
+backward pass. Other calls (evaluation, the reference model, FSDP2) run :func:`fused_outputs` on
+their own batch.
 
 Legend: B rows, S padded width.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
 import numpy as np
 import torch
 from accelerate.utils import is_peft_model
+from torch.distributed.fsdp import FSDPModule
 from transformers.utils import logging
 
 from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import tree_forward
 from ..planner import Plan
-from ._compat import FusedCausalLMOutput, add_tree_fused_head
+from ._compat import FusedCausalLMOutput, add_tree_fused_head, router_loss_enabled
 from ._compat import metrics as trl_metrics
 from .base import HARTSTrainerMixin
-from .rows import rows_forest, to_shifted_layout
+from .rows import row_sequences, rows_forest, to_shifted_layout
+from .step import HARTSStep
 
 __all__ = ["FUSED_INPUTS", "HARTSFusedHeadMixin", "fused_outputs"]
 
@@ -56,14 +67,7 @@ def fused_outputs(
     ``log_sum_sq_probs``; the others are None, as TRL's). A plan of several slots (``pieces``: the
     forest above the microbatch budget) runs through :class:`~harts_hf.engine.TreeEngine`: its
     recording pass now, its units replayed in reverse inside the caller's ``loss.backward()``."""
-    target = labels[:, 1:]
-    label_mask = target != -100  # [B, S - 1]
-    scored = label_mask & attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
-    if (label_mask != scored).any() or (target[label_mask] != input_ids[:, 1:][label_mask]).any():
-        raise ValueError(
-            "the labels must be the input ids (or -100) at real tokens for a forest to score them: compute the "
-            "loss on shifted input ids as TRL's collators do, or pass harts_enable=False"
-        )
+    label_mask = scored_labels(input_ids, attention_mask, labels)
     entropy = "entropy" in statistics
     others = tuple(name for name in statistics if name != "entropy")
     if pieces is None or pieces.num_slots == 1:
@@ -78,6 +82,30 @@ def fused_outputs(
         values = {"log_probs": recording.attached()[0], "entropy": entropies}
         values |= {n: recording.statistics[n][0] for n in others}
         aux_loss = None
+    return fused_result(model, values, aux_loss, label_mask, attention_mask)
+
+
+def scored_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, S - 1] the label mask of a fused-head call; refuses labels a forest cannot score."""
+    target = labels[:, 1:]
+    label_mask = target != -100
+    scored = label_mask & attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
+    if (label_mask != scored).any() or (target[label_mask] != input_ids[:, 1:][label_mask]).any():
+        raise ValueError(
+            "the labels must be the input ids (or -100) at real tokens for a forest to score them: compute the "
+            "loss on shifted input ids as TRL's collators do, or pass harts_enable=False"
+        )
+    return label_mask
+
+
+def fused_result(
+    model: torch.nn.Module,
+    values: dict[str, torch.Tensor | None],
+    aux_loss: torch.Tensor | None,
+    label_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> FusedCausalLMOutput:
+    """The fused head's outputs from per-row ``values`` ([B, L - 1] trajectory layout, by TRL's names)."""
     zero = lambda v: torch.zeros((), dtype=v.dtype, device=v.device)
     shifted = lambda v: torch.where(label_mask, to_shifted_layout(v, attention_mask), zero(v))
     outputs = {name: None if v is None else shifted(v) for name, v in values.items()}
@@ -99,6 +127,9 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         installed its head with for it (``add_fused_lm_head(outputs=...)``)."""
         self._declined: set[frozenset] = set()  # input kinds told once that they take TRL's path
         self._passes: list[tuple[int, int, int]] = []  # this step's (trajectory tokens, compact, slots) per pass
+        self._block: list[dict] = []  # the optimizer step's microbatches on this rank (get_batch_samples)
+        self._step: HARTSStep | None = None  # the HARTS step over them, while their loss passes run
+        self._statistics = models.get(self.model, ())  # what the policy's head computes
         if not self._harts_enabled:
             return
         self._prepare_harts(tuple(models))
@@ -108,6 +139,11 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
                 model = self.accelerator.unwrap_model(model)
                 answer = functools.partial(self._fused_on_forest, statistics=statistics)
                 add_tree_fused_head(model.get_base_model() if is_peft_model(model) else model, answer)
+
+    _batch_keys: frozenset[str] = FUSED_INPUTS
+    """What the trainer's collated microbatches may hold for one HARTS step to serve their loss passes:
+    their rows are ``input_ids`` under ``attention_mask`` (anything else, e.g. packing's position ids or
+    images, leaves each microbatch its own pass)."""
 
     @staticmethod
     def _sample_rows(sample: dict) -> list[list[int]]:
@@ -141,11 +177,59 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
                 "conversation's samples together"
             )
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """TRL's microbatches of an optimizer step, kept: the rows of its HARTS step."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._block = batches
+        return batches, num_items
+
+    def _step_of(self, model: torch.nn.Module, inputs: dict) -> HARTSStep | None:
+        """The HARTS step serving training microbatch ``inputs`` (made at its optimizer step's first
+        microbatch, over all of them), None where the microbatches take the per-microbatch path
+        (inputs a forest cannot serve; FSDP2, whose loss forwards must use parameters)."""
+        block = self._block
+        if not (self._harts_enabled and block and inputs is block[0]):
+            return self._step if any(inputs is b for b in block) else None
+        self._step = None
+        servable = all(set(b) <= self._batch_keys and {"input_ids", "attention_mask"} <= set(b) for b in block)
+        if not servable or isinstance(self.accelerator.unwrap_model(model), FSDPModule):
+            return None
+        entropy = "entropy" in self._statistics
+        others = tuple(name for name in self._statistics if name != "entropy")
+        self._step = HARTSStep(
+            self,
+            model,
+            block,
+            self._plan_options(),
+            entropy=entropy,
+            statistics=others,
+            router=router_loss_enabled(self),
+        )
+        return self._step
+
+    def _from_step(
+        self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
+    ) -> FusedCausalLMOutput | None:
+        """A loss pass's outputs from the HARTS step's values (its rows looked up by their tokens), or
+        None when the step does not hold them."""
+        step = self._step
+        if step is None or not torch.is_grad_enabled() or not set(statistics) <= set(self._statistics):
+            return None
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        rows = step.row_index(row_sequences(input_ids, attention_mask))
+        if rows is None:
+            return None
+        values = {"log_probs": step.logprobs[rows]}
+        values |= {name: (step.entropies if name == "entropy" else step.statistics[name])[rows] for name in statistics}
+        aux_loss = step.rows_aux_loss(rows) if inputs.get("output_router_logits") else None
+        label_mask = scored_labels(input_ids, attention_mask, inputs["labels"])
+        return fused_result(model, values, aux_loss, label_mask, attention_mask)
+
     def _fused_on_forest(
         self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
     ) -> FusedCausalLMOutput | None:
-        """The fused head's outputs from one tree pass over the batch's rows, or None (TRL's path)
-        for inputs a forest cannot serve."""
+        """The fused head's outputs: from the HARTS step where it holds the batch's rows, else from
+        one tree pass over them; None (TRL's path) for inputs a forest cannot serve."""
         keys = frozenset(k for k, v in inputs.items() if v is not None)
         if keys - FUSED_INPUTS or not {"input_ids", "attention_mask", "labels"} <= keys:
             if keys not in self._declined:
@@ -156,6 +240,8 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
                     "sharing)"
                 )
             return None
+        if (served := self._from_step(model, inputs, statistics)) is not None:
+            return served
         forest = rows_forest(inputs["input_ids"], inputs["attention_mask"])
         pieces = self._plan(forest)
         self._passes.append((forest.num_trajectory_tokens, forest.num_compact_tokens, pieces.num_slots))
@@ -182,7 +268,16 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         ``harts/tokens_per_second`` (trajectory tokens of the passes per second of the step)."""
         self._passes.clear()
         start = time.perf_counter()
-        output = super().training_step(model, inputs, num_items_in_batch)
+        step = self._step_of(model, inputs)
+        # a loss pass the step serves uses no parameter: its backward only fills the step's leaves, and
+        # syncs nothing; the step's own backward, after the last microbatch, syncs once
+        with self.accelerator.no_sync(model) if step is not None else contextlib.nullcontext():
+            output = super().training_step(model, inputs, num_items_in_batch)
+        if step is not None and inputs is self._block[-1]:
+            step.backward()
+            self._step = None
+            tokens, compact, *_ = step.stats()
+            self._passes.append((tokens, compact, step.plan.num_slots))
         if self._passes:
             tokens, compact, slots = (float(sum(column)) for column in zip(*self._passes))
             metrics = trl_metrics(self)

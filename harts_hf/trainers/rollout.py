@@ -94,6 +94,7 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
                 options,
                 entropy=compute_entropy,
                 router=compute_aux_loss,
+                temperature=self.temperature,
                 previous=self._no_grad_step,
             )
             self._no_grad_step, j = step, 0
@@ -136,7 +137,13 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
             self._no_grad_step = None  # the generation's passes are over: free their schedule
             options = self._plan_options()
             step = self._harts_step = HARTSStep(
-                self, model, block, options, entropy_grad=self._entropy_grad(), router=router_loss_enabled(self)
+                self,
+                model,
+                block,
+                options,
+                entropy_grad=self._entropy_grad(),
+                router=router_loss_enabled(self),
+                temperature=self.temperature,
             )
             j = 0
         self._served = j

@@ -1,15 +1,16 @@
-"""``HARTSSFTTrainer``: TRL's ``SFTTrainer`` with each microbatch's samples run as their prefix forest.
+"""``HARTSSFTTrainer``: TRL's ``SFTTrainer`` with each optimizer step's samples run as one prefix forest.
 
 One seam: TRL's ``compute_loss`` calls ``model(**inputs, fused_lm_head=True)`` and reads its
-per-token outputs; that call (``_compat.add_tree_fused_head``) runs one tree pass over the
-microbatch's rows instead (``fused.py``): every prefix the samples share (a system prompt, the
-history per-turn samples of one conversation repeat) once, forward and backward. TRL's loss, its
-normalisation (``num_items_in_batch``, ``average_tokens_across_devices``), the label masks
-(``completion_only_loss``, ``assistant_only_loss``) and the metrics run unchanged on what it returns.
+per-token outputs; that call (``_compat.add_tree_fused_head``) reads them from the optimizer step's
+HARTS step instead (``fused.py``): every microbatch of the step, on every rank, is one forest under
+one plan, every prefix the samples share (a system prompt, the history per-turn samples of one
+conversation repeat) computed once, forward and backward, whichever microbatch the sampler put
+them in. TRL's loss, its normalisation (``num_items_in_batch``, ``average_tokens_across_devices``),
+the label masks (``completion_only_loss``, ``assistant_only_loss``) and the metrics run unchanged
+on what it returns.
 
 Batches without an attention mask (``padding_free`` / packing) and multimodal inputs take TRL's
-own path. A microbatch whose forest is above the microbatch budget runs in planned pieces (one
-process; ``fused.py``).
+own path; under FSDP2 and in evaluation each microbatch is its own forest (``fused.py``).
 """
 
 from __future__ import annotations

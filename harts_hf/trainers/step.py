@@ -59,6 +59,10 @@ def batch_rows(batch: dict) -> list[np.ndarray]:
     return row_sequences(ids, mask)
 
 
+def _key(row: np.ndarray) -> bytes:
+    return np.asarray(row, dtype=np.int64).tobytes()
+
+
 def _same_rows(a: RolloutForest, b: RolloutForest) -> bool:
     """Whether two forests hold the same trajectories (tokens and shape)."""
     return a.shape_digest == b.shape_digest and np.array_equal(a.tokens, b.tokens)
@@ -71,7 +75,7 @@ class HARTSStep:
     over the same kind of plan (old policy, reference, evaluation).
 
     Args:
-        trainer: the GRPO / RLOO trainer (its accelerator and temperature).
+        trainer: the trainer (its accelerator).
         model: the model as the trainer runs it (wrapped by DDP / FSDP2 where it is).
         microbatches: this rank's TRL microbatches of the block, in order (or, for a no-grad pass,
             ``{"input_ids", "attention_mask"}`` batches: :func:`batch_rows`).
@@ -79,6 +83,9 @@ class HARTSStep:
         entropy: compute the entropies too.
         entropy_grad: the losses backpropagate through the entropies (TRL's entropy bonus).
         router: the losses add the MoE router loss of each microbatch (:meth:`aux_loss`).
+        statistics: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other than the
+            entropy; no gradient), :attr:`statistics`.
+        temperature: divides the logits (the rollout trainers' sampling temperature).
         previous: an earlier step; where its rows and plan options are this one's (the reference
             pass after the old-policy pass), its forest, plan and schedule are reused.
     """
@@ -93,6 +100,8 @@ class HARTSStep:
         entropy: bool = True,
         entropy_grad: bool = False,
         router: bool = False,
+        statistics: tuple[str, ...] = (),
+        temperature: float = 1.0,
         previous: HARTSStep | None = None,
     ):
         began = time.perf_counter()
@@ -104,14 +113,13 @@ class HARTSStep:
         first = sum(len(part) for part in everyone[: acc.process_index])
         bounds = first + np.cumsum([0] + [len(part) for part in rows])
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.forest = RolloutForest.from_sequences([row for part in everyone for row in part])
+        self.rows = [row for part in everyone for row in part]  # every rank's, in the forest's order
+        self._index = {_key(row): i for i, row in enumerate(self.rows)}  # a row's tokens -> its first index
+        self.forest = RolloutForest.from_sequences(self.rows)
         self.plan_options = plan_options
         same = (
             previous is not None and previous.plan_options == plan_options and _same_rows(previous.forest, self.forest)
         )
-        # the router loss of microbatch j averages over its rows' tokens: a compact token counts once per row
-        weight = lambda a, b: torch.as_tensor(self.forest.multiplicity_of(np.arange(a, b)), dtype=torch.float32)
-        self._token_weights = [weight(a, b).to(acc.device) for a, b in zip(bounds[:-1], bounds[1:])] if router else []
         self.plan = previous.plan if same else plan(self.forest, world_size=acc.num_processes, **plan_options)
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
@@ -123,7 +131,7 @@ class HARTSStep:
             self.forest,
             self.plan,
             rank=acc.process_index,
-            temperature=trainer.temperature,
+            temperature=temperature,
             forward=lambda run: model(harts_call=run),
             no_sync=lambda: acc.no_sync(model),
             calls=needed if acc.num_processes > 1 else 0,
@@ -133,14 +141,15 @@ class HARTSStep:
         # A rank's only call keeps its graph (no replay) where its backward runs in this forward's
         # sync context: one process, or a block of one microbatch (no accelerate no_sync around it).
         keep_graph = acc.num_processes == 1 or len(self.microbatches) == 1
-        routers = None
+        routers, stats = None, {}
         with acc.autocast():
-            if self.grad or router:  # a recording: the router logits come with it
+            if self.grad or router or statistics:  # a recording: the router logits and statistics come with it
                 self._recording = self.engine.record(
-                    return_entropy=entropy, keep_graph=keep_graph, return_router_logits=router
+                    return_entropy=entropy, keep_graph=keep_graph, return_router_logits=router, statistics=statistics
                 )
                 values, entropies = self._recording.logprobs, self._recording.entropies
                 routers = None if not router else self._recording.router_logits[0].detach()  # [layers, N, E]
+                stats = {name: v[0].detach() for name, v in self._recording.statistics.items()}
             else:
                 values, entropies = (
                     self.engine.logprobs(return_entropy=True) if entropy else (self.engine.logprobs(), None)
@@ -151,6 +160,8 @@ class HARTSStep:
             values = acc.reduce(values, "sum")
             entropies = None if entropies is None else acc.reduce(entropies, "sum")
             routers = None if routers is None else acc.reduce(routers, "sum")
+            stats = {name: acc.reduce(v, "sum") for name, v in stats.items()}
+        self.statistics = stats  # per name [B, L - 1], every row, no gradient
         if routers is not None:  # a token the plan computes on several ranks (a shared trunk): their mean
             computed = self.engine.computed_tokens()[0].float()  # [N]
             self._copies = (acc.reduce(computed, "sum") if acc.num_processes > 1 else computed)[:, None]  # [N, 1]
@@ -174,11 +185,26 @@ class HARTSStep:
         return layout(self.logprobs), layout(self.entropies)
 
     def aux_loss(self, j: int) -> torch.Tensor:
-        """Microbatch ``j``'s router loss: the family's own function over the step's router logits,
-        each compact token weighted by how many of the microbatch's rows pass through it (stock's
-        padded batch holds that many copies of its routing)."""
+        """Microbatch ``j``'s router loss (:meth:`rows_aux_loss` of its rows)."""
+        return self.rows_aux_loss(self._rows[j])
+
+    def rows_aux_loss(self, rows: torch.Tensor) -> torch.Tensor:
+        """The router loss of a batch of ``rows`` (indices into the step's rows): the family's own
+        function over the step's router logits, each compact token weighted by how many of the rows
+        pass through it (stock's padded batch holds that many copies of its routing)."""
+        weights = self.forest.multiplicity_of(rows.cpu().numpy())
         layers = tuple(self.router_logits.unbind(0))
-        return router_aux_loss(self.engine.hf, layers, self._token_weights[j])
+        return router_aux_loss(
+            self.engine.hf, layers, torch.as_tensor(weights, dtype=torch.float32, device=rows.device)
+        )
+
+    def row_index(self, sequences: Sequence[np.ndarray]) -> torch.Tensor | None:
+        """The step's rows holding ``sequences`` (a row by its tokens: equal rows have equal values),
+        None if one of them is not among the step's rows."""
+        found = [self._index.get(_key(s)) for s in sequences]
+        if any(i is None for i in found):
+            return None
+        return torch.as_tensor(found, dtype=torch.long, device=self.accelerator.device)
 
     def backward(self) -> None:
         """Backpropagate the gradients the block's losses left on the log-probs, entropies and router
