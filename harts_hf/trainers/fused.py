@@ -151,15 +151,16 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         raise NotImplementedError
 
     def _warn_if_the_sampler_loses_sharing(self, batches: int = 16) -> None:
-        """Measure, on the first ``batches`` microbatches' worth of the training data, the prefix
-        sharing per microbatch in dataset order and under TRL's default random sampler; warn once
-        when the sampler makes a step compute over 1.2x the tokens the order would (a conversation's
-        per-turn samples spread over microbatches share nothing)."""
-        data, size = self.train_dataset, self.args.per_device_train_batch_size
-        if self.args.train_sampling_strategy != "random" or not hasattr(data, "__len__") or len(data) < 2 * size:
+        """Measure, on the first ``batches`` optimizer steps' worth of the training data, the prefix
+        sharing per step (its HARTS step's forest) in dataset order and under TRL's default random
+        sampler; warn once when the sampler makes a step compute over 1.2x the tokens the order would
+        (a conversation's per-turn samples spread over steps share nothing)."""
+        args, data = self.args, self.train_dataset
+        size = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        if args.train_sampling_strategy != "random" or not hasattr(data, "__len__") or len(data) < 2 * size:
             return
         count = min(batches, len(data) // size) * size
-        shuffled = np.random.default_rng(self.args.seed).permutation(len(data))[:count]
+        shuffled = np.random.default_rng(args.seed).permutation(len(data))[:count]
 
         def compression(order: np.ndarray) -> float:
             forests = [
@@ -171,7 +172,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         ordered, random = compression(np.arange(count)), compression(shuffled)
         if ordered / random > 1.2:
             logger.warning(
-                f"{type(self).__name__}: TRL's random sampler shares {random:.2f}x per microbatch where this data in "
+                f"{type(self).__name__}: TRL's random sampler shares {random:.2f}x per optimizer step where this data in "
                 f"order shares {ordered:.2f}x (measured on {count} samples): each step computes "
                 f"{ordered / random:.2f}x the tokens; set train_sampling_strategy='sequential' to keep a "
                 "conversation's samples together"
