@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chain_starts", "min_rounds", "replay_length", "tree_levels"]
+__all__ = ["chain_starts", "chains", "min_rounds", "replay_length", "tree_levels"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -27,6 +27,32 @@ def chain_starts(prev: np.ndarray) -> np.ndarray:
     unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
     children = np.bincount(prev[prev >= 0], minlength=prev.size)
     return (prev < 0) | (children[np.maximum(prev, 0)] != 1)
+
+
+def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node_of [N], start [M], node_parent [M]): the chain (node) of every token, the first token of
+    every chain and the chain holding its parent (-1 at a root), chains numbered by first token.
+    A chain's tokens need not be contiguous (a piece's may be split by context tokens), so they are
+    found by pointer jumping, unless they are (a forest in DFS order): then one cumulative sum."""
+    n = prev.size
+    starts = chain_starts(prev)
+    start = np.flatnonzero(starts)
+    node_id = np.cumsum(starts) - 1
+    link = np.where(starts, np.arange(n), prev)  # the token before each in its chain, a start itself
+    contiguous = bool((link[~starts] == np.flatnonzero(~starts) - 1).all())
+    node_of = node_id if contiguous else node_id[_chain_heads(link)]
+    parent_tok = prev[start]
+    node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
+    return node_of, start, node_parent
+
+
+def _chain_heads(link: np.ndarray) -> np.ndarray:
+    """The head of every element of chains given by ``link`` (a head links to itself), by pointer
+    jumping: O(n log length) vectorised steps."""
+    head = link.copy()
+    while not np.array_equal(nxt := head[head], head):
+        head = nxt
+    return head
 
 
 def min_rounds(parent: np.ndarray, depth: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
