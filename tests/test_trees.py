@@ -1,13 +1,13 @@
 """``harts_hf.trees`` (the tree-structure floor) against plain per-element walks on random forests:
 chains in DFS order (contiguous, as a forest lays them out) and under shuffled indices (not, as in
-a piece)."""
+a piece), root paths as node intervals per query and as a union climbed once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from harts_hf.trees import chains
+from harts_hf.trees import chains, path_intervals
 
 
 def _random_parents(rng: np.random.Generator, n: int, chain_prob: float) -> np.ndarray:
@@ -73,3 +73,69 @@ def test_shuffled_chains_are_not_contiguous(rng):
     prev = _relabel(_random_parents(rng, 400, 0.95), rng.permutation(400))
     node_of, start, _ = chains(prev)
     assert (node_of != np.cumsum(np.isin(np.arange(400), start)) - 1).any()
+
+
+def _node_forest(rng: np.random.Generator, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(start, length, parent) of m random nodes laid out as token ranges in a random order, and
+    the tokens' prev array."""
+    parent = _random_parents(rng, m, 0.3)
+    length = rng.integers(1, 6, m)
+    place = rng.permutation(m)
+    start = np.empty(m, dtype=np.int64)
+    start[place] = np.concatenate(([0], np.cumsum(length[place])[:-1]))
+    prev = np.empty(int(length.sum()), dtype=np.int64)
+    for v in range(m):
+        toks = np.arange(start[v], start[v] + length[v])
+        prev[toks] = toks - 1
+        prev[start[v]] = start[parent[v]] + length[parent[v]] - 1 if parent[v] >= 0 else -1
+    return start, length, parent, prev
+
+
+def _walk(prev: np.ndarray, t: int, inclusive: bool) -> set[int]:
+    path, x = {t} if inclusive else set(), prev[t]
+    while x >= 0:
+        path.add(int(x))
+        x = prev[x]
+    return path
+
+
+def _queries(rng, start, length, inclusive):
+    t = rng.integers(0, int(length.sum()), 200)
+    node = np.searchsorted(np.sort(start), t, side="right") - 1
+    node = np.argsort(start)[node]
+    return t, node, t + inclusive
+
+
+@pytest.mark.parametrize("inclusive", [False, True], ids=["strict", "inclusive"])
+def test_path_intervals_per_query(rng, inclusive):
+    """Every query's intervals, in climbing order (own nodes first, one step per node level)."""
+    start, length, parent, prev = _node_forest(rng, 120)
+    t, node, tip = _queries(rng, start, length, inclusive)
+    paths = []
+    for v, e in zip(node, tip):
+        steps = [(start[v], e)]
+        while parent[v] >= 0:
+            v = parent[v]
+            steps.append((start[v], start[v] + length[v]))
+        paths.append(steps)
+    want = [(i, *p[s]) for s in range(max(map(len, paths))) for i, p in enumerate(paths) if s < len(p)]
+    want = np.array([w for w in want if w[2] > w[1]], dtype=np.int64).reshape(-1, 3)
+    got = np.stack(path_intervals(start, length, parent, node, tip), axis=1)
+    np.testing.assert_array_equal(got, want)
+    for i in range(t.size):
+        mine = got[got[:, 0] == i]
+        toks = np.concatenate([np.arange(lo, hi) for _, lo, hi in mine] + [np.zeros(0, np.int64)])
+        assert sorted(toks.tolist()) == sorted(_walk(prev, t[i], inclusive))
+
+
+@pytest.mark.parametrize("inclusive", [False, True], ids=["strict", "inclusive"])
+def test_path_intervals_once_is_the_union_climbed_once(rng, inclusive):
+    start, length, parent, prev = _node_forest(rng, 120)
+    t, node, tip = _queries(rng, start, length, inclusive)
+    which, lo, hi = path_intervals(start, length, parent, node, tip, once=True)
+    toks = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+    assert set(toks.tolist()) == set().union(*(_walk(prev, x, inclusive) for x in t))
+    whole = np.arange(which.size) >= int((tip > start[node]).sum())  # past the queries' own nodes
+    assert np.unique(lo[whole]).size == whole.sum()  # each ancestor node once
+    for i, a, b in zip(which, lo, hi):  # climbed by a query whose path holds it
+        assert set(range(a, b)) <= _walk(prev, t[i], inclusive)
