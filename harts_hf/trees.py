@@ -32,15 +32,17 @@ def chain_starts(prev: np.ndarray) -> np.ndarray:
 def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(node_of [N], start [M], node_parent [M]): the chain (node) of every token, the first token of
     every chain and the chain holding its parent (-1 at a root), chains numbered by first token.
-    A chain's tokens need not be contiguous (a piece's may be split by context tokens), so they are
-    found by pointer jumping, unless they are (a forest in DFS order): then one cumulative sum."""
-    n = prev.size
+    A chain's tokens need not be contiguous (in a piece, a subtree hanging under context may sit in
+    between), so they are found by pointer jumping, unless they are (a forest in DFS order): then
+    one cumulative sum."""
+    idx = np.arange(prev.size)
     starts = chain_starts(prev)
     start = np.flatnonzero(starts)
     node_id = np.cumsum(starts) - 1
-    link = np.where(starts, np.arange(n), prev)  # the token before each in its chain, a start itself
-    contiguous = bool((link[~starts] == np.flatnonzero(~starts) - 1).all())
-    node_of = node_id if contiguous else node_id[_chain_heads(link)]
+    if (starts | (prev == idx - 1)).all():  # every chain a contiguous run
+        node_of = node_id
+    else:  # link: the token before each in its chain, a start itself
+        node_of = node_id[_chain_heads(np.where(starts, idx, prev))]
     parent_tok = prev[start]
     node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
     return node_of, start, node_parent
