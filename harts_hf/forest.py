@@ -18,7 +18,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-from .trees import chain_starts, tree_levels
+from .trees import chains, tree_levels
 
 __all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 
@@ -202,14 +202,10 @@ class RolloutForest:
 
     @staticmethod
     def _nodes(prev: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, dict]:
-        """Compress chains into nodes: a token starts a node unless it is its parent's only child."""
-        n = prev.size
-        starts = chain_starts(prev)
-        node_start = np.flatnonzero(starts)
-        node_of = np.cumsum(starts) - 1
-        node_len = np.diff(np.append(node_start, n))
-        parent_tok = prev[node_start]
-        node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
+        """The trie's nodes (``trees.chains``, contiguous in DFS order) with their lengths, levels and
+        DFS intervals."""
+        node_of, node_start, node_parent = chains(prev)
+        node_len = np.diff(np.append(node_start, prev.size))
         level = tree_levels(node_parent)
         node_tout = node_of[subtree_end[node_start] - 1] + 1
         return node_of, dict(

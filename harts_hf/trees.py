@@ -1,13 +1,13 @@
 """Facts of a tree's shape that the forest, the planner and the ops all read, computed in one place
-from parent arrays (``parent[i]``: i's parent, -1 at a root): depths, chains, the min-rounds rule
-of linear-attention paths and the replay bound of a path off the chunk grid. Vectorised: one step
-per level or per pointer jump."""
+from parent arrays (``parent[i]``: i's parent, -1 at a root): depths, chains, root paths as node
+intervals, the min-rounds rule of linear-attention paths and the replay bound of a path off the
+chunk grid. Vectorised: one step per level or per pointer jump."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chain_starts", "min_rounds", "replay_length", "tree_levels"]
+__all__ = ["chain_starts", "chains", "min_rounds", "path_intervals", "replay_length", "tree_levels"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -27,6 +27,71 @@ def chain_starts(prev: np.ndarray) -> np.ndarray:
     unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
     children = np.bincount(prev[prev >= 0], minlength=prev.size)
     return (prev < 0) | (children[np.maximum(prev, 0)] != 1)
+
+
+def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node_of [N], start [M], node_parent [M]): the chain (node) of every token, the first token of
+    every chain and the chain holding its parent (-1 at a root), chains numbered by first token.
+    A chain's tokens need not be contiguous (in a piece, a subtree hanging under context may sit in
+    between), so they are found by pointer jumping, unless they are (a forest in DFS order): then
+    one cumulative sum."""
+    idx = np.arange(prev.size)
+    starts = chain_starts(prev)
+    start = np.flatnonzero(starts)
+    node_id = np.cumsum(starts) - 1
+    if (starts | (prev == idx - 1)).all():  # every chain a contiguous run
+        node_of = node_id
+    else:  # link: the token before each in its chain, a start itself
+        node_of = node_id[_chain_heads(np.where(starts, idx, prev))]
+    parent_tok = prev[start]
+    node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
+    return node_of, start, node_parent
+
+
+def _chain_heads(link: np.ndarray) -> np.ndarray:
+    """The head of every element of chains given by ``link`` (a head links to itself), by pointer
+    jumping: O(n log length) vectorised steps."""
+    head = link.copy()
+    while not np.array_equal(nxt := head[head], head):
+        head = nxt
+    return head
+
+
+def path_intervals(
+    start: np.ndarray,
+    length: np.ndarray,
+    parent: np.ndarray,
+    node: np.ndarray,
+    tip: np.ndarray,
+    *,
+    once: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Root paths as token intervals, one per node, climbed one node per vectorised step.
+
+    Nodes are contiguous token ranges ``start:start + length`` under ``parent`` (-1 at a root);
+    query i is the path of node ``node[i]``'s tokens before ``tip[i]`` and every ancestor node
+    whole. Returns ``(which, lo, hi)``: query ``which[j]`` holds tokens ``lo[j]:hi[j]``, in climbing
+    order (the queries' own nodes first), empty intervals dropped. ``once`` asks for the union
+    only: an ancestor node is climbed once, by one query that reaches it, so the work is the
+    union's size, not the sum of the paths (a piece's context costs its own size, not the forest's).
+    """
+    idx, v = np.arange(node.size), node
+    which, lo, hi = [idx], [start[node]], [tip]
+    visited = np.zeros(start.size, dtype=bool)
+    while idx.size:
+        up = parent[v] >= 0
+        idx, v = idx[up], parent[v[up]]
+        if once:
+            v, first = np.unique(v, return_index=True)
+            fresh = ~visited[v]
+            idx, v = idx[first[fresh]], v[fresh]
+            visited[v] = True
+        which.append(idx)
+        lo.append(start[v])
+        hi.append(start[v] + length[v])
+    which, lo, hi = (np.concatenate(x) for x in (which, lo, hi))
+    keep = hi > lo
+    return which[keep], lo[keep], hi[keep]
 
 
 def min_rounds(parent: np.ndarray, depth: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

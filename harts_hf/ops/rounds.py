@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..trees import chain_starts, min_rounds, replay_length, tree_levels
+from ..trees import chains, min_rounds, replay_length, tree_levels
 from .tree_batch import TreeBatch
 
 __all__ = [
@@ -187,31 +187,11 @@ class Rounds:
         return path, (after - self.path_start[path]) // self.chunk_size
 
 
-def _pointer_jump(parent: np.ndarray) -> np.ndarray:
-    """Root of every element of a forest given by ``parent`` (an element with parent == itself is
-    a root), in O(n log depth) vectorised steps."""
-    head = parent.copy()
-    while True:
-        nxt = head[head]
-        if np.array_equal(nxt, head):
-            return head
-        head = nxt
-
-
 def _nodes(local_prev: np.ndarray, position: np.ndarray):
-    """Maximal chains of the piece forest: (node_of [N], node_parent [M], node_end_depth [M]).
-
-    Piece tokens need not be contiguous per chain (a context sibling subtree may sit in
-    between), so chains are found by pointer jumping, not by index ranges."""
-    n = local_prev.size
-    starts = chain_starts(local_prev)
-    head = _pointer_jump(np.where(starts, np.arange(n), local_prev))
-    node_id = np.cumsum(starts) - 1
-    node_of = node_id[head]
-    start_tok = np.flatnonzero(starts)
-    parent_tok = local_prev[start_tok]
-    node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
-    end_depth = np.zeros(start_tok.size, dtype=np.int64)
+    """Maximal chains of the piece forest (``trees.chains``: a piece's chains need not be
+    contiguous): (node_of [N], node_parent [M], node_end_depth [M])."""
+    node_of, start, node_parent = chains(local_prev)
+    end_depth = np.zeros(start.size, dtype=np.int64)
     np.maximum.at(end_depth, node_of, position)
     return node_of, node_parent, end_depth
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..forest import RolloutForest, sorted_unique
+from ..trees import path_intervals
 
 __all__ = ["TreeBatch"]
 
@@ -144,22 +145,13 @@ def _in_sorted(x: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
 
 def _context(forest: RolloutForest, tokens: np.ndarray) -> np.ndarray:
     """The ancestors of the piece ``tokens`` (sorted) outside it, sorted: the root paths of the
-    parents outside the piece, climbed node by node (an ancestor node is an ancestor whole; in
-    the parent's own node, its tokens from the node's start to it). Never touches the rest of
-    the forest, so a rank's units cost their own size, not the forest's."""
+    parents outside the piece, each ancestor node climbed once (``trees.path_intervals``). Never
+    touches the rest of the forest, so a rank's units cost their own size, not the forest's."""
     parent = forest.prev[tokens]
     parent = np.unique(parent[(parent >= 0) & ~_in_sorted(parent, tokens)])
     node = forest.node_of[parent]
-    lo, hi = [forest.node_start[node]], [parent + 1]
-    visited = np.zeros(forest.node_start.size, dtype=bool)
-    node = np.unique(forest.node_parent[node])
-    while (node := node[node >= 0]).size:
-        node = node[~visited[node]]
-        visited[node] = True
-        lo.append(forest.node_start[node])
-        hi.append(forest.node_start[node] + forest.node_len[node])
-        node = np.unique(forest.node_parent[node])
-    lo, length = np.concatenate(lo), np.concatenate(hi) - np.concatenate(lo)
+    _, lo, hi = path_intervals(forest.node_start, forest.node_len, forest.node_parent, node, parent + 1, once=True)
+    length = hi - lo
     ancestors = np.unique(np.repeat(lo - np.cumsum(length) + length, length) + np.arange(length.sum()))
     return ancestors[~_in_sorted(ancestors, tokens)]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..forest import RolloutForest
+from ..trees import path_intervals
 from .cost import CostModel
 
 __all__ = ["Geometry"]
@@ -140,25 +141,10 @@ class Geometry:
         """The strict ancestors (or ancestors-or-self) of each token t as node-chain intervals.
 
         Returns ``(which, lo, hi)``: token ``t[which[i]]`` has ancestors ``lo[i]:hi[i]`` (global
-        tokens); one interval per node on its root path, empty ones dropped.
+        tokens); one interval per node on its root path, empty ones dropped (``trees.path_intervals``).
         """
         t = np.asarray(t, dtype=np.int64)
-        empty = np.zeros(0, dtype=np.int64)
-        which, lo, hi = [empty], [empty], [empty]
-        v = self.node_of(t)
-        tip = t + inclusive  # exclusive end of the ancestors inside node v
-        idx = np.arange(t.size)
-        while idx.size:
-            which.append(idx)
-            lo.append(self.start[v])
-            hi.append(tip)
-            pv = self.parent[v]
-            up = pv >= 0
-            idx, v = idx[up], pv[up]
-            tip = self.start[v] + self.length[v]
-        which, lo, hi = (np.concatenate(x) for x in (which, lo, hi))
-        keep = hi > lo
-        return which[keep], lo[keep], hi[keep]
+        return path_intervals(self.start, self.length, self.parent, self.node_of(t), t + inclusive)
 
     def common_prefix(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Length of the common prefix of the root paths of tokens x and y (ancestor-or-self):
