@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chain_starts", "chains", "min_rounds", "path_intervals", "replay_length", "tree_levels"]
+__all__ = ["chains", "min_rounds", "path_intervals", "replay_length", "tree_levels"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -22,7 +22,7 @@ def tree_levels(parent: np.ndarray) -> np.ndarray:
     return level
 
 
-def chain_starts(prev: np.ndarray) -> np.ndarray:
+def _chain_starts(prev: np.ndarray) -> np.ndarray:
     """[N] whether each token (``prev``: its parent, -1 at a root) starts a chain, the maximal
     unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
     children = np.bincount(prev[prev >= 0], minlength=prev.size)
@@ -36,7 +36,7 @@ def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     between), so they are found by pointer jumping, unless they are (a forest in DFS order): then
     one cumulative sum."""
     idx = np.arange(prev.size)
-    starts = chain_starts(prev)
+    starts = _chain_starts(prev)
     start = np.flatnonzero(starts)
     node_id = np.cumsum(starts) - 1
     if (starts | (prev == idx - 1)).all():  # every chain a contiguous run

@@ -83,7 +83,7 @@ def conv_check(small, big, traj, dev) -> None:
 
     def run(x, w, b, batch, backend: str, gather_below: float):
         os.environ[ENV] = backend
-        fla_conv.GATHER_BELOW_MEAN_CHAIN = gather_below
+        fla_conv.GATHER_BELOW_MEAN_RUN = gather_below
         return tree_causal_conv1d(x, w, b, batch, activation="silu")
 
     print("\n== conv: fla kernel vs torch backend (max |diff| / max |ref|)")
@@ -96,7 +96,7 @@ def conv_check(small, big, traj, dev) -> None:
         print(f"conv {dtype!s:15s} o {errs[0]:.1e}  grads max {max(errs[1:]):.1e}  {status}")
 
     batch = TreeBatch.from_forest(big, device=dev)
-    print(f"\n== conv timing, D=8192 W=4 bf16, fwd+bwd ms (tree mean chain {fla_conv.mean_chain(batch):.0f} tokens)")
+    print(f"\n== conv timing, D=8192 W=4 bf16, fwd+bwd ms (tree mean run {fla_conv.mean_run(batch):.0f} tokens)")
     for name, forest, gather_below in (
         ("fla kernel", big, 0.0),
         ("torch gather", big, float("inf")),
@@ -105,7 +105,7 @@ def conv_check(small, big, traj, dev) -> None:
         x, w, b = inputs(forest.num_compact_tokens, 8192, torch.bfloat16, 4)
         fb = TreeBatch.from_forest(forest, device=dev)
         print(f"{name:13s} {timed(run, x, w, b, fb, 'fla', gather_below):9.1f}")
-    fla_conv.GATHER_BELOW_MEAN_CHAIN = 16.0
+    fla_conv.GATHER_BELOW_MEAN_RUN = 16.0
 
 
 def model_check(dev) -> None:

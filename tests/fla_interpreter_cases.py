@@ -189,7 +189,7 @@ def interpreter_dh0(dy, y, weight, initial_state, activation, cu_seqlens, dht=No
 def conv_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """fla's conv kernel on every batch (no fragmented-batch gather), dh0 by the stand-in."""
     monkeypatch.setattr(fla_conv_ops, "compute_dh0_triton", interpreter_dh0)
-    monkeypatch.setattr(fla_conv, "GATHER_BELOW_MEAN_CHAIN", 0.0)
+    monkeypatch.setattr(fla_conv, "GATHER_BELOW_MEAN_RUN", 0.0)
 
 
 def conv_inputs(n: int, seed: int, D: int = 6, W: int = 4):

@@ -52,8 +52,8 @@ def fallback_note(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> 
         if not conv.uses_gather(batch):
             return None
         return (
-            f"conv: fragmented batch (mean chain {conv.mean_chain(batch):.1f} < "
-            f"{conv.GATHER_BELOW_MEAN_CHAIN:g} tokens) runs the torch gather, not fla's kernel"
+            f"conv: fragmented batch (mean run {conv.mean_run(batch):.1f} < "
+            f"{conv.GATHER_BELOW_MEAN_RUN:g} tokens) runs the torch gather, not fla's kernel"
         )
     if backend.WAVES_LAYOUT[kind] != "cut":
         return None

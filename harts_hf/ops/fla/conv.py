@@ -1,24 +1,25 @@
-"""The ``fla`` backend of the tree causal conv: fla's ``causal_conv1d`` over the tree's chains.
+"""The ``fla`` backend of the tree causal conv: fla's ``causal_conv1d`` over the tree's runs.
 
-In DFS order a token's first child is the next token, so a piece splits into *chains*: maximal
-runs of tokens each the child of the one before (a chain starts at the piece's first token and
+In DFS order a token's first child is the next token, so a piece splits into *runs*: maximal
+spans of tokens each the child of the one before (unlike a tree chain, a run goes on through a
+branch point into its first child; a run starts at the piece's first token and
 at every token whose parent is not the previous token: roots, second and later children). ONE
-varlen fla call convolves every chain (``cu_seqlens`` = chain bounds), x passed as it is (a
+varlen fla call convolves every run (``cu_seqlens`` = run bounds), x passed as it is (a
 piece with context concatenates ``context_x``, its halo rows, and x once, for the gather). A
-chain's conv state is the input of its first token's W-1 nearest ancestors (zero past a root;
+run's conv state is the input of its first token's W-1 nearest ancestors (zero past a root;
 halo tokens of the context supply them in a piece), gathered as fla's ``initial_state``
 [S, D, W] (slot 0 unused, slot c = the (W-c)-th ancestor); fla's backward returns its gradient
 (dh0), which autograd scatters into the ancestors' rows of x and ``context_x``.
 
-Per call, a *fragmented* batch (mean chain shorter than ``GATHER_BELOW_MEAN_CHAIN`` tokens) runs
-the torch gather (``..conv``) instead: fla gives each chain at least one 64-token program and
-the initial-state gather copies W-1 rows per chain (as many as x holds, or more), while the
-gather's W index passes do not depend on the tree's shape. Agentic and GRPO trees have chains of hundreds
+Per call, a *fragmented* batch (mean run shorter than ``GATHER_BELOW_MEAN_RUN`` tokens) runs
+the torch gather (``..conv``) instead: fla gives each run at least one 64-token program and
+the initial-state gather copies W-1 rows per run (as many as x holds, or more), while the
+gather's W index passes do not depend on the tree's shape. Agentic and GRPO trees have runs of hundreds
 of tokens and take the fla kernel; 16 is an estimate, timed by ``scripts/gpu_check.py``.
 Activations other than silu run after the kernel.
 
 Legend: N piece tokens, Nc context tokens, Nk = Nc + N (combined space), H halo tokens
-(``conv_halo``), S chains, D channels, W conv width.
+(``conv_halo``), S runs, D channels, W conv width.
 """
 
 from __future__ import annotations
@@ -34,20 +35,20 @@ from ..tree_batch import TreeBatch
 from . import _compat as fla
 from .backend import fla_available, runs_on
 
-__all__ = ["GATHER_BELOW_MEAN_CHAIN", "Chains", "chains_of", "mean_chain", "tree_causal_conv1d_fla", "uses_gather"]
+__all__ = ["GATHER_BELOW_MEAN_RUN", "Runs", "runs_of", "mean_run", "tree_causal_conv1d_fla", "uses_gather"]
 
-GATHER_BELOW_MEAN_CHAIN = 16.0
+GATHER_BELOW_MEAN_RUN = 16.0
 _FLA_ACTIVATIONS = ("silu", "swish")
 
 
 @dataclass(frozen=True, eq=False)
-class Chains:
-    """The chains of a batch (module docstring), for one conv width.
+class Runs:
+    """The runs of a batch (module docstring), for one conv width.
 
     Args:
-        cu_seqlens: [S + 1] int32 chain bounds in the piece's token order, on the batch's device.
+        cu_seqlens: [S + 1] int32 run bounds in the piece's token order, on the batch's device.
         cu_seqlens_cpu: the same on the CPU (fla reads it without a device sync).
-        halo: [S, W - 1] row of each chain's (W-1-c)-th ancestor in column c among ``[halo tokens,
+        halo: [S, W - 1] row of each run's (W-1-c)-th ancestor in column c among ``[halo tokens,
             piece tokens]`` (``conv.local_rows``); H + N past a root.
     """
 
@@ -56,21 +57,21 @@ class Chains:
     halo: torch.Tensor
 
 
-def _chain_starts(batch: TreeBatch) -> torch.Tensor:
-    """[S] combined index of every chain's first token (module docstring), derived once per batch."""
+def _run_starts(batch: TreeBatch) -> torch.Tensor:
+    """[S] combined index of every run's first token (module docstring), derived once per batch."""
 
     def build(b: TreeBatch) -> torch.Tensor:
         own = torch.arange(b.num_context, b.prev.numel(), device=b.device)
         starts = b.prev[b.num_context :] != own - 1
-        starts[0] = True  # the piece's first token starts a chain even under a context parent
+        starts[0] = True  # the piece's first token starts a run even under a context parent
         return own[starts]
 
-    return batch.cached(("fla_conv_chain_starts",), build)
+    return batch.cached(("fla_conv_run_starts",), build)
 
 
-def _build(batch: TreeBatch, width: int) -> Chains:
+def _build(batch: TreeBatch, width: int) -> Runs:
     nc, nk = batch.num_context, batch.prev.numel()
-    first = _chain_starts(batch)
+    first = _run_starts(batch)
     cu = torch.cat((first - nc, first.new_tensor([nk - nc]))).to(torch.int32)
     up = torch.where(batch.prev >= 0, batch.prev, nk)
     up = torch.cat((up, up.new_tensor([nk])))  # Nk (past a root) is its own parent
@@ -79,22 +80,22 @@ def _build(batch: TreeBatch, width: int) -> Chains:
     for c in range(width - 2, -1, -1):  # one vectorised pointer jump per tap
         cur = up[cur]
         halo[:, c] = cur
-    return Chains(cu, cu.cpu(), local_rows(batch, width, halo))
+    return Runs(cu, cu.cpu(), local_rows(batch, width, halo))
 
 
-def chains_of(batch: TreeBatch, width: int) -> Chains:
-    """The chains of ``batch`` for conv width ``width``, derived once per batch."""
-    return batch.cached(("fla_conv_chains", width), lambda b: _build(b, width))
+def runs_of(batch: TreeBatch, width: int) -> Runs:
+    """The runs of ``batch`` for conv width ``width``, derived once per batch."""
+    return batch.cached(("fla_conv_runs", width), lambda b: _build(b, width))
 
 
-def mean_chain(batch: TreeBatch) -> float:
-    """Mean chain length of ``batch`` in tokens."""
-    return batch.num_tokens / _chain_starts(batch).numel()
+def mean_run(batch: TreeBatch) -> float:
+    """Mean run length of ``batch`` in tokens."""
+    return batch.num_tokens / _run_starts(batch).numel()
 
 
 def uses_gather(batch: TreeBatch) -> bool:
     """Whether a call on ``batch`` runs the torch gather rather than fla's kernel (module docstring)."""
-    return mean_chain(batch) < GATHER_BELOW_MEAN_CHAIN
+    return mean_run(batch) < GATHER_BELOW_MEAN_RUN
 
 
 def _initial_states(src: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,7 @@ def tree_causal_conv1d_fla(
     check_conv_args(x, weight, bias, batch, context_x, activation)
     if uses_gather(batch):
         return tree_causal_conv1d_torch(x, weight, bias, batch, activation=activation, context_x=context_x)
-    chains = chains_of(batch, weight.shape[1])
+    runs = runs_of(batch, weight.shape[1])
     xw = x.to(weight.dtype)  # [N, D], computed in weight's dtype like the torch backend
     src = xw if context_x is None else torch.cat((context_x.to(weight.dtype), xw))  # [H + N, D]
     in_kernel = activation if activation in _FLA_ACTIVATIONS else None
@@ -127,11 +128,11 @@ def tree_causal_conv1d_fla(
         weight,
         bias,
         None,
-        _initial_states(src, chains.halo),
+        _initial_states(src, runs.halo),
         False,
         in_kernel,
-        cu_seqlens=chains.cu_seqlens,
-        cu_seqlens_cpu=chains.cu_seqlens_cpu,
+        cu_seqlens=runs.cu_seqlens,
+        cu_seqlens_cpu=runs.cu_seqlens_cpu,
     )
     y = y[0]  # [N, D]
     if activation is not None and in_kernel is None:
