@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="HARTS microbatch budget (default: TRL's config)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (the first one warms up)")
     args = parser.parse_args()
-    state = PartialState()
+    state = PartialState(cpu=True)
     per_microbatch = args.turns + 1
     per_step = per_microbatch * args.accumulation * state.num_processes
     total = args.conversations * (args.turns + 1)
@@ -99,9 +99,11 @@ def main() -> None:
             f"{forest.compression:.2f}) {budget}"
         )
     stock_config, stock_trainer, harts_config, harts_trainer = TRAINERS[args.trainer]
-    model_dir = Path(tempfile.mkdtemp())  # DPO reloads its reference model from the checkpoint
-    build_model("qwen3_5", args.size).model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = Path(tempfile.gettempdir()) / f"trainer_compare_{args.size}"  # DPO reloads its reference from it
+    if state.is_main_process:
+        build_model("qwen3_5", args.size).model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    state.wait_for_everyone()
     for config_cls, trainer_cls in ((stock_config, stock_trainer), (harts_config, harts_trainer)):
         clock = _Clock()
         config = config_cls(

@@ -21,10 +21,16 @@ import torch
 from launch import torchrun
 
 TOL = 1e-5
-# run -> that test file's case; sft-pieces: two microbatches per step, its forest (both ranks' rows) cut into pieces
-CASES = {"sft": "prompt-completion", "sft-pieces": "text-two-microbatches-pieces", "dpo": "sigmoid-checkpointing"}
+# run -> that test file's case; *-pieces: two microbatches per step, its forest (both ranks' rows) cut into pieces
+CASES = {
+    "sft": "prompt-completion",
+    "sft-pieces": "text-two-microbatches-pieces",
+    "dpo": "sigmoid-checkpointing",
+    "dpo-pieces": "ipo-wpo-ld_alpha-two-microbatches-pieces",  # the reference passes in pieces too (no grad)
+}
 SFT_KEYS = ["loss", "entropy", "mean_token_accuracy", "num_tokens"]
-KEYS = {"sft": SFT_KEYS, "sft-pieces": SFT_KEYS, "dpo": ["loss", "rewards/margins", "entropy"]}
+DPO_KEYS = ["loss", "rewards/margins", "entropy"]
+KEYS = {"sft": SFT_KEYS, "sft-pieces": SFT_KEYS, "dpo": DPO_KEYS, "dpo-pieces": DPO_KEYS}
 
 
 @pytest.mark.slow

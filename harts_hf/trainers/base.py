@@ -58,10 +58,11 @@ class HARTSTrainerMixin:
 
     def _check_attached_pieces(self, forest: RolloutForest, pieces: Plan, router: bool) -> None:
         """A forest above the budget outside a HARTS step runs in pieces replayed inside TRL's own
-        ``loss.backward()`` (``Recording.attached``): one process only (a data-parallel wrapper
-        cannot sync inside that backward) and without the router aux loss (it needs the forest in
-        one pass). Anything else is refused here, with the numbers."""
-        several = self.accelerator.num_processes > 1
+        ``loss.backward()`` (``Recording.attached``): one process only where it has a backward (a
+        data-parallel wrapper cannot sync inside it; a no-grad pass, a reference model's, has none)
+        and without the router aux loss (it needs the forest in one pass). Anything else is refused
+        here, with the numbers."""
+        several = self.accelerator.num_processes > 1 and torch.is_grad_enabled()
         if pieces.num_slots == 1 or not (several or router):
             return
         ((name, budget),) = self.args.harts_budget.items()
