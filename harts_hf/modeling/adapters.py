@@ -79,10 +79,11 @@ class FamilyAdapter:
         """The first declaration ``module`` matches, refusing a module that matches none."""
         problems = {}
         for layout in self.layouts():
-            problems[layout.release] = layout._problems(module)
-            if not problems[layout.release]:
+            found = layout._problems(module)
+            if not found:
                 return layout
-        found = "; ".join(f"declared for transformers {release}+: " + "; ".join(p) for release, p in problems.items())
+            problems[layout.release + ("+" if layout is self else "")] = found  # the newest stands for later ones
+        found = "; ".join(f"declared for transformers {release}: " + "; ".join(p) for release, p in problems.items())
         raise UnsupportedModelError(
             f"the {self.family} modeling code does not match harts-hf's adapter ({found})" + _compat.version_advice()
         )
