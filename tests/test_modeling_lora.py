@@ -19,7 +19,8 @@ GRAD_TOL = 2e-5  # relative to the largest reference gradient
 def _lora(family: str) -> peft.PeftModel:
     # Random B (init_lora_weights=False): a zero B would hide the adapter from the forward. PEFT
     # refuses LoRA on a Mamba mixer's out_proj (fused-kernel compatibility), so it is left out.
-    mamba = "mamba2_scan" in ADAPTERS[family].kernels.values() or family in ("mamba", "falcon_mamba")
+    kinds = {kind for layout in ADAPTERS[family].layouts() for kind in layout.kernels.values()}
+    mamba = "mamba2_scan" in kinds or family in ("mamba", "falcon_mamba")
     config = peft.LoraConfig(
         r=4,
         lora_alpha=8,

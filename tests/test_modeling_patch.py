@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 from tiny_models import FAMILIES, VOCAB, family_forest, tiny_model
 
 from harts_hf.forest import RolloutForest
@@ -24,8 +25,9 @@ from harts_hf.modeling import (
     tree_logprobs,
     unpatch_model,
 )
-from harts_hf.modeling.adapters import REFUSED
+from harts_hf.modeling.adapters import ADAPTERS, REFUSED
 from harts_hf.modeling.attention import tree_attention_name
+from harts_hf.modeling.kinds import KINDS
 
 GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
@@ -63,7 +65,7 @@ def test_patch_is_idempotent_and_reversible():
     gc.collect()  # patched models of other tests keep the family's kernels wrapped while alive
     model = tiny_model("qwen3_5")
     module = sys.modules[GDN_MODULE]
-    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    names = tuple(ADAPTERS["qwen3_5"].layout(module).kernels)  # the installed release's hooks
     unpatch_model(patch_model(model))
     originals = {n: vars(module)[n] for n in names}
     assert patch_model(model) is model
@@ -184,7 +186,25 @@ def test_tampered_modeling_module_is_refused(tamper, monkeypatch):
     with pytest.raises(UnsupportedModelError, match="does not match") as err:
         patch_model(model)
     assert str(supported_families()) in str(err.value)
+    for layout in ADAPTERS["qwen3_5"].layouts():  # what differs from each release's declaration
+        assert f"declared for transformers {layout.release}" in str(err.value)
     assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+
+
+SEAMS = {"causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward"}
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if ADAPTERS[f].older is not None])
+def test_each_family_takes_the_declaration_of_the_installed_release(family):
+    """transformers 5.25's mixers call replaceable kernel functions, which the families hook there
+    (Mamba's mixer is re-stated over them: its fused training path gets no kwargs); 5.23's mixers call
+    the functions those superseded. The module tells which one a model gets."""
+    model = tiny_model(family)
+    layout = ADAPTERS[family].layout(sys.modules[type(model).__module__])
+    seams = Version(tf.__version__) >= Version("5.25")
+    assert layout.release == ("5.25" if seams else "5.23")
+    hooked = set(layout.kernels) | {k for m in layout.mixer_forwards.values() for k in KINDS[m].restates}
+    assert bool(hooked & SEAMS) == seams, hooked
 
 
 def _as_hub_module(fn):
@@ -216,7 +236,8 @@ def test_kernel_hooks_held_as_modules_are_read_through(monkeypatch):
     monkeypatch.setattr(_compat.transformers, "__version__", "5.99.0")  # the module object _compat reads
     with pytest.raises(UnsupportedModelError, match="lost parameters") as err:
         patch_model(tiny_model("qwen3_5"))
-    assert "found transformers 5.99.0" in str(err.value) and "pip install 'transformers~=5.23.0'" in str(err.value)
+    advice = f"pip install 'transformers~={_compat.CHECKED_TRANSFORMERS[-1]}.0'"
+    assert "found transformers 5.99.0" in str(err.value) and advice in str(err.value)
 
 
 def _lightning_without_norm_and_gate(

@@ -1,8 +1,8 @@
 """Every shim that depends on transformers / PEFT internals, in one place.
 
-Checked against transformers 5.23 and PEFT 0.21. Each function names the internal it relies on;
-when a release moves one, this is the only file to touch (adapters additionally refuse a family
-whose modeling module lost the functions they wrap, see ``adapters.py``).
+Checked against transformers 5.23 and 5.25 and PEFT 0.21. Each function names the internal it
+relies on; when a release moves one, this is the only file to touch (adapters additionally refuse
+a family whose modeling module matches none of their per-release layouts, see ``adapters.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
+    "CACHE_PARAMETERS",
     "CHECKED_TRANSFORMERS",
     "PRIVATE_NAMES",
     "accelerate_hooks",
@@ -53,7 +54,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKED_TRANSFORMERS = "5.23"
+CHECKED_TRANSFORMERS = ("5.23", "5.25")
+"""The transformers releases whose modeling modules the adapters declare (setup.cfg's range)."""
+
+CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
+"""The name a layer's cache parameter goes by: transformers 5.25 renamed the mixers' ``cache_params``
+and ``past_key_values`` to ``cache`` (tree calls run without one; kinds only check it is None)."""
 
 PRIVATE_NAMES = (
     "transformers.integrations.accelerate.force_accelerate_hooks",
@@ -76,14 +82,18 @@ def accelerate_hooks(children: list[str]) -> Callable[[Callable], Callable]:
     return force_accelerate_hooks(children)
 
 
+def _checked() -> bool:
+    return transformers.__version__.startswith(tuple(release + "." for release in CHECKED_TRANSFORMERS))
+
+
 @functools.cache
 def check_version() -> None:
-    """Warn once when transformers is not the release these shims were checked against."""
-    if not transformers.__version__.startswith(CHECKED_TRANSFORMERS + "."):
+    """Warn once when transformers is not a release these shims were checked against."""
+    if not _checked():
         logger.warning(
-            "harts-hf: modeling patches were checked against transformers %s.x, found %s; "
+            "harts-hf: modeling patches were checked against transformers %s, found %s; "
             "run harts_hf.verify(model) before training",
-            CHECKED_TRANSFORMERS,
+            " and ".join(f"{release}.x" for release in CHECKED_TRANSFORMERS),
             transformers.__version__,
         )
 
@@ -132,11 +142,11 @@ def parameters(fn: Callable) -> tuple[str, ...]:
 
 def version_advice() -> str:
     """What to do when a family's internals moved under another transformers release."""
-    if transformers.__version__.startswith(CHECKED_TRANSFORMERS + "."):
+    if _checked():
         return ""
     return (
-        f"; found transformers {transformers.__version__}: install the release harts-hf supports, "
-        f"pip install 'transformers~={CHECKED_TRANSFORMERS}.0'"
+        f"; found transformers {transformers.__version__}: install a release harts-hf supports, "
+        f"pip install 'transformers~={CHECKED_TRANSFORMERS[-1]}.0'"
     )
 
 

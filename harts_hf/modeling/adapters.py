@@ -5,12 +5,19 @@ take trees (and of which kind), which mixer / attention classes must still call 
 attention-mask keys a tree call passes (hybrid models then build no mask), which layer kinds the
 family may contain, and how its CausalLM post-processes logits. The mechanism lives in
 ``patch.py``; nothing here runs per token.
+
+A declaration names the functions of one transformers release's modeling module; a family whose
+modeling code changed between supported releases chains the earlier declaration as ``older``, and a
+model takes the first one its module matches (:meth:`FamilyAdapter.layout`). Transformers 5.25 made
+every hybrid mixer call replaceable kernel functions (``causal_conv1d_forward``,
+``mamba2_scan_forward``, ``mamba_scan_forward``): the 5.25 declarations hook those, and the 5.23 ones,
+derived from them through ``SUPERSEDED``, hook the functions the 5.23 mixers called directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import torch
@@ -46,6 +53,9 @@ class FamilyAdapter:
         aux_loss: the CausalLM computes the module's ``load_balancing_loss_func``.
         head_cast: the CausalLM casts the final hidden state to ``lm_head``'s dtype (the Mamba
             families, whose residual stream stays in fp32).
+        release: the first transformers release whose modeling module this declaration matches.
+        older: the family's declaration for the previous supported release, where its modeling
+            code differs (None: this one matches every supported release).
     """
 
     family: str
@@ -58,6 +68,25 @@ class FamilyAdapter:
     logits: Callable[[PreTrainedModel, torch.Tensor], torch.Tensor] | None = None
     aux_loss: bool = False
     head_cast: bool = False
+    release: str = _compat.CHECKED_TRANSFORMERS[0]
+    older: FamilyAdapter | None = None
+
+    def layouts(self) -> list[FamilyAdapter]:
+        """This declaration and its older ones, newest first."""
+        return [self] + (self.older.layouts() if self.older is not None else [])
+
+    def layout(self, module: ModuleType) -> FamilyAdapter:
+        """The first declaration ``module`` matches, refusing a module that matches none."""
+        problems = {}
+        for layout in self.layouts():
+            found = layout._problems(module)
+            if not found:
+                return layout
+            problems[layout.release + ("+" if layout is self else "")] = found  # the newest stands for later ones
+        found = "; ".join(f"declared for transformers {release}: " + "; ".join(p) for release, p in problems.items())
+        raise UnsupportedModelError(
+            f"the {self.family} modeling code does not match harts-hf's adapter ({found})" + _compat.version_advice()
+        )
 
     def targets(self, module: ModuleType) -> list[tuple[ModuleType | type, str, str | None]]:
         """(owner, attribute, kernel kind) of every function the patch replaces; kind None: a mixer
@@ -68,26 +97,23 @@ class FamilyAdapter:
             + [(vars(module)[cls], "forward", None) for cls in self.mixers]
         )
 
-    def check(self, model: PreTrainedModel, module: ModuleType) -> None:
-        """Refuse a module whose internals no longer match this declaration."""
+    def check(self, model: PreTrainedModel) -> None:
+        """Refuse a model holding layer kinds this family's declaration does not cover."""
+        kinds = set(getattr(model.config, "layer_types", None) or ()) - self.layer_kinds
+        if kinds:
+            raise UnsupportedModelError(
+                f"the {self.family} model's layer kinds {sorted(kinds)} are not covered by harts-hf's adapter "
+                f"(known: {sorted(self.layer_kinds)})"
+            )
+
+    def _problems(self, module: ModuleType) -> list[str]:
+        """How ``module``'s internals differ from this declaration (empty: they match)."""
         missing = [
             name
             for name in (*self.kernels, *self.mixers, *self.mixer_forwards, *self.attention)
             if name not in vars(module)
         ]
-        problems = [f"{module.__name__}.{name} is missing" for name in missing]
-        if not missing:
-            problems += self._drift(module)
-        kinds = set(getattr(model.config, "layer_types", None) or ()) - self.layer_kinds
-        if kinds:
-            problems.append(f"layer kinds {sorted(kinds)} are not covered (known: {sorted(self.layer_kinds)})")
-        if problems:
-            raise UnsupportedModelError(
-                f"the {self.family} modeling code does not match harts-hf's adapter "
-                f"(checked against transformers {_compat.CHECKED_TRANSFORMERS}): "
-                + "; ".join(problems)
-                + _compat.version_advice()
-            )
+        return [f"{module.__name__}.{name} is missing" for name in missing] or self._drift(module)
 
     def _drift(self, module: ModuleType) -> list[str]:
         problems = []
@@ -96,7 +122,8 @@ class FamilyAdapter:
                 continue
             fn = vars(owner)[name]
             where = f"{owner.__name__}.{name}"
-            lost = [p for p in KINDS[kind].params if p not in _compat.parameters(fn)]
+            have = set(_compat.parameters(fn))
+            lost = [p for p in KINDS[kind].params if not have & set((p,) if isinstance(p, str) else p)]
             if lost:
                 problems.append(f"{where} lost parameters {lost}")
             problems += _markers_gone(where, fn, KINDS[kind].source_markers)
@@ -136,26 +163,59 @@ def _falcon_multiplier(model: PreTrainedModel, logits: torch.Tensor) -> torch.Te
     return logits * model.model.lm_head_multiplier
 
 
-GDN = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta"}
-KDA = {"causal_conv1d_fn": "conv", "chunk_kimi_delta_attention": "kda"}
-CONV = {"causal_conv1d_fn": "conv"}
+CONV = {"causal_conv1d_forward": "conv_forward"}
+GDN = {**CONV, "torch_chunk_gated_delta_rule": "gated_delta"}
+KDA = {**CONV, "chunk_kimi_delta_attention": "kda"}
 CONV_LAYERS = {"mask_keys": ("full_attention", "conv"), "layer_kinds": frozenset({"full_attention", "conv"})}
 MAMBA2 = {
-    "causal_conv1d_fn": "conv",
-    "mamba2_chunk_scan": "mamba2_scan",
+    **CONV,
+    "mamba2_scan_forward": "mamba2_scan_forward",
     "mamba2_split_conv1d_scan_combined": "mamba2_fused",
 }
+MAMBA_V1 = {**CONV, "mamba_scan_forward": "mamba_scan_forward"}
+
+SUPERSEDED: dict[str, tuple[str, str]] = {
+    "causal_conv1d_forward": ("causal_conv1d_fn", "conv"),
+    "mamba2_scan_forward": ("mamba2_chunk_scan", "mamba2_scan"),
+}
+"""transformers 5.25's kernel seams -> the function (and kind) the 5.23 mixers called in their place."""
+
+SEAMS_RELEASE = "5.25"  # the release whose mixers call the seams
+
+
+def _before_seams(adapter: FamilyAdapter, **changes) -> FamilyAdapter:
+    """``adapter`` (a 5.25 declaration) as the family's 5.23 modeling module has it: every seam
+    replaced by the function it superseded, and ``changes``."""
+    changes.setdefault("kernels", dict(SUPERSEDED.get(name, (name, kind)) for name, kind in adapter.kernels.items()))
+    return replace(adapter, release=_compat.CHECKED_TRANSFORMERS[0], older=None, **changes)
 
 
 def _hybrid(family: str, prefix: str, kernels: Mapping[str, str], mixer: str, **kwargs) -> FamilyAdapter:
-    return FamilyAdapter(family, kernels, mixers=(prefix + mixer,), attention=(prefix + "Attention",), **kwargs)
+    kwargs.setdefault("attention", (prefix + "Attention",))
+    adapter = FamilyAdapter(family, kernels, mixers=(prefix + mixer,), release=SEAMS_RELEASE, **kwargs)
+    return replace(adapter, older=_before_seams(adapter))
 
 
-def _mamba_v1(family: str, prefix: str, mixer: str) -> FamilyAdapter:
+def _mamba_v1(
+    family: str, prefix: str, mixer: str, fused: str | None = None, forwards: Mapping[str, str] | None = None, **kwargs
+) -> FamilyAdapter:
+    """A Mamba v1 mixer (``mixer``: its 5.23 kind). Under 5.25 its conv and selective scan are seams;
+    under 5.23 its scan gets no kwargs, so the whole mixer ``forward`` is re-stated. ``fused``: the
+    kind re-stating, under 5.25 too, a mixer whose training path may take a fused kernel that gets no
+    kwargs. ``forwards``: layers that drop the kwargs, re-stated to hand the tree down."""
+    name, forwards = f"{prefix}Mixer", dict(forwards or {})
+    if fused is None:
+        new = FamilyAdapter(family, MAMBA_V1, mixers=(name,), mixer_forwards=forwards, release=SEAMS_RELEASE, **kwargs)
+    else:
+        new = FamilyAdapter(family, mixer_forwards={name: fused, **forwards}, release=SEAMS_RELEASE, **kwargs)
+    return replace(new, older=_before_seams(new, kernels={}, mixers=(), mixer_forwards={name: mixer, **forwards}))
+
+
+def _pure_mamba_v1(family: str, prefix: str, mixer: str, **kwargs) -> FamilyAdapter:
     """A pure Mamba v1 model: its model and block forwards drop the kwargs, so both are re-stated
     to hand the tree to the mixer; no attention, no mask (the model builds none)."""
-    forwards = {f"{prefix}Mixer": mixer, f"{prefix}Block": "mamba_block", f"{prefix}Model": "mamba_model"}
-    return FamilyAdapter(family, mixer_forwards=forwards, mask_keys=None, head_cast=True)
+    forwards = {f"{prefix}Block": "mamba_block", f"{prefix}Model": "mamba_model"}
+    return _mamba_v1(family, prefix, mixer, forwards=forwards, mask_keys=None, head_cast=True, **kwargs)
 
 
 def _dense(family: str, prefix: str, **kwargs) -> FamilyAdapter:
@@ -194,18 +254,20 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         _hybrid("granitemoehybrid", "GraniteMoeHybrid", MAMBA2, "MambaLayer", logits=_granite_scaling, aux_loss=True),
         _hybrid("bamba", "Bamba", MAMBA2, "Mixer"),
         _hybrid("zamba2", "Zamba2", MAMBA2, "MambaMixer", layer_kinds=frozenset({"hybrid", "linear_attention"})),
-        FamilyAdapter("mamba2", MAMBA2, mixers=("Mamba2Mixer",), mask_keys=None, head_cast=True),
-        _mamba_v1("mamba", "Mamba", "mamba_mixer"),
-        _mamba_v1("falcon_mamba", "FalconMamba", "normed_mamba_mixer"),
+        _hybrid("mamba2", "Mamba2", MAMBA2, "Mixer", attention=(), mask_keys=None, head_cast=True),
+        _pure_mamba_v1("mamba", "Mamba", "mamba_mixer", fused="fused_mamba_mixer"),
+        _pure_mamba_v1("falcon_mamba", "FalconMamba", "normed_mamba_mixer"),
         FamilyAdapter(
             "minimax",
             mixer_forwards={"MiniMaxLightningAttention": "lightning_mixer"},
             attention=("MiniMaxAttention",),
             aux_loss=True,
         ),
-        FamilyAdapter(
+        _mamba_v1(
             "jamba",
-            mixer_forwards={"JambaMambaMixer": "normed_mamba_mixer", "JambaMambaDecoderLayer": "jamba_mamba_layer"},
+            "JambaMamba",
+            "normed_mamba_mixer",
+            forwards={"JambaMambaDecoderLayer": "jamba_mamba_layer"},
             attention=("JambaAttention",),
             aux_loss=True,
         ),

@@ -1,12 +1,14 @@
 """Kernel kinds: the tree-side replacement of each transformers kernel function, shared by families.
 
-A modeling module's kernel function (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ...)
-is wrapped once (``patch.py``); on a tree call the wrapper binds the call's arguments to the
+A modeling module's kernel function (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``,
+``mamba2_scan_forward``, ...; transformers 5.23: ``causal_conv1d_fn``, ``mamba2_chunk_scan``) is
+wrapped once (``patch.py``); on a tree call the wrapper binds the call's arguments to the
 original signature and hands them, by parameter name, to the kind's ``tree_call``. Every kind
 reshapes transformers' batch-of-one layout ([1, N, ...], conv: [1, D, N]) to the token-major
 layout of ``harts_hf.ops`` ([N, ...]) and back, so family code never sees trees. A mixer without
-a module-level kernel hook (MiniMax's lightning attention, the Mamba v1 mixers of Jamba, Mamba and
-FalconMamba, whose selective scan gets no kwargs) has its ``forward`` wrapped the same way; its kind
+a module-level kernel hook (MiniMax's lightning attention; under transformers 5.23 the Mamba v1
+mixers of Jamba, Mamba and FalconMamba, whose selective scan gets no kwargs there) has its
+``forward`` wrapped the same way; its kind
 re-states the projections around the tree op and names the source lines it relies on. Layers and
 models that drop the forward kwargs (Jamba's Mamba decoder layer, Mamba's block and model) are
 re-stated the same way, to hand the tree down to the mixer.
@@ -49,7 +51,7 @@ class KernelKind:
     re-implements instead of calling (name -> code each must still contain)."""
 
     name: str
-    params: tuple[str, ...]
+    params: tuple[str | tuple[str, ...], ...]  # a tuple: the parameter goes by one of these names
     tree_call: Callable[[TreeBatch, Arguments], Any]
     source_markers: tuple[str, ...] = ()
     restates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -61,9 +63,13 @@ def _single_row(x: torch.Tensor, name: str) -> torch.Tensor:
     return x[0]
 
 
-def _stateless(a: Arguments, state_in: str, state_out: str | None = None) -> None:
+CACHE = _compat.CACHE_PARAMETERS  # a layer's cache parameter, by whichever name its release gives it
+
+
+def _stateless(a: Arguments, state_in: str | tuple[str, ...], state_out: str | None = None) -> None:
     """Trees hand states between paths themselves: a cache state here means use_cache was on."""
-    if a[state_in] is not None or (state_out is not None and a[state_out]):
+    state = next(a[name] for name in state_in if name in a) if isinstance(state_in, tuple) else a[state_in]
+    if state is not None or (state_out is not None and a[state_out]):
         raise ValueError("harts-hf tree calls run without a cache: call the model with use_cache=False")
 
 
@@ -88,6 +94,15 @@ def _tree_conv(
 def _conv(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     x = _single_row(a["hidden_states"], "hidden_states").t()  # [N, D]
     return _tree_conv(batch, x, a["weight"], a["bias"], a["activation"]).t().unsqueeze(0)  # [1, D, N]
+
+
+def _conv_forward(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """transformers 5.25's ``causal_conv1d_forward(conv1d, hidden_states, cache, ...)``: without a
+    cache it is ``causal_conv1d_fn`` over the module's weight and bias."""
+    _stateless(a, CACHE)
+    conv1d = a["conv1d"]
+    x = _single_row(a["hidden_states"], "hidden_states").t()  # [N, D]
+    return _tree_conv(batch, x, conv1d.weight.squeeze(1), conv1d.bias, a["activation"]).t().unsqueeze(0)  # [1, D, N]
 
 
 def _delta_rule(name: str, op: Callable) -> Callable[[TreeBatch, Arguments], tuple[torch.Tensor, None]]:
@@ -142,10 +157,40 @@ def _mamba2_scan(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     return linear_call(batch, "mamba2_scan", values, a["chunk_size"], run).unsqueeze(0)  # [1, N, H, P] fp32
 
 
+def _mamba2_scan_forward(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """transformers 5.25's ``mamba2_scan_forward(module, hidden_states, B, C, dt, cache)``: without a
+    cache it is ``mamba2_chunk_scan`` over the mixer's parameters (the D skip included)."""
+    _stateless(a, CACHE)
+    m = a["module"]
+    x = _single_row(a["hidden_states"], "hidden_states")  # [N, H * P]
+    n = x.shape[0]
+    values = {
+        "x": x.reshape(n, m.num_heads, m.head_dim),  # [N, H, P]
+        "dt": _single_row(a["dt"], "dt"),  # [N, H] raw time steps
+        "B": _single_row(a["B"], "B").reshape(n, m.n_groups, m.ssm_state_size),  # [N, G, S]
+    }
+    run = lambda context, states: tree_mamba2_ssd(
+        values["x"],
+        values["dt"],
+        -torch.exp(m.A_log.float()),  # [H]
+        values["B"],
+        _single_row(a["C"], "C").reshape(n, m.n_groups, m.ssm_state_size),  # [N, G, S]
+        m.D,  # [H]
+        batch,
+        chunk_size=m.chunk_size,
+        dt_bias=m.dt_bias,
+        dt_softplus=True,
+        dt_limit=m.time_step_limit,
+        context=context,
+        initial_states=states,
+    )
+    return linear_call(batch, "mamba2_scan", values, m.chunk_size, run).reshape(1, n, -1)  # [1, N, H * P] fp32
+
+
 def _lightning_mixer(batch: TreeBatch, a: Arguments) -> tuple[torch.Tensor, None]:
     """MiniMax's ``MiniMaxLightningAttention.forward`` (no module-level kernel to swap): the same
     projections, the block recurrence as the lightning tree op, the same norm, gate and output."""
-    _stateless(a, "past_key_values")
+    _stateless(a, CACHE)
     layer = a["self"]
     x = _single_row(a["hidden_states"], "hidden_states")  # [N, E]
     qkv = layer.act_fn(layer.qkv_proj(x)).reshape(x.shape[0], layer.num_attention_heads, 3 * layer.head_dim)
@@ -216,6 +261,25 @@ def _selective_scan(
     return y
 
 
+def _mamba_scan_forward(batch: TreeBatch, a: Arguments) -> torch.Tensor:
+    """transformers 5.25's ``mamba_scan_forward(module, hidden_states, time_step, B, C, gate, cache)``
+    (Mamba v1): without a cache it is ``mamba_selective_scan`` over the mixer's A, D and dt bias."""
+    _stateless(a, CACHE)
+    m = a["module"]
+    y = _selective_scan(
+        batch,
+        _single_row(a["hidden_states"], "hidden_states").t(),  # [N, I]
+        _single_row(a["time_step"], "time_step").t(),  # [N, I] raw dt
+        -torch.exp(m.A_log.float()),
+        _single_row(a["B"], "B"),  # [N, S]
+        _single_row(a["C"], "C"),  # [N, S]
+        m.D.float(),
+        _single_row(a["gate"], "gate").t(),  # [N, I]
+        m.dt_proj.bias.float() if m.dt_proj.bias is not None else None,
+    )
+    return y.t().unsqueeze(0)  # [1, I, N]
+
+
 def _time_step(layer: torch.nn.Module, time_step: torch.Tensor, normed: bool) -> torch.Tensor:
     """[N, R] -> [N, I] raw dt as the mixer computes it; the normed mixers call a quantized dt_proj as a module."""
     if normed and _compat.is_quantized(layer.config):
@@ -229,7 +293,7 @@ def _mamba_v1_mixer(normed: bool) -> Callable[[TreeBatch, Arguments], torch.Tens
     dt pass the mixer's RMS norms first (Jamba, FalconMamba; plain Mamba has none)."""
 
     def call(batch: TreeBatch, a: Arguments) -> torch.Tensor:
-        _stateless(a, "cache_params")
+        _stateless(a, CACHE)
         return _mamba_v1_mixer_tree(a["self"], batch, _single_row(a["hidden_states"], "hidden_states"), normed)
 
     return call
@@ -265,11 +329,9 @@ def _jamba_mamba_layer(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     the tree to its mixer."""
     layer = a["self"]
     residual = a["hidden_states"]  # [1, N, E]
+    _stateless(a, CACHE)
     hidden_states = layer.mamba(
-        hidden_states=layer.input_layernorm(residual),
-        cache_params=a["past_key_values"],
-        attention_mask=a["attention_mask"],
-        **{TREE_KWARG: batch},
+        hidden_states=layer.input_layernorm(residual), attention_mask=a["attention_mask"], **{TREE_KWARG: batch}
     )
     hidden_states = residual + hidden_states
     residual = hidden_states
@@ -285,20 +347,19 @@ def _mamba_block(batch: TreeBatch, a: Arguments) -> torch.Tensor:
     hidden_states = block.norm(residual.to(dtype=block.norm.weight.dtype))
     if block.residual_in_fp32:
         residual = residual.to(torch.float32)
-    hidden_states = block.mixer(
-        hidden_states, cache_params=a["cache_params"], attention_mask=a["attention_mask"], **{TREE_KWARG: batch}
-    )
+    _stateless(a, CACHE)
+    hidden_states = block.mixer(hidden_states, attention_mask=a["attention_mask"], **{TREE_KWARG: batch})
     return residual + hidden_states
 
 
 def _mamba_model(batch: TreeBatch, a: Arguments) -> BaseModelOutput:
     """Mamba's ``MambaModel.forward``, which drops its kwargs: the same embeddings, blocks and final
     norm, handing the tree to every block."""
-    _stateless(a, "cache_params", "use_cache")
+    _stateless(a, CACHE, "use_cache")
     model = a["self"]
     hidden_states = model.embeddings(a["input_ids"]) if a["inputs_embeds"] is None else a["inputs_embeds"]
     for block in model.layers:
-        hidden_states = block(hidden_states, cache_params=None, attention_mask=None, **{TREE_KWARG: batch})
+        hidden_states = block(hidden_states, attention_mask=None, **{TREE_KWARG: batch})
     return BaseModelOutput(last_hidden_state=model.norm_f(hidden_states))
 
 
@@ -318,7 +379,7 @@ _DELTA_PARAMS = (
     "output_final_state",
 )
 
-_MAMBA_V1_MIXER_PARAMS = ("self", "hidden_states", "cache_params", "attention_mask", "kwargs")
+_MAMBA_V1_MIXER_PARAMS = ("self", "hidden_states", CACHE, "attention_mask", "kwargs")
 _MAMBA_V1_MIXER_MARKERS = (
     '@force_accelerate_hooks(["conv1d", "dt_proj"])',
     "self.in_proj(hidden_states).transpose(1, 2)",
@@ -348,10 +409,44 @@ _MAMBA_V1_SCAN = {  # the selective scan the tree mixers re-state (``_selective_
     ),
 }
 
+_CONV_FORWARD_MARKERS = (
+    "weight = conv1d.weight.squeeze(1)",
+    "causal_conv1d_fn(hidden_states, weight, conv1d.bias, activation=activation",
+)
+_MAMBA_SCAN_FORWARD_MARKERS = (
+    "A = -torch.exp(module.A_log.float())",
+    "module.dt_proj.bias.float() if module.dt_proj.bias is not None else None",
+    "D=module.D.float()",
+    "z=chunked_gate",
+    "delta_bias=time_proj_bias",
+    "delta_softplus=True",
+)
+# transformers 5.25's MambaMixer: its training path may take mamba_ssm's fused ``mamba_inner_fn``,
+# which gets no kwargs (a tree would bypass the seams), so the mixer is re-stated over the seams
+_FUSED_MAMBA_MIXER_MARKERS = (
+    '@force_accelerate_hooks(["conv1d", "dt_proj"])',
+    "self.in_proj(hidden_states).transpose(1, 2)",
+    "hidden_states_B_C, gate = projected_states.chunk(2, dim=1)",
+    "causal_conv1d_forward(",
+    "activation=self.activation",
+    "self.x_proj(hidden_states_B_C)",
+    "[self.time_step_rank, self.ssm_state_size, self.ssm_state_size]",
+    "time_step = self.dt_proj.weight @ time_step.transpose(1, 2)",
+    "mamba_scan_forward(",
+    "self, hidden_states_B_C.transpose(1, 2), time_step, B, C, gate, cache",
+    "self.out_proj(scan_output.transpose(1, 2).to(dtype))",
+)
+
 KINDS: dict[str, KernelKind] = {
     kind.name: kind
     for kind in (
         KernelKind("conv", ("hidden_states", "weight", "bias", "activation"), _conv),
+        KernelKind(
+            "conv_forward",
+            ("conv1d", "hidden_states", CACHE, "layer_idx", "activation"),
+            _conv_forward,
+            source_markers=_CONV_FORWARD_MARKERS,
+        ),
         KernelKind(
             "gated_delta",
             _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",),
@@ -380,10 +475,44 @@ KINDS: dict[str, KernelKind] = {
             ),
             _mamba2_scan,
         ),
+        KernelKind(
+            "mamba2_scan_forward",
+            ("module", "hidden_states", "B", "C", "dt", CACHE),
+            _mamba2_scan_forward,
+            source_markers=(
+                "A = -torch.exp(module.A_log.float())",
+                "module.num_heads, module.head_dim",
+                "module.n_groups, module.ssm_state_size",
+                "chunk_size=module.chunk_size",
+                "D=module.D,",
+                "z=None",
+                "dt_bias=module.dt_bias",
+                "dt_softplus=True",
+                "dt_limit=module.time_step_limit",
+            ),
+        ),
         KernelKind("mamba2_fused", ("zxbcdt",), _no_fused_path),
         KernelKind(
+            "mamba_scan_forward",
+            ("module", "hidden_states", "time_step", "B", "C", "gate", CACHE),
+            _mamba_scan_forward,
+            source_markers=_MAMBA_SCAN_FORWARD_MARKERS,
+            restates=_MAMBA_V1_SCAN,
+        ),
+        KernelKind(
+            "fused_mamba_mixer",
+            _MAMBA_V1_MIXER_PARAMS,
+            _mamba_v1_mixer(normed=False),
+            source_markers=_FUSED_MAMBA_MIXER_MARKERS,
+            restates={
+                "causal_conv1d_forward": _CONV_FORWARD_MARKERS,
+                "mamba_scan_forward": _MAMBA_SCAN_FORWARD_MARKERS,
+                **_MAMBA_V1_SCAN,
+            },
+        ),
+        KernelKind(
             "lightning_mixer",
-            ("self", "hidden_states", "attention_mask", "past_key_values", "kwargs"),
+            ("self", "hidden_states", "attention_mask", CACHE, "kwargs"),
             _lightning_mixer,
             source_markers=(
                 "self.act_fn(self.qkv_proj(hidden_states))",
@@ -416,12 +545,11 @@ KINDS: dict[str, KernelKind] = {
         ),
         KernelKind(
             "jamba_mamba_layer",
-            ("self", "hidden_states", "attention_mask", "past_key_values", "kwargs"),
+            ("self", "hidden_states", "attention_mask", CACHE, "kwargs"),
             _jamba_mamba_layer,
             source_markers=(
                 "hidden_states = self.input_layernorm(hidden_states)",
                 "hidden_states = self.mamba(",
-                "cache_params=past_key_values",
                 "attention_mask=attention_mask",
                 "hidden_states = residual + hidden_states",
                 "hidden_states = self.pre_ff_layernorm(hidden_states)",
@@ -430,19 +558,20 @@ KINDS: dict[str, KernelKind] = {
         ),
         KernelKind(
             "mamba_block",
-            ("self", "hidden_states", "cache_params", "attention_mask", "kwargs"),
+            ("self", "hidden_states", CACHE, "attention_mask", "kwargs"),
             _mamba_block,
             source_markers=(
                 "hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))",
                 "if self.residual_in_fp32:",
                 "residual = residual.to(torch.float32)",
-                "hidden_states = self.mixer(hidden_states, cache_params=cache_params, attention_mask=attention_mask)",
+                "hidden_states = self.mixer(hidden_states, cache",  # cache_params=cache_params (5.23), cache=cache
+                "attention_mask=attention_mask)",
                 "hidden_states = residual + hidden_states",
             ),
         ),
         KernelKind(
             "mamba_model",
-            ("self", "input_ids", "inputs_embeds", "cache_params", "use_cache", "attention_mask", "kwargs"),
+            ("self", "input_ids", "inputs_embeds", CACHE, "use_cache", "attention_mask", "kwargs"),
             _mamba_model,
             source_markers=(
                 "inputs_embeds = self.embeddings(input_ids)",

@@ -1,7 +1,8 @@
 """The one patching mechanism every family adapter shares.
 
 ``patch_model`` (in place, idempotent, reversible with ``unpatch_model``):
-1. checks the family adapter against the model's modeling module (refusing drifted internals);
+1. picks the family's declaration the model's modeling module matches (one per transformers
+   layout, ``FamilyAdapter.layout``), refusing drifted internals;
 2. replaces each declared module-level kernel function by a wrapper that calls the original when
    the call carries no ``harts_tree`` and the kernel kind's tree implementation otherwise, and
    each declared mixer's ``forward`` by one that names its tree calls after the mixer (a replaced
@@ -30,7 +31,7 @@ from .attention import original_attention_name, tree_attention_name
 from .calls import called_by
 from .errors import UnsupportedModelError
 from .kinds import KINDS, TREE_KWARG, KernelKind
-from .registry import KERNELS, MODELS, ORIGINAL_ATTENTION, is_patched, kernel_key
+from .registry import KERNELS, LAYOUTS, MODELS, ORIGINAL_ATTENTION, is_patched, kernel_key
 from .verify import verify as run_verify
 
 __all__ = ["from_pretrained", "patch_model", "unpatch_model"]
@@ -99,15 +100,17 @@ def patch_model(model: nn.Module, *, verify: bool = False, **verify_kwargs) -> n
     """
     hf = _compat.hf_model(model)
     _compat.check_version()
-    adapter = adapter_for(hf)
+    family = adapter_for(hf)
     module = _compat.modeling_module(hf)
     try:
-        adapter.check(hf, module)
+        adapter = family.layout(module)
+        adapter.check(hf)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{err}; supported families: {supported_families()}") from None
     current = _compat.attention_name(hf)
     name = tree_attention_name(current)
     _patch_module(module, adapter)
+    LAYOUTS[module.__name__] = adapter
     if current != name or not is_patched(hf):
         setattr(hf, ORIGINAL_ATTENTION, original_attention_name(current))
     if current != name:
@@ -132,7 +135,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     MODELS.discard(hf)
     module = _compat.modeling_module(hf)
     if not any(_compat.modeling_module(other) is module for other in MODELS):
-        _unpatch_module(module, adapter_for(hf))
+        _unpatch_module(module, LAYOUTS.pop(module.__name__))
     return model
 
 

@@ -15,11 +15,20 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import _compat
-from .adapters import FamilyAdapter, adapter_for
+from .adapters import FamilyAdapter
 from .attention import PREFIX
 from .errors import UnsupportedModelError
 
-__all__ = ["KERNELS", "MODELS", "ORIGINAL_ATTENTION", "is_patched", "kernel_key", "kernels_wrapped", "patched_adapter"]
+__all__ = [
+    "KERNELS",
+    "LAYOUTS",
+    "MODELS",
+    "ORIGINAL_ATTENTION",
+    "is_patched",
+    "kernel_key",
+    "kernels_wrapped",
+    "patched_adapter",
+]
 
 # The model remembers its original attention implementation in this attribute (deep copies,
 # e.g. TRL's reference model, stay patched); the registry only decides when a module's kernels
@@ -30,6 +39,8 @@ ORIGINAL_ATTENTION = "_harts_original_attention"
 # modules (kernel functions) or mixer classes (forward methods)
 KERNELS: dict[tuple[str, str], tuple[Callable, Callable]] = {}
 MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# modeling module name -> the family declaration its kernels were wrapped by (the layout it matched)
+LAYOUTS: dict[str, FamilyAdapter] = {}
 
 
 def kernel_key(owner: ModuleType | type, name: str) -> tuple[str, str]:
@@ -54,9 +65,9 @@ def patched_adapter(model: nn.Module) -> tuple[PreTrainedModel, FamilyAdapter]:
     hf = _compat.hf_model(model)
     if not is_patched(hf):
         raise UnsupportedModelError(f"{type(hf).__name__} is not patched: call harts_hf.patch_model(model) first")
-    adapter = adapter_for(hf)
     module = _compat.modeling_module(hf)
-    if not kernels_wrapped(module, adapter):
+    adapter = LAYOUTS.get(module.__name__)
+    if adapter is None or not kernels_wrapped(module, adapter):
         raise UnsupportedModelError(
             f"the kernel functions of {module.__name__} are no longer harts-hf's (unpatched or replaced); "
             "call harts_hf.patch_model(model) again"
