@@ -355,10 +355,12 @@ def _trade(
     xc, xn = sums(*give)
     yc, yn = sums(*take)
     held_cost = (count > 0) @ tops.cost  # [R]
-    cnt_a = count[a] - xn[:, None] + yn[None]  # [X, Y, K]
-    cnt_b = count[to][None] - yn[None] + xn[:, None]
-    new_a = load[a] - held_cost[a] - xc[:, None] + yc[None] + (cnt_a > 0) @ tops.cost
-    new_b = (load[to] - held_cost[to] - yc)[None] + xc[:, None] + (cnt_b > 0) @ tops.cost
+    # a rank holds a top while its count stays positive; compared on [Y, K] sums, the only [X, Y, K]
+    # arrays are the two masks
+    held_a = (count[a] + yn)[None] > xn[:, None]  # [X, Y, K]
+    held_b = xn[:, None] > (yn - count[to])[None]
+    new_a = load[a] - held_cost[a] - xc[:, None] + yc[None] + held_a @ tops.cost
+    new_b = (load[to] - held_cost[to] - yc)[None] + xc[:, None] + held_b @ tops.cost
     return new_a, new_b
 
 
