@@ -200,6 +200,7 @@ class _Groups:
 
     Args:
         members: [G] branches of each group, largest first. sizes: [G] their costs.
+        depth: [G] top chains above each group's branches.
         need: [G][d] cost of the group's top chains below its first d (root first): what a rank
             holding those d pays to take a branch of it.
         shared: [G] top chains group g shares with group g + 1. Groups are in DFS order of their
@@ -209,6 +210,7 @@ class _Groups:
 
     members: list[list[int]]
     sizes: list[list[float]]
+    depth: list[int]
     need: list[list[float]]
     shared: list[int]
 
@@ -226,11 +228,11 @@ def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, b
         need[:, d] = np.cumsum(cost[:, d:], axis=1)[:, -1]
     same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
     shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
-    lengths = (table >= 0).sum(axis=1) + 1
     return _Groups(
         members=[ids[a:b] for a, b in spans],
         sizes=[sizes[a:b] for a, b in spans],
-        need=[row[:n] for row, n in zip(need.tolist(), lengths.tolist())],
+        depth=(table >= 0).sum(axis=1).tolist(),
+        need=need.tolist(),
         shared=shared.tolist(),
     )
 
@@ -256,14 +258,14 @@ def _take(sizes: list[float], room: float) -> tuple[list[int], float]:
 def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
     """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
     members, sizes = list(groups.members), list(groups.sizes)  # leftovers: entries replaced, never mutated
-    need, shared, end = groups.need, groups.shared, len(members)
+    depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
     rank = [-1] * sum(map(len, members))
     first = 0
     for r in range(world_size):
         load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
         for g in range(first, end):
-            if g > first:
-                held = min(held, shared[g - 1])
+            if g > first and shared[g - 1] < held:
+                held = shared[g - 1]
             ids = members[g]
             if not ids:
                 continue
@@ -272,7 +274,7 @@ def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | Non
                 for i in taken:
                     rank[ids[i]] = r
                 load = capacity - room
-                held = len(need[g]) - 1
+                held = depth[g]
                 if len(taken) == len(ids):
                     members[g] = sizes[g] = []
                 else:
