@@ -19,7 +19,9 @@ another, each walking the groups in DFS order and taking, largest first, the bra
 (paying the group's top chains the rank does not hold yet). Siblings under one top can go in any
 order, which lets small branches fill what the large ones leave. A local search then trades one or
 two branches between the largest rank and another while that lowers it (``_refine``). The fill
-loops per taken branch; branches are few (a few per rank, by construction).
+is one scalar walk over the groups (a rank starts from the leftovers of the ranks before it, so it
+cannot run ranks side by side); what it reads is built once per search (``_Groups``), and the top
+chains a rank holds follow from the DFS order of the groups, not from a set.
 
 Legend: M nodes, U branches, G groups, R ranks, I intervals.
 """
@@ -27,6 +29,7 @@ Legend: M nodes, U branches, G groups, R ranks, I intervals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -35,8 +38,8 @@ from .geometry import Geometry
 __all__ = [
     "BRANCH_RULES",
     "Assignment",
-    "RankIntervals",
     "BranchRule",
+    "RankIntervals",
     "assign_ranks",
     "find_branches",
     "group_paths",
@@ -154,68 +157,136 @@ def find_branches(
     return branch_node, branch_group, group_node
 
 
+def _path_table(geo: Geometry, group_node: np.ndarray) -> np.ndarray:
+    """[G, L] top nodes from the root down to each group node, -1 after it (a row of -1 for the
+    whole-tree group): one step up per level for all groups at once."""
+    steps, chain = [], group_node
+    while (chain >= 0).any():
+        steps.append(chain)
+        chain = np.where(chain >= 0, geo.parent[np.maximum(chain, 0)], -1)
+    up = np.array(steps, dtype=np.int64).T.reshape(group_node.size, len(steps))  # group node first
+    col = (up >= 0).sum(axis=1, keepdims=True) - 1 - np.arange(len(steps))  # root first
+    return np.where(col >= 0, np.take_along_axis(up, np.maximum(col, 0), axis=1), -1)
+
+
+def _paths(table: np.ndarray) -> list[np.ndarray]:
+    """The rows of a path table without their padding."""
+    valid = table >= 0
+    return np.split(table[valid], np.cumsum(valid.sum(axis=1))[:-1])
+
+
 def group_paths(geo: Geometry, group_node: np.ndarray) -> list[np.ndarray]:
     """Top nodes from the root down to each group node (empty for the whole-tree group)."""
-    paths = []
-    chain = group_node.copy()
-    steps = [chain]
-    while (chain >= 0).any():
-        chain = np.where(chain >= 0, geo.parent[np.maximum(chain, 0)], -1)
-        steps.append(chain)
-    table = np.stack(steps[::-1], axis=1)  # [G, levels], root first, -1 padded on the left
-    for row in table:
-        paths.append(row[row >= 0])
-    return paths
+    return _paths(_path_table(geo, group_node))
 
 
-def _fill(
-    capacity: float,
-    order: list[np.ndarray],
-    cost: np.ndarray,
-    paths: list[np.ndarray],
-    node_cost: np.ndarray,
-    world_size: int,
-) -> np.ndarray | None:
-    """Ranks of the branches at this capacity (see module docstring), or None if they do not fit.
+def _path_costs(table: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
+    """[G] cost of each group's top chains, one numpy sum per path length: the sums round as
+    ``node_cost[path].sum()`` does, so the capacity search starts where it always did."""
+    length = (table >= 0).sum(axis=1)
+    out = np.zeros(table.shape[0])
+    for n in np.unique(length):
+        rows = np.flatnonzero(length == n)
+        out[rows] = node_cost[table[rows, :n]].sum(axis=1)
+    return out
 
-    ``order[g]``: branches of group g, largest first.
+
+@dataclass(frozen=True)
+class _Groups:
+    """What every fill of the capacity search reads, built once per assignment. Python lists: the
+    fill walks them one group at a time (each rank starts from the leftovers of the ranks before
+    it, so the walk is sequential), and scalar steps cost a fraction of numpy calls on a few
+    branches.
+
+    Args:
+        members: [G] branches of each group, largest first. sizes: [G] their costs.
+        depth: [G] top chains above each group's branches.
+        need: [G][d] cost of the group's top chains below its first d (root first): what a rank
+            holding those d pays to take a branch of it.
+        shared: [G] top chains group g shares with group g + 1. Groups are in DFS order of their
+            top, so the chains a rank holds on reaching group g are those it shares with the last
+            group it took from: the smallest ``shared`` on the way.
     """
-    rank = np.full(cost.size, -1, dtype=np.int64)
-    left = [u.copy() for u in order]
+
+    members: list[list[int]]
+    sizes: list[list[float]]
+    depth: list[int]
+    need: list[list[float]]
+    shared: list[int]
+
+
+def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray) -> _Groups:
+    num_groups, depth = table.shape
+    by_group = np.lexsort((-branch_cost, branch_group))
+    bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
+    ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
+    spans = list(pairwise(bounds))
+    # need[:, d]: the costs below d summed root first (left to right, as a rank adds them up)
+    cost = np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0)  # [G, L]
+    need = np.zeros((num_groups, depth + 1))
+    for d in range(depth):
+        need[:, d] = np.cumsum(cost[:, d:], axis=1)[:, -1]
+    same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
+    shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
+    return _Groups(
+        members=[ids[a:b] for a, b in spans],
+        sizes=[sizes[a:b] for a, b in spans],
+        depth=(table >= 0).sum(axis=1).tolist(),
+        need=need.tolist(),
+        shared=shared.tolist(),
+    )
+
+
+def _take(sizes: list[float], room: float) -> tuple[list[int], float]:
+    """Positions of the branches (costs ``sizes``, largest first) a rank with ``room`` left takes, and
+    the room left then: the longest prefix that fits, then each branch that still fits, in order."""
+    k, prefix = 0, 0.0
+    for s in sizes:
+        if prefix + s > room:
+            break
+        prefix += s
+        k += 1
+    room -= prefix if k < 8 else float(np.sum(sizes[:k]))  # numpy sums 8 terms and more pairwise
+    taken = list(range(k))
+    for i in range(k, len(sizes)):
+        if sizes[i] <= room:
+            taken.append(i)
+            room -= sizes[i]
+    return taken, room
+
+
+def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
+    """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
+    members, sizes = list(groups.members), list(groups.sizes)  # leftovers: entries replaced, never mutated
+    depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
+    rank = [-1] * sum(map(len, members))
     first = 0
     for r in range(world_size):
-        load, held, skipped = 0.0, set(), 0
-        last = r == world_size - 1
-        for g in range(first, len(left)):
-            branches = left[g]
-            if not branches.size:
+        load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
+        for g in range(first, end):
+            if g > first and shared[g - 1] < held:
+                held = shared[g - 1]
+            ids = members[g]
+            if not ids:
                 continue
-            need = sum(node_cost[n] for n in paths[g] if n not in held)
-            cap = capacity - load - need
-            sizes = cost[branches]  # descending
-            take = np.zeros(branches.size, dtype=bool)
-            # Largest-first: the longest prefix that fits, then the largest that fits what is left.
-            k = int(np.searchsorted(np.cumsum(sizes), cap, side="right"))
-            take[:k] = True
-            cap -= sizes[:k].sum()
-            while True:
-                free = np.flatnonzero(~take & (sizes <= cap))
-                if not free.size:
-                    break
-                take[free[0]] = True
-                cap -= sizes[free[0]]
-            if take.any():
-                rank[branches[take]] = r
-                load = capacity - cap
-                held.update(paths[g].tolist())
-                left[g] = branches[~take]
-            if left[g].size and not last:
+            taken, room = _take(sizes[g], capacity - load - need[g][held])
+            if taken:
+                for i in taken:
+                    rank[ids[i]] = r
+                load = capacity - room
+                held = depth[g]
+                if len(taken) == len(ids):
+                    members[g] = sizes[g] = []
+                else:
+                    keep = sorted(set(range(len(ids))) - set(taken))
+                    members[g], sizes[g] = [ids[i] for i in keep], [sizes[g][i] for i in keep]
+            if members[g] and not last:
                 skipped += 1
                 if skipped > LOOKAHEAD:
                     break  # the next rank starts with this group's leftovers
-        while first < len(left) and not left[first].size:
+        while first < end and not members[first]:
             first += 1
-    return rank if first == len(left) else None
+    return np.array(rank, dtype=np.int64) if first == end else None
 
 
 def _bundles(branches: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -227,12 +298,49 @@ def _bundles(branches: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndar
     return branches[i[same]], branches[j[same]]
 
 
+@dataclass(frozen=True, eq=False)
+class _Tops:
+    """The top chains each branch needs, kept sparse (K tops, P (branch, top) pairs): a dense
+    [U, K] table grows with the square of the forest at large world sizes.
+
+    Args:
+        cost: [K] cost of each top chain, in node order. index: [G, L] each group's tops as
+            indices into ``cost``, -1 padded. group: [U] group of each branch.
+        branch, top: [P] every branch paired with each top it needs.
+    """
+
+    cost: np.ndarray
+    index: np.ndarray
+    group: np.ndarray
+    branch: np.ndarray
+    top: np.ndarray
+
+    @classmethod
+    def of(cls, table: np.ndarray, node_cost: np.ndarray, group: np.ndarray) -> _Tops:
+        tops = np.unique(table[table >= 0])
+        index = np.where(table >= 0, np.searchsorted(tops, table), -1)
+        branch, col = np.nonzero(index[group] >= 0)
+        return cls(node_cost[tops], index, group, branch, index[group[branch], col])
+
+    def rows(self, u: np.ndarray) -> np.ndarray:
+        """[n, K] 1 where branch u (-1: none) needs a top."""
+        idx = np.where(u[:, None] >= 0, self.index[self.group[u]], -1)  # [n, L]
+        i, j = np.nonzero(idx >= 0)
+        out = np.zeros((u.size, self.cost.size), dtype=np.int64)
+        out[i, idx[i, j]] = 1
+        return out
+
+    def count(self, rank: np.ndarray, world_size: int) -> np.ndarray:
+        """[R, K] branches of each rank needing each top."""
+        k = self.cost.size
+        return np.bincount(rank[self.branch] * k + self.top, minlength=world_size * k).reshape(world_size, k)
+
+
 def _trade(
     load: np.ndarray,
     count: np.ndarray,
     cost: np.ndarray,
-    need: np.ndarray,
-    top_cost: np.ndarray,
+    tops: _Tops,
     a: int,
     give: tuple[np.ndarray, np.ndarray],
     take: tuple[np.ndarray, np.ndarray],
@@ -244,16 +352,17 @@ def _trade(
 
     def sums(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = np.where(first >= 0, cost[first], 0.0) + np.where(second >= 0, cost[second], 0.0)
-        n = np.where(first[:, None] >= 0, need[first], 0) + np.where(second[:, None] >= 0, need[second], 0)
-        return c, n
+        return c, tops.rows(first) + tops.rows(second)
 
     xc, xn = sums(*give)
     yc, yn = sums(*take)
-    held_cost = (count > 0) @ top_cost  # [R]
-    cnt_a = count[a] - xn[:, None] + yn[None]  # [X, Y, K]
-    cnt_b = count[to][None] - yn[None] + xn[:, None]
-    new_a = load[a] - held_cost[a] - xc[:, None] + yc[None] + (cnt_a > 0) @ top_cost
-    new_b = (load[to] - held_cost[to] - yc)[None] + xc[:, None] + (cnt_b > 0) @ top_cost
+    held_cost = (count > 0) @ tops.cost  # [R]
+    # a rank holds a top while its count stays positive; compared on [Y, K] sums, the only [X, Y, K]
+    # arrays are the two masks
+    held_a = (count[a] + yn)[None] > xn[:, None]  # [X, Y, K]
+    held_b = xn[:, None] > (yn - count[to])[None]
+    new_a = load[a] - held_cost[a] - xc[:, None] + yc[None] + held_a @ tops.cost
+    new_b = (load[to] - held_cost[to] - yc)[None] + xc[:, None] + held_b @ tops.cost
     return new_a, new_b
 
 
@@ -261,7 +370,7 @@ def _refine(
     rank: np.ndarray,
     cost: np.ndarray,
     group: np.ndarray,
-    paths: list[np.ndarray],
+    table: np.ndarray,
     node_cost: np.ndarray,
     world_size: int,
 ) -> np.ndarray:
@@ -269,17 +378,11 @@ def _refine(
     of its branches, or two, to another rank and takes nothing, one or two of that rank's branches back;
     never two for two), while one does. Trades of one branch each way come first; pairs only when
     those are exhausted. Vectorised over the trades of a step."""
-    tops = np.unique(np.concatenate(paths + [np.zeros(0, dtype=np.int64)]))
-    on_path = np.zeros((len(paths), tops.size), dtype=np.int64)  # [G, K]
-    for g, p in enumerate(paths):
-        on_path[g, np.searchsorted(tops, p)] = 1
-    top_cost = node_cost[tops]  # [K]
-    need = on_path[group]  # [U, K]
+    tops = _Tops.of(table, node_cost, group)
     rank = rank.copy()
     for _ in range(4 * rank.size):
-        count = np.zeros((world_size, tops.size), dtype=np.int64)  # [R, K] branches needing each top
-        np.add.at(count, rank, need)
-        load = np.bincount(rank, weights=cost, minlength=world_size) + (count > 0) @ top_cost
+        count = tops.count(rank, world_size)
+        load = np.bincount(rank, weights=cost, minlength=world_size) + (count > 0) @ tops.cost
         a = int(np.argmax(load))
         mine, other = np.flatnonzero(rank == a), np.flatnonzero(rank != a)
         others = np.delete(np.arange(world_size), a)
@@ -289,12 +392,12 @@ def _refine(
             for give_size, take_size in sizes:
                 n_give = mine.size**give_size
                 n_take = others.size if take_size == 0 else other.size**take_size
-                if n_give * n_take * max(tops.size, 1) > 2 * TRADE_LIMIT:  # pairs counted twice here
+                if n_give * n_take * max(tops.cost.size, 1) > 2 * TRADE_LIMIT:  # pairs counted twice here
                     continue
                 give = _bundles(mine, rank, give_size)
                 take = nothing if take_size == 0 else _bundles(other, rank, take_size)
                 to = others if take_size == 0 else rank[take[0]]
-                new_a, new_b = _trade(load, count, cost, need, top_cost, a, give, take, to)
+                new_a, new_b = _trade(load, count, cost, tops, a, give, take, to)
                 score = np.maximum(new_a, new_b)
                 if score.size and (best is None or score.min() < best[0]):
                     i, j = np.unravel_index(np.argmin(score), score.shape)
@@ -314,29 +417,27 @@ def assign_ranks(geo: Geometry, world_size: int, branches: tuple[np.ndarray, np.
     rank capacity, then local search."""
     branch_node, branch_group, group_node = branches
     branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
-    paths = group_paths(geo, group_node)
+    table = _path_table(geo, group_node)
     node_cost = geo.node_cost
-    by_group = np.lexsort((-branch_cost, branch_group))
-    bounds = np.searchsorted(branch_group[by_group], np.arange(group_node.size + 1))
-    order = [by_group[bounds[g] : bounds[g + 1]] for g in range(group_node.size)]
     if world_size == 1:
         rank = np.zeros(branch_node.size, dtype=np.int64)
     else:
-        path_cost = np.array([node_cost[p].sum() for p in paths])
+        groups = _groups(table, node_cost, branch_cost, branch_group)
+        path_cost = _path_costs(table, node_cost)
         lo = max(geo.total_cost / world_size, float((branch_cost + path_cost[branch_group]).max()))
         hi = lo
-        while (rank := _fill(hi, order, branch_cost, paths, node_cost, world_size)) is None:
+        while (rank := _fill(hi, groups, world_size)) is None:
             lo, hi = hi, hi * 1.25
         best = rank
         while hi - lo > 1e-5 * hi:
             mid = (lo + hi) / 2
-            got = _fill(mid, order, branch_cost, paths, node_cost, world_size)
+            got = _fill(mid, groups, world_size)
             if got is None:
                 lo = mid
             else:
                 hi, best = mid, got
-        rank = _refine(best, branch_cost, branch_group, paths, node_cost, world_size)
-    return Assignment(branch_node, branch_cost, branch_group, paths, rank)
+        rank = _refine(best, branch_cost, branch_group, table, node_cost, world_size)
+    return Assignment(branch_node, branch_cost, branch_group, _paths(table), rank)
 
 
 def rank_intervals(geo: Geometry, asg: Assignment, world_size: int, max_tokens: int) -> RankIntervals:
