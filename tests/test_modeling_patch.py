@@ -159,7 +159,9 @@ def test_unsupported_families_are_refused(config):
 def test_every_refused_family_is_one_of_transformers():
     """The refusal list names modules of the installed transformers (a renamed one would never match)."""
     models = Path(tf.__file__).parent / "models"
-    assert [f for f in REFUSED if not (models / f / f"modeling_{f}.py").exists()] == []
+    newer = {"kolibri1_1", "hy_v4_vl", "inkling2_loop"}  # transformers 5.25's
+    missing = [f for f in REFUSED if not (models / f / f"modeling_{f}.py").exists()]
+    assert missing == [] if Version(tf.__version__) >= Version("5.25") else set(missing) <= newer, missing
     assert not set(REFUSED) & set(supported_families())
 
 

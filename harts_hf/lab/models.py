@@ -411,6 +411,18 @@ FAMILIES: dict[str, Family] = {
         sized=_gdn,
         arch=_gdn_arch,
     ),
+    "lara_mini": Family(  # transformers 5.25+: GDN, sliding and NoPE full attention, MoE
+        "LaraMiniConfig",
+        "LaraMiniForCausalLM",
+        dict(
+            **_TINY_ATTN,
+            **_TINY_GDN,
+            **_TINY_MOE,
+            shared_expert_intermediate_size=16,
+            sliding_window=24,
+            layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"],
+        ),
+    ),
     "kimi_linear": Family(
         "KimiLinearConfig",
         "KimiLinearForCausalLM",

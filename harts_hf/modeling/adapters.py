@@ -190,10 +190,13 @@ def _before_seams(adapter: FamilyAdapter, **changes) -> FamilyAdapter:
     return replace(adapter, release=_compat.CHECKED_TRANSFORMERS[0], older=None, **changes)
 
 
-def _hybrid(family: str, prefix: str, kernels: Mapping[str, str], mixer: str, **kwargs) -> FamilyAdapter:
+def _hybrid(
+    family: str, prefix: str, kernels: Mapping[str, str], mixer: str, *, new: bool = False, **kwargs
+) -> FamilyAdapter:
+    """A hybrid family's 5.25 declaration and, unless it is ``new`` in 5.25, its 5.23 one."""
     kwargs.setdefault("attention", (prefix + "Attention",))
     adapter = FamilyAdapter(family, kernels, mixers=(prefix + mixer,), release=SEAMS_RELEASE, **kwargs)
-    return replace(adapter, older=_before_seams(adapter))
+    return adapter if new else replace(adapter, older=_before_seams(adapter))
 
 
 def _mamba_v1(
@@ -231,6 +234,16 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         _hybrid("qwen3_5_moe", "Qwen3_5Moe", GDN, "GatedDeltaNet", aux_loss=True),
         _hybrid("qwen3_next", "Qwen3Next", GDN, "GatedDeltaNet", aux_loss=True),
         _hybrid("olmo_hybrid", "OlmoHybrid", GDN, "GatedDeltaNet"),
+        _hybrid(
+            "lara_mini",
+            "LaraMini",
+            GDN,
+            "GatedDeltaNet",
+            new=True,
+            aux_loss=True,
+            mask_keys=("full_attention", "sliding_attention", "linear_attention"),
+            layer_kinds=frozenset({"full_attention", "sliding_attention", "linear_attention"}),
+        ),
         _hybrid("kimi_linear", "KimiLinear", KDA, "DeltaAttention"),
         _hybrid("bailing_hybrid", "BailingHybrid", KDA, "DeltaAttention"),
         _hybrid("lfm2", "Lfm2", CONV, "ShortConv", **CONV_LAYERS),
@@ -295,6 +308,11 @@ _VISION = "a vision-language model: harts-hf takes the {} text model (load the l
 # Known families harts-hf does not take: named in the refusal so users know why (the families of
 # transformers whose layers hold anything but plain attention; tests check each still exists).
 REFUSED: dict[str, str] = {
+    "kolibri1_1": _INDEXED.format("sparse (indexed) attention"),
+    "hy_v4_vl": _INDEXED.format("a vision-language model with DeepSeek sparse attention"),
+    "inkling2_loop": _NO_KERNEL.format(
+        "dynamic (input-dependent) short convolution, block attention residuals and looped depth"
+    ),
     "zamba": "its multi-head Mamba (v1) mixer (per-head x/dt projections and B/C, one selective scan per "
     "head, which gets no forward kwargs) is not re-stated for trees in harts-hf",
     "qwen4_exp": _INDEXED.format("Gated DeltaNet with indexed attention (QSA)"),
