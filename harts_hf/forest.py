@@ -256,10 +256,13 @@ class RolloutForest:
     @cached_property
     def shape_digest(self) -> str:
         """A fingerprint of the forest's shape (parent links and trajectories, not token ids): what a
-        plan is valid for, so that a plan made for another forest is refused instead of misapplied."""
+        plan is valid for, so that a plan made for another forest is refused instead of misapplied.
+        The nodes (start, parent) fix every parent link and a trajectory is the root path to its last
+        compact token, so those few arrays say it all (hashing every token took seconds at 50M)."""
         digest = blake2b(digest_size=16)
-        for arr in (self.prev, self.traj_offsets, self.restore):
-            digest.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        last = self.restore[self.traj_offsets[1:] - 1]  # [B] each trajectory's last compact token
+        for arr in (self.node_start, self.node_parent, self.traj_offsets, last):
+            digest.update(np.ascontiguousarray(arr, dtype=np.int64))
         return digest.hexdigest()
 
     @property
