@@ -78,6 +78,20 @@ def test_calibrate_writes_a_cost_model_plan_reads(tmp_path):
     assert json.loads(out.read_text())["world_size"] == 2
 
 
+def test_plan_takes_workload_arguments_and_a_models_memory_model(tmp_path, capsys):
+    """``--set`` reaches the workload's generator; ``--model`` prices the context at the model's K/V, so
+    trajectories longer than the budget plan (under the default, a context token costs an own token)."""
+    args = ["plan", "--workload", "swe-like", "--scale", "0.01", "--set", "num_tasks=2", "--world-size", "2"]
+    args += ["--max-tokens", "300"]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "below the longest trajectory's need" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main([*args, "--model", "qwen3_5", "--size", "tiny", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 2 and record["pieces"] > 2 and record["baselines"]
+
+
 def test_calibrate_memory_writes_a_memory_model_the_trainer_reads(tmp_path, capsys):
     from harts_hf.planner import MemoryModel
     from harts_hf.trainers import HARTSGRPOConfig

@@ -111,6 +111,16 @@ def _refused(run, argv: list[str], capsys) -> str:
             id="plan-required",
         ),
         pytest.param(
+            ["plan", "--workload", "swe-like", "--world-size", "2", "--set", "num_tasks"],
+            "harts-hf plan: error: argument --set: expected KEY=VALUE, got 'num_tasks'",
+            id="plan-set-no-value",
+        ),
+        pytest.param(
+            ["plan", "--workload", "swe-like", "--world-size", "2", "--set", "tasks=64"],
+            "harts-hf plan: error: workload 'swe-like' takes no tasks; it takes scale, seed, num_tasks",
+            id="plan-set-unknown-key",
+        ),
+        pytest.param(
             ["plan", "--workload", "grpo-group", "--world-size", "2", "--cost-model", "{dir}/missing.json"],
             "No such file or directory",
             id="plan-cost-model",

@@ -163,6 +163,14 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     names = sorted(WORKLOADS)
     p.add_argument("--workload", required=True, metavar="NAME", choices=names, help=", ".join(names))
     p.add_argument("--scale", type=_positive_float, help="length multiplier (swe-like; default 1: planning is cheap)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_workload_arg,
+        metavar="KEY=VALUE",
+        help="a keyword of the workload's generator (harts_hf.sources), e.g. num_tasks=64: swe-like's 14K trajectories",
+    )
     p.add_argument("--world-size", type=_positive_int, required=True, metavar="R", help="data-parallel ranks")
     p.add_argument(
         "--max-tokens",
@@ -177,18 +185,45 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         metavar="JSON",
         help="coefficients written by `harts-hf calibrate` (default: built in)",
     )
+    p.add_argument(
+        "--model",
+        metavar="FAMILY",
+        help="price the context with this bench model's memory model (its K/V, not a whole token: trajectories "
+        "longer than the budget then plan; default: a context token costs an own token)",
+    )
+    p.add_argument("--size", default="default", help="the --model's size from harts_hf.lab.SIZES (default default)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
     p.set_defaults(run=cmd_plan)
 
 
+def _workload_arg(text: str) -> tuple[str, int | float | str]:
+    """``KEY=VALUE`` -> (key, the value as an int, else a float, else the text)."""
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan ``args.workload``, measure the baselines beside it, print (and optionally save) them."""
-    kwargs = {} if args.scale is None else {"scale": args.scale}
+    kwargs = ({} if args.scale is None else {"scale": args.scale}) | dict(args.set)
     try:
         cost = None if args.cost_model is None else CostModel(**json.loads(args.cost_model.read_text()))
+        memory = None if args.model is None else _bench_memory_model(args.model, args.size)
         forest = get_workload(args.workload, **kwargs).forest()
-        result = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens, cost_model=cost)
+        result = plan(
+            forest,
+            world_size=args.world_size,
+            max_tokens_per_microbatch=args.max_tokens,
+            cost_model=cost,
+            memory_model=memory,
+        )
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err
     record = plan_record([forest], result)
@@ -196,6 +231,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _write_json(args.json, record)
     _write_plot(args.plot, lambda path: plot_plan(result, forest, path, record=record, workload=args.workload))
     return 0
+
+
+def _bench_memory_model(family: str, size: str):
+    """The memory model of a freshly built bench model (``harts_hf.lab.models``), patched."""
+    from ..engine import memory_model
+    from ..lab.models import build_model
+    from ..modeling import patch_model
+
+    return memory_model(patch_model(build_model(family, size).model))
 
 
 def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
