@@ -26,7 +26,10 @@ __all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
     """Indices of ``seqs`` (non-negative ids) in lexicographic order, a prefix before its
     extensions: the order of their leaves in the trie's DFS pre-order."""
-    keys = [np.asarray(s, dtype=np.int64).astype(">u8").tobytes() for s in seqs]  # big-endian compares like ids
+    arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
+    # Big-endian bytes compare like ids; 4 bytes a token halve the copies when every id fits.
+    width = ">u4" if max((int(a.max()) for a in arrays if a.size), default=0) < 1 << 32 else ">u8"
+    keys = [a.astype(width).tobytes() for a in arrays]
     return np.asarray(sorted(range(len(seqs)), key=keys.__getitem__), dtype=np.int64)
 
 
