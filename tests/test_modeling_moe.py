@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import family_forest, tiny_model, trainable
+from tiny_models import FAMILIES, family_forest, tiny_model, trainable
 
 from harts_hf.engine import TreeEngine
 from harts_hf.forest import RolloutForest
@@ -14,7 +14,7 @@ from harts_hf.modeling import ADAPTERS, UnsupportedModelError, patch_model, tree
 from harts_hf.modeling.moe import router_aux_loss
 from harts_hf.planner import MemoryModel, plan
 
-MOE_FAMILIES = [name for name, adapter in ADAPTERS.items() if adapter.aux_loss]
+MOE_FAMILIES = [name for name, adapter in ADAPTERS.items() if adapter.aux_loss and name in FAMILIES]
 
 
 def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
