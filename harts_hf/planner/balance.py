@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rank_imbalance", "slot_imbalance", "step_seconds"]
+__all__ = ["FORWARD_SHARE", "rank_imbalance", "slot_imbalance", "step_seconds"]
+
+FORWARD_SHARE = 1 / 3
+"""A microbatch's forward as a share of its forward + backward (the backward costs about twice the
+forward): what rerunning a recorded microbatch costs again. A step of several slots records every
+slot without grad but the last and reruns each in the backward (``harts_hf.engine``)."""
 
 
 def slot_imbalance(cost: np.ndarray) -> float:
@@ -23,5 +28,7 @@ def rank_imbalance(cost: np.ndarray) -> float:
 
 
 def step_seconds(cost: np.ndarray) -> float:
-    """Predicted step time in lockstep: the sum over slots of the slowest rank's cost."""
-    return float(cost.max(axis=0).sum())
+    """Predicted step time in lockstep: the sum over slots of the slowest rank's cost, every slot
+    but the last once more at :data:`FORWARD_SHARE` (its replay)."""
+    slowest = cost.max(axis=0)  # [S]
+    return float(slowest.sum() + FORWARD_SHARE * slowest[:-1].sum())

@@ -40,9 +40,9 @@ from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
-from .node_parts import NodeParts, find_in, node_parts_of
+from .node_parts import NodeParts, find_in
 from .pieces import Pieces
-from .slots import slot_pieces
+from .slots import slot_costs, slot_pieces
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
 
@@ -298,12 +298,7 @@ def build_plan(
     """The :class:`Plan` of ``pieces`` (any rank-closed cut of the forests: ours or a baseline's):
     costs, handoffs, trajectory owners; ``plan_seconds`` counts from ``began``."""
     num_mb = world_size * pieces.num_slots
-    mb = pieces.microbatch
-    parts = node_parts_of(geo, mb, pieces.lo, pieces.hi, num_mb)
-
-    tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=num_mb).astype(np.int64)
-    token_cost = np.bincount(mb, weights=geo.prefix(pieces.hi) - geo.prefix(pieces.lo), minlength=num_mb)
-    cost_table = token_cost + cost.round * parts.rounds + cost.microbatch * (tokens > 0)
+    cost_table, tokens, parts = slot_costs(geo, pieces, world_size, cost)
 
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]

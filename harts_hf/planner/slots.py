@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .assign import RankIntervals
+from .balance import step_seconds
 from .cost import CostModel
 from .geometry import Geometry
 from .memory import Budget
@@ -42,8 +43,8 @@ def slot_pieces(
     """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
     the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
     rounds and launch overhead, and the last slot then filled towards the budget
-    (:func:`_fill_last_slot`); when quantile cuts never fit, budget-capped cuts in the greedy
-    count of slots, or the greedy cuts themselves (they always fit)."""
+    (:func:`_fill_last_slot`) where that lowers the predicted step; when quantile cuts never fit,
+    budget-capped cuts in the greedy count of slots, or the greedy cuts themselves (they always fit)."""
     greedy = budget_cuts(geo, iv, world_size, budget)
     fewest = greedy.num_slots
 
@@ -60,7 +61,11 @@ def slot_pieces(
             tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
             pieces = tuned if fits(tuned) else pieces
             filled = _fill_last_slot(geo, iv, world_size, budget, chunk, pieces, overhead, fits)
-            return _without_idle_slots(pieces if filled is None else filled)
+            if filled is not None and _predicted(geo, filled, world_size, cost) < _predicted(
+                geo, pieces, world_size, cost
+            ):
+                pieces = filled  # the tokens it moves to the last slot are replayed no more
+            return _without_idle_slots(pieces)
     capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
     return _without_idle_slots(capped if fits(capped) else greedy)
 
@@ -102,6 +107,23 @@ def _fill_last_slot(
         if fits(filled):
             return filled
     return None
+
+
+def slot_costs(geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel):
+    """(cost [R * S] seconds of every microbatch, its compact tokens [R * S], its node parts): the
+    cost model over each microbatch's tokens, attended pairs, rounds and launch."""
+    num_mb = world_size * pieces.num_slots
+    mb = pieces.microbatch
+    parts = node_parts_of(geo, mb, pieces.lo, pieces.hi, num_mb)
+    tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=num_mb).astype(np.int64)
+    token_cost = np.bincount(mb, weights=geo.prefix(pieces.hi) - geo.prefix(pieces.lo), minlength=num_mb)
+    return token_cost + cost.round * parts.rounds + cost.microbatch * (tokens > 0), tokens, parts
+
+
+def _predicted(geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel) -> float:
+    """The predicted step of ``pieces`` (``balance.step_seconds``: lockstep slots and replays)."""
+    table, *_ = slot_costs(geo, pieces, world_size, cost)
+    return step_seconds(table.reshape(world_size, pieces.num_slots))
 
 
 def _without_idle_slots(pieces: Pieces) -> Pieces:
