@@ -422,6 +422,8 @@ FAMILIES: dict[str, Family] = {
             sliding_window=24,
             layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"],
         ),
+        sized=_gdn_moe,  # as lfm3's: full attention only (the FLOP count has no sliding-window term)
+        arch=_gdn_moe_arch,
     ),
     "kimi_linear": Family(
         "KimiLinearConfig",
@@ -608,9 +610,14 @@ TINY_SHARED = dict(
 )
 
 
-BENCH_FAMILIES: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.sized is not None}
-"""The families the bench builds at every :data:`SIZES` entry (lfm3: full attention only in the FLOP
-count, which has no sliding-window term)."""
+BENCH_FAMILIES: dict[str, Family] = {
+    name: f
+    for name, f in FAMILIES.items()
+    if f.sized is not None and hasattr(tf, f.config)  # installed
+}
+"""The families the bench builds at every :data:`SIZES` entry with the installed transformers
+(lara_mini needs 5.25; the bench's lfm3 and lara_mini hold full attention only: the FLOP count
+has no sliding-window term)."""
 
 
 @dataclass
@@ -635,7 +642,14 @@ def build_model(
     nor router noise, so every mode sees the same function),
     reproducible from ``seed``."""
     if family not in BENCH_FAMILIES:
-        raise ValueError(f"unknown bench model family {family!r}; choose one of {', '.join(sorted(BENCH_FAMILIES))}")
+        newer = (
+            f" ({FAMILIES[family].config} is not in transformers {tf.__version__}: install 5.25)"
+            if family in FAMILIES and FAMILIES[family].sized
+            else ""
+        )
+        raise ValueError(
+            f"unknown bench model family {family!r}{newer}; choose one of {', '.join(sorted(BENCH_FAMILIES))}"
+        )
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(sorted(SIZES))}")
