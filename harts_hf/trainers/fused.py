@@ -68,8 +68,7 @@ def fused_outputs(
     forest above the microbatch budget) runs through :class:`~harts_hf.engine.TreeEngine`: its
     recording pass now, its units replayed in reverse inside the caller's ``loss.backward()``."""
     label_mask = scored_labels(input_ids, attention_mask, labels)
-    entropy = "entropy" in statistics
-    others = tuple(name for name in statistics if name != "entropy")
+    entropy, others = _split_entropy(statistics)
     if pieces is None or pieces.num_slots == 1:
         out = tree_forward(
             model, forest, return_entropy=entropy, statistics=others, output_router_logits=output_router_logits
@@ -83,6 +82,11 @@ def fused_outputs(
         values |= {n: recording.statistics[n][0] for n in others}
         aux_loss = None
     return fused_result(model, values, aux_loss, label_mask, attention_mask)
+
+
+def _split_entropy(statistics: tuple[str, ...]) -> tuple[bool, tuple[str, ...]]:
+    """(whether the entropy is asked for, the other statistics): the engine records them apart."""
+    return "entropy" in statistics, tuple(name for name in statistics if name != "entropy")
 
 
 def scored_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -195,8 +199,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         servable = all(set(b) <= self._batch_keys and {"input_ids", "attention_mask"} <= set(b) for b in block)
         if not servable or isinstance(self.accelerator.unwrap_model(model), FSDPModule):
             return None
-        entropy = "entropy" in self._statistics
-        others = tuple(name for name in self._statistics if name != "entropy")
+        entropy, others = _split_entropy(self._statistics)
         self._step = HARTSStep(
             self,
             model,

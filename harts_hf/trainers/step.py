@@ -26,6 +26,7 @@ Legend: B rows of the block on all ranks, L their longest row, b a microbatch's 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -63,9 +64,8 @@ def _key(row: np.ndarray) -> bytes:
     return np.asarray(row, dtype=np.int64).tobytes()
 
 
-def _same_rows(a: RolloutForest, b: RolloutForest) -> bool:
-    """Whether two forests hold the same trajectories (tokens and shape)."""
-    return a.shape_digest == b.shape_digest and np.array_equal(a.tokens, b.tokens)
+def _same_sequences(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 class HARTSStep:
@@ -88,6 +88,9 @@ class HARTSStep:
         temperature: divides the logits (the rollout trainers' sampling temperature).
         previous: an earlier step; where its rows and plan options are this one's (the reference
             pass after the old-policy pass), its forest, plan and schedule are reused.
+
+    Attributes:
+        sequences: every rank's rows of the block (their real tokens), in the forest's order.
     """
 
     def __init__(
@@ -113,13 +116,14 @@ class HARTSStep:
         first = sum(len(part) for part in everyone[: acc.process_index])
         bounds = first + np.cumsum([0] + [len(part) for part in rows])
         self._rows = [torch.arange(a, b, device=acc.device) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.rows = [row for part in everyone for row in part]  # every rank's, in the forest's order
-        self._index = {_key(row): i for i, row in enumerate(self.rows)}  # a row's tokens -> its first index
-        self.forest = RolloutForest.from_sequences(self.rows)
+        self.sequences = [row for part in everyone for row in part]  # every rank's rows, in the forest's order
         self.plan_options = plan_options
         same = (
-            previous is not None and previous.plan_options == plan_options and _same_rows(previous.forest, self.forest)
+            previous is not None
+            and previous.plan_options == plan_options
+            and _same_sequences(previous.sequences, self.sequences)
         )
+        self.forest = previous.forest if same else RolloutForest.from_sequences(self.sequences)
         self.plan = previous.plan if same else plan(self.forest, world_size=acc.num_processes, **plan_options)
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
@@ -201,10 +205,16 @@ class HARTSStep:
     def row_index(self, sequences: Sequence[np.ndarray]) -> torch.Tensor | None:
         """The step's rows holding ``sequences`` (a row by its tokens: equal rows have equal values),
         None if one of them is not among the step's rows."""
-        found = [self._index.get(_key(s)) for s in sequences]
+        found = [self._row_of.get(_key(s)) for s in sequences]
         if any(i is None for i in found):
             return None
         return torch.as_tensor(found, dtype=torch.long, device=self.accelerator.device)
+
+    @functools.cached_property
+    def _row_of(self) -> dict[bytes, int]:
+        """A row's tokens -> its first index among :attr:`sequences` (built on the first lookup: only
+        the fused-head trainers look rows up)."""
+        return {_key(row): i for i, row in enumerate(self.sequences)}
 
     def backward(self) -> None:
         """Backpropagate the gradients the block's losses left on the log-probs, entropies and router
