@@ -434,7 +434,7 @@ class Recording:
     ):
         self.engine, self._store, self._kept, self._pending = engine, store, kept, True
         self._autocast = AutocastState.current(engine.device)  # the replay runs the units under it again
-        self.values, self._ents = values, ents  # per forest [P_f] pair values
+        self.values = values  # per forest [P_f] pair values
         self.router_logits = router_logits
         self.logprobs = engine._as_rows(values)
         self.entropies = None if ents is None else engine._as_rows(ents)
