@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from packaging.version import Version
 
 from harts_hf.forest import RolloutForest
 from harts_hf.lab.models import FAMILIES as DECLARED
-from harts_hf.lab.models import TINY_EXPERTS, TINY_SHARED, TINY_VOCAB
+from harts_hf.lab.models import TINY_EXPERTS, TINY_SHARED, TINY_VOCAB, installed
 from harts_hf.modeling import tree_forward
 
 __all__ = [
@@ -48,8 +47,7 @@ __all__ = [
 
 VOCAB = TINY_VOCAB
 EXPERTS = TINY_EXPERTS
-NEWER = {"lara_mini": "5.25"}  # families a later supported transformers release brings
-FAMILIES = {n: f for n, f in DECLARED.items() if Version(tf.__version__) >= Version(NEWER.get(n, "0"))}
+FAMILIES = {name: f for name, f in DECLARED.items() if installed(f)}
 """The declared families the installed transformers has (the tests parametrize over them)."""
 
 

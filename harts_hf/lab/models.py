@@ -30,6 +30,7 @@ __all__ = [
     "Family",
     "ModelSize",
     "build_model",
+    "installed",
 ]
 
 
@@ -610,11 +611,12 @@ TINY_SHARED = dict(
 )
 
 
-BENCH_FAMILIES: dict[str, Family] = {
-    name: f
-    for name, f in FAMILIES.items()
-    if f.sized is not None and hasattr(tf, f.config)  # installed
-}
+def installed(spec: Family) -> bool:
+    """Whether the installed transformers has the family's classes (lara_mini came in 5.25)."""
+    return hasattr(tf, spec.config)
+
+
+BENCH_FAMILIES: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.sized is not None and installed(f)}
 """The families the bench builds at every :data:`SIZES` entry with the installed transformers
 (lara_mini needs 5.25; the bench's lfm3 and lara_mini hold full attention only: the FLOP count
 has no sliding-window term)."""
