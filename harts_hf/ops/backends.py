@@ -33,7 +33,17 @@ import torch
 from .precision import autocast_dtype, cast_to, no_autocast
 from .tree_batch import Table
 
-__all__ = ["Call", "choose", "dispatch", "implementation", "register", "registered", "requested", "tables_of"]
+__all__ = [
+    "Call",
+    "call_of",
+    "choose",
+    "dispatch",
+    "implementation",
+    "register",
+    "registered",
+    "requested",
+    "tables_of",
+]
 
 logger = logging.getLogger(__name__)
 ENV = "HARTS_BACKEND"
@@ -132,13 +142,17 @@ def tables_of(call: Call) -> tuple[Table, ...]:
     return choose(call).tables(call)
 
 
-def implementation(kind: str, *args, **kwargs) -> Callable:
-    """The implementation of ``kind`` that serves this call (``args``/``kwargs`` are the public
-    op's; the ones its :class:`Call` reads suffice)."""
+def call_of(kind: str, *args, **kwargs) -> Call:
+    """The :class:`Call` of the public ``kind`` op on these arguments (the ones it reads suffice)."""
     signature, describe = _DESCRIBE[kind]
     bound = signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
-    return choose(describe(**bound.arguments)).fn
+    return describe(**bound.arguments)
+
+
+def implementation(kind: str, *args, **kwargs) -> Callable:
+    """The implementation of ``kind`` that serves this call (arguments: :func:`call_of`)."""
+    return choose(call_of(kind, *args, **kwargs)).fn
 
 
 def dispatch(
