@@ -91,7 +91,7 @@ def register(
     accepts: Callable[[Call], bool] = lambda call: True,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as ``backend``'s implementation of layer ``kind``; ``tables``
-    names every tree table a call of it reads (the ones its table builders read included)."""
+    names the tree tables a call of it reads (building one builds the others its builder reads)."""
 
     def wrap(fn: Callable) -> Callable:
         _REGISTRY.setdefault(kind, {})[backend] = _Entry(fn, available, accepts, tables)
