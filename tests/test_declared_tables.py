@@ -1,8 +1,9 @@
 """The tree tables a model's layer kinds declare (``modeling.tables.model_tables``, no forward) are
 exactly the ones its layers read: building the declared tables ahead on a batch builds the same
 set as running the model over a fresh copy of that batch and recording every table its layers
-build (the probe, kept here as the oracle), for every family, in fp32 and bf16, under each backend
-this machine has; and a layer that reads an undeclared table fails, naming itself."""
+build (the probe, kept here as the oracle), for every family, in fp32 and bf16, under the torch
+backends (the fla ones: ``fla_interpreter_cases.py``); the declaration follows the backend choice;
+and a layer that reads an undeclared table fails, naming itself."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from trees import NASTY_TREES
 
 from harts_hf import RolloutForest, patch_model
 from harts_hf.modeling.registry import patched_adapter
-from harts_hf.modeling.tables import model_tables, run_base
+from harts_hf.modeling.tables import layer_calls, model_tables, run_base
 from harts_hf.ops.attention import AttentionBlocksTable
-from harts_hf.ops.backends import registered
-from harts_hf.ops.conv import ConvGatherTable
-from harts_hf.ops.rounds import RoundsTable
+from harts_hf.ops.backends import ENV, tables_of
+from harts_hf.ops.conv import ConvGatherTable, ConvHaloTable
+from harts_hf.ops.fla import backend as fla_backend
+from harts_hf.ops.fla.conv import RunsTable
+from harts_hf.ops.fla.waves import WavesTable
+from harts_hf.ops.ragged_layout import RaggedLayoutTable
+from harts_hf.ops.rounds import ReplayTable, RoundsTable
 from harts_hf.ops.tree_batch import MissingTable, TreeBatch
 from harts_hf.schedule import build_tables, chunk_sizes
 
@@ -47,10 +52,25 @@ def test_declared_tables_are_the_ones_the_layers_read(family: str, dtype: torch.
         read_tables(hf, adapter, ahead)  # reads nothing it lacks (MissingTable otherwise)
 
 
-def test_every_backend_of_every_op_kind_is_covered() -> None:
-    """The backends the test above runs under: torch everywhere; the fla ones need a GPU or Triton's
-    interpreter (``fla_interpreter_cases.py`` checks their tables at the op level)."""
-    assert all("torch" in registered(kind) for kind in ("attention", "conv", "gated_delta", "kda", "gla", "simple_gla"))
+def test_the_declaration_follows_the_backend_the_ops_would_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The declared tables come from the registry's choice for each layer's call (nothing runs, so
+    fla's availability can be faked here): fla's waves and conv runs where fla serves; on a GPU
+    the tiny GDN's 8-wide heads stay on torch (fla's tiles need 16) while its conv takes fla;
+    HARTS_BACKEND=torch gives the torch tables. The fla tables' builds are checked against what
+    the fla ops read under Triton's interpreter (``fla_interpreter_cases.py``)."""
+    monkeypatch.setattr(fla_backend, "_importable", lambda: True)
+    monkeypatch.setattr(fla_backend, "interpreting", lambda: True)
+    monkeypatch.setattr(fla_backend, "fla_refuses_gated_backward", lambda: False)
+    hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
+
+    def declared(device: str) -> set:
+        return {table for call in layer_calls(hf, adapter, torch.device(device)) for table in tables_of(call)}
+
+    rounds = {RoundsTable(64), ReplayTable(64), ConvHaloTable(4), AttentionBlocksTable(128)}
+    assert declared("cpu") == rounds | {WavesTable(64, cut=False), RunsTable(4)}
+    assert declared("cuda") == rounds | {RaggedLayoutTable(64), RunsTable(4)}
+    monkeypatch.setenv(ENV, "torch")
+    assert declared("cuda") == rounds | {RaggedLayoutTable(64), ConvGatherTable(4)}
 
 
 def test_the_schedule_reads_the_grids_off_the_declaration() -> None:
