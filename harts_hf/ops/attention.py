@@ -397,7 +397,7 @@ def tree_attention_torch(
     return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, sliding_window, dropout, seed, group_elements)
 
 
-@dispatch("attention", lambda q, **_: Call("attention", q.device), autocast_casts=("q", "k", "v", "context_kv"))
+@dispatch("attention", lambda kind, q, **_: Call(kind, q.device), autocast_casts=("q", "k", "v", "context_kv"))
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -147,7 +147,7 @@ def call_of(kind: str, *args, **kwargs) -> Call:
     signature, describe = _DESCRIBE[kind]
     bound = signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
-    return describe(**bound.arguments)
+    return describe(kind, **bound.arguments)
 
 
 def implementation(kind: str, *args, **kwargs) -> Callable:
@@ -163,7 +163,7 @@ def dispatch(
 ) -> Callable[[Callable], Callable]:
     """Decorator for a public op: it keeps the op's signature and docstring (its body is only the
     docstring) and runs each call on the implementation :func:`choose` picks for the :class:`Call`
-    ``describe`` makes of the call's arguments (by name, defaults filled in). ``check`` gets the same
+    ``describe(kind, **arguments)`` makes of the call's arguments (by name, defaults filled in). ``check`` gets the same
     arguments and refuses bad inputs once, before any backend sees them. Under autocast
     (``harts_hf.ops.precision``) the arguments named in ``autocast_casts`` are cast to the autocast
     dtype, the others left as given, and the op runs with autocast off."""
@@ -178,7 +178,7 @@ def dispatch(
             bound.apply_defaults()
             if check is not None:
                 check(**bound.arguments)
-            fn = choose(describe(**bound.arguments)).fn
+            fn = choose(describe(kind, **bound.arguments)).fn
             device = next(iter(bound.arguments.values())).device  # the op's first tensor
             dtype = autocast_dtype(device)
             if dtype is None:

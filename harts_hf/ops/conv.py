@@ -138,9 +138,9 @@ def check_conv_args(x, weight, bias, batch, context_x, activation=None) -> None:
         raise ValueError(f"context_x must have shape ({halo}, {x.shape[1]}) (conv_halo), got {tuple(context_x.shape)}")
 
 
-def conv_call(x: torch.Tensor, weight: torch.Tensor, **_) -> Call:
+def conv_call(kind: str, x: torch.Tensor, weight: torch.Tensor, **_) -> Call:
     """The :class:`~harts_hf.ops.backends.Call` of a conv over x [N, D] with weight [D, W]."""
-    return Call("conv", x.device, width=weight.shape[1])
+    return Call(kind, x.device, width=weight.shape[1])
 
 
 @register("conv", "torch", tables=lambda call: (ConvHaloTable(call.width), ConvGatherTable(call.width)))

@@ -151,7 +151,7 @@ def tree_gated_delta_rule_torch(
     )
 
 
-@dispatch("gated_delta", linear_call("gated_delta"), check=linear_inputs_check(per_channel=False))
+@dispatch("gated_delta", linear_call, check=linear_inputs_check(per_channel=False))
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -228,7 +228,7 @@ def tree_gla_torch(
     )
 
 
-@dispatch("gla", linear_call("gla"), check=linear_inputs_check(per_channel=True))
+@dispatch("gla", linear_call, check=linear_inputs_check(per_channel=True))
 def tree_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -294,7 +294,7 @@ def tree_simple_gla_torch(
     )
 
 
-@dispatch("simple_gla", linear_call("simple_gla"), check=linear_inputs_check(per_channel=False))
+@dispatch("simple_gla", linear_call, check=linear_inputs_check(per_channel=False))
 def tree_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,

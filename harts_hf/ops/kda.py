@@ -110,7 +110,7 @@ def tree_kda_torch(
     )
 
 
-@dispatch("kda", linear_call("kda"), check=linear_inputs_check(per_channel=True))
+@dispatch("kda", linear_call, check=linear_inputs_check(per_channel=True))
 def tree_kda(
     q: torch.Tensor,
     k: torch.Tensor,

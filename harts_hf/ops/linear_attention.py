@@ -94,10 +94,10 @@ class ChunkKernel(NamedTuple):
     state_at: Callable[..., torch.Tensor]
 
 
-def linear_call(kind: str) -> Callable[..., Call]:
-    """The :class:`~harts_hf.ops.backends.Call` a linear ``kind``'s public op makes of its
-    arguments: q [N, Hk, K], v [N, H, V] on the chunk grid ``chunk_size``."""
-    return lambda q, v, chunk_size, **_: Call(kind, q.device, chunk_size, key_dim=q.shape[-1], value_dim=v.shape[-1])
+def linear_call(kind: str, q: torch.Tensor, v: torch.Tensor, chunk_size: int, **_) -> Call:
+    """The :class:`~harts_hf.ops.backends.Call` of a linear ``kind``'s public op: q [N, Hk, K],
+    v [N, H, V] on the chunk grid ``chunk_size``."""
+    return Call(kind, q.device, chunk_size, key_dim=q.shape[-1], value_dim=v.shape[-1])
 
 
 def grid_tables(call: Call) -> tuple[Table, ...]:
