@@ -37,11 +37,11 @@ def main() -> None:
     the_plan = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens)
     print(f"plan: {time.perf_counter() - began:.2f} s, {the_plan.num_slots} slots of {args.max_tokens:,} tokens")
     hf, adapter = patched_adapter(patch_model(build_model("qwen3_5", max_positions=forest.max_length + 1).model))
-    builders = model_tables(hf, adapter)
+    tables = model_tables(hf, adapter)
     seconds = []
     for rank in range(args.world_size):
         began = time.perf_counter()
-        units = rank_units([forest], the_plan, rank, builders, "cpu")
+        units = rank_units([forest], the_plan, rank, tables, "cpu")
         seconds.append(time.perf_counter() - began)
         tokens = sum(unit.tokens.size for unit in units)
         print(f"rank {rank}: {len(units)} units, {tokens:,} tokens, compiled in {seconds[-1]:.2f} s", flush=True)

@@ -31,7 +31,7 @@ from triton.runtime import autotuner, interpreter
 
 from harts_hf.forest import RolloutForest
 from harts_hf.lab.fla_report import fallback_note, sequential_calls
-from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule
+from harts_hf.ops import backends, tree_causal_conv1d, tree_gated_delta_rule, tree_gla, tree_kda, tree_simple_gla
 from harts_hf.ops.conv import conv_halo, tree_causal_conv1d_torch
 from harts_hf.ops.fla import backend, delta, diagonal
 from harts_hf.ops.fla import conv as fla_conv
@@ -43,6 +43,7 @@ from harts_hf.ops.gla import tree_gla_torch, tree_simple_gla_torch
 from harts_hf.ops.kda import tree_kda_torch
 from harts_hf.ops.rounds import rounds_of
 from harts_hf.ops.tree_batch import TreeBatch
+from harts_hf.schedule import build_tables
 
 # fla's kernels autotune over several configs; the interpreter cannot time them: take the first.
 autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles: [0.0, 0.0, 0.0])
@@ -469,3 +470,41 @@ def test_every_fla_name_the_backend_reads_resolves() -> None:
             missing.append(f"{key}: {name.module}.{name.attr} ({err})")
     assert not missing, missing
     assert callable(_compat.chunk_fwd_o.get()) and _compat.RCP_LN2.get() > 1.0
+
+
+PUBLIC = {"gated_delta": tree_gated_delta_rule, "kda": tree_kda, "gla": tree_gla, "simple_gla": tree_simple_gla}
+
+
+@pytest.mark.parametrize("kind", list(PUBLIC))
+def test_fla_linear_backends_read_the_tables_they_declare(kind: str, state_refs, monkeypatch) -> None:
+    """``backends.tables_of`` the fla backend's call: built ahead (the batch sealed), the call reads
+    nothing else, and on a fresh batch it builds exactly those (``model_tables`` relies on it)."""
+    monkeypatch.setenv(backends.ENV, "fla")
+    forest = RolloutForest.from_sequences(ROUNDS_TREES["branch_at_65"](np.random.default_rng(0)))
+    x = rounds_inputs(kind, forest.num_compact_tokens, 1)
+    args = [x[name].detach() for name in ("q", "k", "v", "g", "beta") if name in x]
+    fresh = TreeBatch.from_forest(forest)
+    call = backends.call_of(kind, *args, fresh, chunk_size=64)
+    assert backends.choose(call).fn.__name__.endswith("_fla")
+    ahead = build_tables(TreeBatch.from_forest(forest), frozenset(backends.tables_of(call)), "cpu")
+    with torch.no_grad():
+        PUBLIC[kind](*args, ahead, chunk_size=64)
+        PUBLIC[kind](*args, fresh, chunk_size=64)
+    assert fresh.tables == ahead.tables
+
+
+@pytest.mark.parametrize("tree", ["one_token_nodes", "grpo_group"])
+def test_fla_conv_reads_the_tables_it_declares(tree: str, monkeypatch) -> None:
+    """The fla conv's tables, on a fragmented batch (the torch gather, built with its runs table) and
+    on long runs (fla's kernel)."""
+    monkeypatch.setenv(backends.ENV, "fla")
+    forest = RolloutForest.from_sequences(NASTY_TREES[tree](np.random.default_rng(0)))
+    x, weight, bias = (t.detach() for t in conv_inputs(forest.num_compact_tokens, 4))
+    fresh = TreeBatch.from_forest(forest)
+    tables = frozenset(backends.tables_of(backends.call_of("conv", x, weight, bias, fresh)))
+    ahead = build_tables(TreeBatch.from_forest(forest), tables, "cpu")
+    with torch.no_grad():
+        tree_causal_conv1d(x, weight, bias, ahead, activation="silu")
+        tree_causal_conv1d(x, weight, bias, fresh, activation="silu")
+    assert fresh.tables == ahead.tables
+    assert (fla_conv.runs_of(fresh, 4) is None) == (tree == "one_token_nodes")

@@ -8,7 +8,6 @@ kernels run in ``fla_interpreter_cases.py`` (Triton's interpreter) and ``scripts
 from __future__ import annotations
 
 from itertools import pairwise
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from trees import NASTY_TREES, nasty_tree_params
 from harts_hf.forest import RolloutForest
 from harts_hf.lab.fla_report import fallback_note, sequential_calls
 from harts_hf.ops import backends
+from harts_hf.ops.backends import Call
 from harts_hf.ops.fla import backend
 from harts_hf.ops.fla.diagonal import inject_state_grads
 from harts_hf.ops.fla.public_ops import SEGMENT_OPS
@@ -209,17 +209,17 @@ def test_inject_state_grads_matches_autograd(per_channel: bool) -> None:
 def test_fla_refuses_gpu_head_dims_below_its_tiles() -> None:
     """On a GPU the fla backend takes only head dims its tl.dot tiles fit (>= 16); a Mamba v1 layer
     (GLA with V = 1) goes to the torch backend instead of failing to compile."""
-    gpu = lambda *shape: SimpleNamespace(is_cuda=True, shape=shape)
-    assert backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=64)
-    assert not backend._accepts(gpu(8, 512, 16), gpu(8, 512, 16), gpu(8, 512, 1), chunk_size=64)
-    assert not backend._accepts(gpu(8, 2, 64), gpu(8, 2, 64), gpu(8, 2, 64), chunk_size=32)
+    gpu = lambda k, v, chunk: Call("gla", torch.device("cuda"), chunk, key_dim=k, value_dim=v)
+    assert backend._accepts(gpu(64, 64, 64))
+    assert not backend._accepts(gpu(16, 1, 64))
+    assert not backend._accepts(gpu(64, 64, 32))
 
 
 def test_gated_kinds_leave_fla_where_it_refuses_their_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Hopper with Triton 3.4 - 3.7.0 fla refuses gated chunk backward (fla #640): GDN and simple
     GLA go to the torch backend instead of failing mid-backward; KDA and GLA keep fla's kernels."""
-    gpu = SimpleNamespace(is_cuda=True, shape=(8, 2, 64))
-    accepts = lambda kind: backends._REGISTRY[kind]["fla"].accepts(gpu, gpu, gpu, chunk_size=64)
+    gpu = lambda kind: Call(kind, torch.device("cuda"), 64, key_dim=64, value_dim=64)
+    accepts = lambda kind: backends._REGISTRY[kind]["fla"].accepts(gpu(kind))
     monkeypatch.setattr(backend, "fla_refuses_gated_backward", lambda: False)
     assert all(accepts(kind) for kind in KINDS)
     monkeypatch.setattr(backend, "fla_refuses_gated_backward", lambda: True)

@@ -104,7 +104,7 @@ def test_paths_on_the_grid(build, chunk: int) -> None:
         assert (np.diff(rs.path_chunks[by_rank]) <= 0).all()
     owned = grid.token[grid.own]
     assert np.array_equal(np.sort(owned), np.arange(forest.num_compact_tokens)), "every token is own exactly once"
-    assert batch.cached(("rounds", chunk), lambda b: None) is rs, "derived once per batch"
+    assert rounds_of(batch, chunk) is rs, "derived once per batch"
 
 
 def test_piece_external_paths() -> None:

@@ -12,8 +12,6 @@ and boundary states from earlier slots; every trajectory whole on its loss rank.
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 from trees import nasty_tree_params
 
 from harts_hf.forest import RolloutForest
-from harts_hf.ops.rounds import ROUNDS_KEY, build_rounds
+from harts_hf.ops.rounds import RoundsTable, build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, MemoryModel, Plan, plan
 from harts_hf.schedule import Unit, rank_units
@@ -69,7 +67,7 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
 
     entries = 0
     for r in range(R):
-        units = rank_units(forests, p, r, {(ROUNDS_KEY, C): partial(build_rounds, chunk_size=C)}, "cpu")
+        units = rank_units(forests, p, r, frozenset({RoundsTable(C)}), "cpu")
         assert len(units) == p.unit_counts[r]
         entries += check_states(forests, units, C)
     assert 0 <= p.replay_tokens <= (C - 1) * entries
@@ -236,9 +234,7 @@ def test_oversize_tree_is_cut_into_ordered_pieces():
     budget = forest.max_length + 300
     p = plan(forest, world_size=1, max_tokens_per_microbatch=budget, chunk_size=64)
     check_plan([forest], p, budget)
-    assert p.num_slots >= 2 and any(
-        u.states for u in rank_units([forest], p, 0, {(ROUNDS_KEY, 64): partial(build_rounds, chunk_size=64)}, "cpu")
-    )
+    assert p.num_slots >= 2 and any(u.states for u in rank_units([forest], p, 0, frozenset({RoundsTable(64)}), "cpu"))
     assert p.replicated_tokens == 0 and p.redundancy < 0.01
 
 

@@ -147,8 +147,7 @@ class TreeEngine:
         self.device = self.hf.get_output_embeddings().weight.device
         self._forward: Forward = forward or (lambda run: run())
         self._no_sync = no_sync
-        with torch.no_grad():  # the probe runs as the wrapper's forward too (FSDP2 gathers the root's parameters)
-            tables = self._forward(lambda: model_tables(self.hf, self.adapter))
+        tables = model_tables(self.hf, self.adapter)
         if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule

@@ -5,10 +5,8 @@ actually sends the call to the fla backend (``HARTS_BACKEND``, device, availabil
 
 from __future__ import annotations
 
-import torch
-
 from ..chunking import CHUNK_SIZE
-from ..ops.backends import implementation
+from ..ops.backends import Call, choose
 from ..ops.fla import backend, conv
 from ..ops.fla.waves import waves_of
 from ..ops.rounds import rounds_of
@@ -29,8 +27,8 @@ def fla_serves(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> boo
     """Whether the registry runs a ``kind`` call on ``batch`` (tensors on its device) on fla."""
     if kind not in _FLA_OPS:
         return False
-    probe = torch.empty(0, 1, 64, device=batch.device)  # stands in for q, k, v of a layer with 64-dim heads
-    return implementation(kind, probe, probe, probe, batch, chunk_size=chunk_size) is _FLA_OPS[kind]
+    call = Call(kind, batch.device, chunk_size, key_dim=64, value_dim=64, width=4)  # a layer with 64-dim heads
+    return choose(call).fn is _FLA_OPS[kind]
 
 
 def sequential_calls(kind: str, batch: TreeBatch, chunk_size: int = CHUNK_SIZE) -> int:

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 import transformers
@@ -138,6 +139,18 @@ def parameters(fn: Callable) -> tuple[str, ...]:
     """Parameter names of a kernel function; hub-kernel decorators keep the torch function at
     ``__wrapped__``, which ``inspect.signature`` follows."""
     return tuple(inspect.signature(kernel_function(fn)).parameters)
+
+
+def layer_name(module: nn.Module) -> str:
+    """``module``'s class, and its decoder layer where it knows it (for messages)."""
+    index = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if index is None else f" (layer {index})")
+
+
+def defaults(fn: Callable) -> dict[str, Any]:
+    """The parameter defaults of a kernel function (``parameters``' signature)."""
+    params = inspect.signature(kernel_function(fn)).parameters
+    return {name: p.default for name, p in params.items() if p.default is not p.empty}
 
 
 def version_advice() -> str:

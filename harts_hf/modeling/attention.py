@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..ops.attention import tree_attention
-from ..ops.tree_batch import TreeBatch
+from ..ops.tree_batch import MissingTable, TreeBatch
 from . import _compat
 from .calls import called_by, context_of
 from .errors import UnsupportedModelError
@@ -61,7 +61,11 @@ def _dispatcher(original: str) -> Callable:
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("harts-hf tree attention expects keyword arguments after attention_mask")
-        return _tree_call(query, key, value, called_by(batch, module), kwargs)
+        try:
+            return _tree_call(query, key, value, called_by(batch, module), kwargs)
+        except MissingTable as err:
+            err.call, err.layer = "tree attention", _compat.layer_name(module)
+            raise
 
     attention.__name__ = f"{PREFIX}{original}_attention"
     return attention

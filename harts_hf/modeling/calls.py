@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..ops.rounds import REPLAY_KEY
-from ..ops.tree_batch import TreeBatch
+from ..ops.rounds import ReplayTable
+from ..ops.tree_batch import Table, TreeBatch
 
 __all__ = ["LayerHandoff", "called_by", "context_of", "linear_call"]
 
@@ -34,10 +34,10 @@ class LayerHandoff(Protocol):
         """The name of this module's next ``kind`` call."""
 
     def context(
-        self, call: Hashable, values: Mapping[str, torch.Tensor], rows: Hashable = None
+        self, call: Hashable, values: Mapping[str, torch.Tensor], rows: Table | None = None
     ) -> dict[str, torch.Tensor] | None:
         """Keep ``values`` ([N, ...] each) where later units read them; their context rows: all Nc
-        (``rows`` None), or the subset the batch table ``rows`` names (e.g. a conv's halo)."""
+        (``rows`` None), or the subset the batch table ``rows`` holds (e.g. a conv's halo)."""
 
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] the states the unit's external paths start from (None: E = 0)."""
@@ -52,11 +52,11 @@ def called_by(batch: TreeBatch, module: nn.Module) -> TreeBatch:
 
 
 def context_of(
-    batch: TreeBatch, kind: str, values: Mapping[str, torch.Tensor], rows: Hashable = None
+    batch: TreeBatch, kind: str, values: Mapping[str, torch.Tensor], rows: Table | None = None
 ) -> dict[str, torch.Tensor] | None:
     """The context rows of this call's inputs ``values`` ([N, ...] each) for a unit run by the
     engine (which also keeps the rows later units read): all of them, or the subset the table
-    key ``rows`` names; None for a whole forest."""
+    ``rows`` holds; None for a whole forest."""
     handoff = batch.handoff
     return None if handoff is None else handoff.context(handoff.call(kind), values, rows)
 
@@ -74,7 +74,7 @@ def linear_call(
     if handoff is None:
         return run(None, None)[0]
     call = handoff.call(kind)
-    context = handoff.context(call, values, (REPLAY_KEY, chunk_size))  # the context tokens its paths replay
+    context = handoff.context(call, values, ReplayTable(chunk_size))  # the context tokens its paths replay
     o, states = run(context, handoff.initial_states(call, chunk_size))
     handoff.keep_states(call, states)
     return o

@@ -13,6 +13,12 @@ re-states the projections around the tree op and names the source lines it relie
 models that drop the forward kwargs (Jamba's Mamba decoder layer, Mamba's block and model) are
 re-stated the same way, to hand the tree down to the mixer.
 
+A kind also declares the tree-op calls a layer module makes through it (``calls``: op kind, chunk
+grid, head dims, conv width, read off the module and the kernel function's defaults), from which
+``tables.py`` finds the tree tables the layer reads without running it: the backend registry
+(``harts_hf.ops.backends.choose``) picks the implementation of each call as it does when the op
+runs, and that implementation names its tables.
+
 Legend: N compact tokens, D channels, W conv width, H heads, K key dim, V value dim,
 P mamba head dim, G groups, S state size, E hidden size, I Mamba v1 channels, R dt rank.
 """
@@ -25,10 +31,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..chunking import CHUNK_SIZE
-from ..ops.conv import CONV_HALO_KEY, tree_causal_conv1d
+from ..ops.backends import Call
+from ..ops.conv import ConvHaloTable, tree_causal_conv1d
 from ..ops.gated_delta import tree_gated_delta_rule
 from ..ops.gla import tree_gla, tree_lightning, tree_mamba2_ssd
 from ..ops.kda import tree_kda
@@ -36,11 +44,16 @@ from ..ops.tree_batch import TreeBatch
 from . import _compat
 from .calls import context_of, linear_call
 
-__all__ = ["KINDS", "TREE_KWARG", "KernelKind"]
+__all__ = ["KINDS", "TREE_KWARG", "KernelKind", "attention_calls"]
 
 Arguments = Mapping[str, Any]
+Calls = Callable[[nn.Module, Arguments, torch.device], tuple[Call, ...]]
 
 TREE_KWARG = "harts_tree"  # the forward kwarg that carries the TreeBatch down to every layer
+
+
+def _no_calls(module: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -48,13 +61,57 @@ class KernelKind:
     """One kernel function shape: the parameters the original must accept and the code it must
     still contain (a module whose function lost either is refused), and the tree implementation
     taking the bound arguments. ``restates``: other functions of the modeling module the tree call
-    re-implements instead of calling (name -> code each must still contain)."""
+    re-implements instead of calling (name -> code each must still contain). ``calls``: the tree-op
+    calls its tree implementation makes for a layer ``module`` (the mixer calling the kernel, or
+    the module whose forward it replaces), given the kernel function's parameter defaults (empty
+    for a replaced forward) and the device the layer runs on."""
 
     name: str
     params: tuple[str | tuple[str, ...], ...]  # a tuple: the parameter goes by one of these names
     tree_call: Callable[[TreeBatch, Arguments], Any]
     source_markers: tuple[str, ...] = ()
     restates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    calls: Calls = _no_calls
+
+
+def attention_calls(module: nn.Module, device: torch.device) -> tuple[Call, ...]:
+    """The tree-op calls of an attention layer (``attention.py``: one ancestor attention)."""
+    return (Call("attention", device),)
+
+
+def _conv_calls(module: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    """A mixer's conv calls: one per depthwise ``nn.Conv1d`` it holds (what ``causal_conv1d_fn`` and
+    ``causal_conv1d_forward`` take; PEFT's LoRA pair around one is not depthwise)."""
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv1d) and m.groups == m.in_channels > 1]
+    return tuple(Call("conv", device, width=conv.kernel_size[0]) for conv in convs)
+
+
+def _delta_calls(kind: str, key_dim: str, value_dim: str) -> Calls:
+    """A delta-rule mixer's one call, on the kernel function's default chunk grid (the mixers pass none)."""
+    return lambda m, defaults, device: (
+        Call(kind, device, defaults["chunk_size"], key_dim=getattr(m, key_dim), value_dim=getattr(m, value_dim)),
+    )
+
+
+def _mamba2_calls(m: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    """The SSD scan as simple GLA (``tree_mamba2_ssd``): q = C, k = B (S), v = x * dt (P), on the
+    mixer's chunk grid."""
+    return (Call("simple_gla", device, m.chunk_size, key_dim=m.ssm_state_size, value_dim=m.head_dim),)
+
+
+def _selective_scan_calls(m: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    """:func:`_selective_scan`'s GLA call: K = S, V = 1, on ``CHUNK_SIZE``."""
+    return (Call("gla", device, CHUNK_SIZE, key_dim=m.ssm_state_size, value_dim=1),)
+
+
+def _mamba_v1_calls(m: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    """A re-stated Mamba v1 mixer: its conv, then the selective scan."""
+    return _conv_calls(m, defaults, device) + _selective_scan_calls(m, defaults, device)
+
+
+def _lightning_calls(m: nn.Module, defaults: Arguments, device: torch.device) -> tuple[Call, ...]:
+    """:func:`_lightning_mixer`'s simple GLA call, on the layer's block grid."""
+    return (Call("simple_gla", device, m.block_size, key_dim=m.head_dim, value_dim=m.head_dim),)
 
 
 def _single_row(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -79,7 +136,7 @@ def _tree_conv(
     """transformers' ``causal_conv1d_fn`` on the tree, token-major: x [N, D] -> [N, D] in x's dtype,
     computed in weight's dtype, the halo tokens' inputs taken from the piece's handoff."""
     xw = x.to(weight.dtype)
-    context = context_of(batch, "conv", {"x": xw}, rows=(CONV_HALO_KEY, weight.shape[1]))
+    context = context_of(batch, "conv", {"x": xw}, rows=ConvHaloTable(weight.shape[1]))
     out = tree_causal_conv1d(
         xw,
         weight,
@@ -440,22 +497,25 @@ _FUSED_MAMBA_MIXER_MARKERS = (
 KINDS: dict[str, KernelKind] = {
     kind.name: kind
     for kind in (
-        KernelKind("conv", ("hidden_states", "weight", "bias", "activation"), _conv),
+        KernelKind("conv", ("hidden_states", "weight", "bias", "activation"), _conv, calls=_conv_calls),
         KernelKind(
             "conv_forward",
             ("conv1d", "hidden_states", CACHE, "layer_idx", "activation"),
             _conv_forward,
             source_markers=_CONV_FORWARD_MARKERS,
+            calls=_conv_calls,
         ),
         KernelKind(
             "gated_delta",
             _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",),
             _delta_rule("gated_delta", tree_gated_delta_rule),
+            calls=_delta_calls("gated_delta", "head_k_dim", "head_v_dim"),
         ),
         KernelKind(
             "kda",
             _DELTA_PARAMS + ("use_qk_l2norm_in_kernel",),
             _delta_rule("kda", tree_kda),
+            calls=_delta_calls("kda", "head_dim", "head_dim"),
         ),
         KernelKind(
             "mamba2_scan",
@@ -474,6 +534,7 @@ KINDS: dict[str, KernelKind] = {
                 "return_final_states",
             ),
             _mamba2_scan,
+            calls=_mamba2_calls,
         ),
         KernelKind(
             "mamba2_scan_forward",
@@ -490,6 +551,7 @@ KINDS: dict[str, KernelKind] = {
                 "dt_softplus=True",
                 "dt_limit=module.time_step_limit",
             ),
+            calls=_mamba2_calls,
         ),
         KernelKind("mamba2_fused", ("zxbcdt",), _no_fused_path),
         KernelKind(
@@ -498,6 +560,7 @@ KINDS: dict[str, KernelKind] = {
             _mamba_scan_forward,
             source_markers=_MAMBA_SCAN_FORWARD_MARKERS,
             restates=_MAMBA_V1_SCAN,
+            calls=_selective_scan_calls,
         ),
         KernelKind(
             "fused_mamba_mixer",
@@ -509,6 +572,7 @@ KINDS: dict[str, KernelKind] = {
                 "mamba_scan_forward": _MAMBA_SCAN_FORWARD_MARKERS,
                 **_MAMBA_V1_SCAN,
             },
+            calls=_mamba_v1_calls,
         ),
         KernelKind(
             "lightning_mixer",
@@ -521,6 +585,7 @@ KINDS: dict[str, KernelKind] = {
                 "F.sigmoid(self.output_gate(hidden_states)) * attn_output",
                 "self.out_proj(attn_output)",
             ),
+            calls=_lightning_calls,
         ),
         KernelKind(
             "mamba_mixer",
@@ -528,6 +593,7 @@ KINDS: dict[str, KernelKind] = {
             _mamba_v1_mixer(normed=False),
             source_markers=_MAMBA_V1_MIXER_MARKERS,
             restates=_MAMBA_V1_SCAN,
+            calls=_mamba_v1_calls,
         ),
         KernelKind(
             "normed_mamba_mixer",
@@ -542,6 +608,7 @@ KINDS: dict[str, KernelKind] = {
                 "time_step = (self.dt_proj(time_step) - self.dt_proj.bias).transpose(1, 2)",
             ),
             restates=_MAMBA_V1_SCAN,
+            calls=_mamba_v1_calls,
         ),
         KernelKind(
             "jamba_mamba_layer",

@@ -25,6 +25,7 @@ from types import ModuleType
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ..ops.tree_batch import MissingTable
 from . import _compat
 from .adapters import FamilyAdapter, adapter_for, supported_families
 from .attention import original_attention_name, tree_attention_name
@@ -50,9 +51,17 @@ def _wrap_kernel(original: Callable, kind: KernelKind) -> Callable:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        layer = bound.arguments.get("self", bound.arguments.get("module"))
         if "self" in bound.arguments:  # a re-stated forward: its calls are named after its module
-            batch = called_by(batch, bound.arguments["self"])
-        return kind.tree_call(batch, bound.arguments)
+            batch = called_by(batch, layer)
+        try:
+            return kind.tree_call(batch, bound.arguments)
+        except MissingTable as err:
+            if err.call is None:  # not read by a call inside this one
+                err.call = f"{function.__qualname__} (layer kind {kind.name!r})"
+            if err.layer is None and layer is not None:
+                err.layer = _compat.layer_name(layer)
+            raise
 
     return kernel
 
@@ -63,9 +72,15 @@ def _wrap_mixer(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def mixer_forward(self, *args, **kwargs):
         batch = kwargs.get(TREE_KWARG)
-        if batch is not None:
-            kwargs[TREE_KWARG] = called_by(batch, self)
-        return forward(self, *args, **kwargs)
+        if batch is None:
+            return forward(self, *args, **kwargs)
+        kwargs[TREE_KWARG] = called_by(batch, self)
+        try:
+            return forward(self, *args, **kwargs)
+        except MissingTable as err:  # read by one of its kernel calls, which do not see the mixer
+            if err.layer is None:
+                err.layer = _compat.layer_name(self)
+            raise
 
     return mixer_forward
 

@@ -1,29 +1,26 @@
 """One patched-model call over a compiled unit, and the tree tables a model's layers read.
 
-:func:`model_tables` finds, once per model, backend choice and device, which tables the model's
-tree layers build (the probe: one no-grad call over a 3-token tree, recording every
-:meth:`TreeBatch.cached` builder); ``harts_hf.schedule`` then builds exactly those for every unit
-before the model runs, so the layers only read them.
+:func:`model_tables` finds the tables a model's tree layers read without running it: it walks the
+modules its family's adapter declares (attention classes, mixers calling kernel functions, mixers
+whose forward is replaced), takes each module's tree-op calls from its layer kind
+(``KernelKind.calls``, ``kinds.attention_calls``) and, for each call, the tables of the backend
+the registry picks for it (``harts_hf.ops.backends.tables_of``: the choice the op makes when it
+runs). ``harts_hf.schedule`` builds exactly those for every unit before the model runs, so the
+layers only read them; a layer that reads another fails there, naming itself (``patch.py``).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from ..forest import RolloutForest
-from ..ops.backends import requested
+from ..ops.backends import Call, tables_of
 from ..ops.tree_batch import TreeBatch
-from ..schedule import Builders
+from ..schedule import Tables
 from . import _compat
 from .adapters import FamilyAdapter
-from .kinds import TREE_KWARG
+from .kinds import KINDS, TREE_KWARG, attention_calls
 
-__all__ = ["model_tables", "run_base"]
-
-_PROBE = ((0, 1, 2), (0, 1, 3))  # a root token, then a branch: every table kind gets built
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+__all__ = ["layer_calls", "model_tables", "run_base"]
 
 
 def run_base(hf, adapter: FamilyAdapter, input_ids: torch.Tensor, batch: TreeBatch, **extra):
@@ -45,16 +42,26 @@ def run_base(hf, adapter: FamilyAdapter, input_ids: torch.Tensor, batch: TreeBat
     )
 
 
-def model_tables(hf, adapter: FamilyAdapter) -> Builders:
-    """The table builders ``hf``'s tree layers use (module docstring)."""
-    weight = hf.get_output_embeddings().weight
-    key = (requested(), weight.device, weight.dtype)
-    per_model = _TABLES.setdefault(hf, {})
-    if key not in per_model:
-        forest = RolloutForest.from_sequences(_PROBE)
-        probe = TreeBatch.from_forest(forest, device=weight.device)
-        devices = [weight.device] if weight.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            run_base(hf, adapter, torch.as_tensor(forest.tokens, device=weight.device), probe)
-        per_model[key] = probe.builders
-    return per_model[key]
+def layer_calls(hf, adapter: FamilyAdapter, device: torch.device) -> set[Call]:
+    """Every tree-op call ``hf``'s layers make on ``device`` (module docstring)."""
+    module = _compat.modeling_module(hf)
+    kernels = [
+        (KINDS[kind], _compat.defaults(vars(module)[name])) for name, kind in adapter.kernels.items()
+    ]  # each declared mixer calls all of them
+    calls: set[Call] = set()
+    for layer in hf.modules():
+        name = type(layer).__name__
+        if name in adapter.attention:
+            calls.update(attention_calls(layer, device))
+        if name in adapter.mixers:
+            for kind, defaults in kernels:
+                calls.update(kind.calls(layer, defaults, device))
+        if name in adapter.mixer_forwards:
+            calls.update(KINDS[adapter.mixer_forwards[name]].calls(layer, {}, device))
+    return calls
+
+
+def model_tables(hf, adapter: FamilyAdapter) -> Tables:
+    """The tables ``hf``'s tree layers read (module docstring)."""
+    device = hf.get_output_embeddings().weight.device
+    return frozenset(table for call in layer_calls(hf, adapter, device) for table in tables_of(call))

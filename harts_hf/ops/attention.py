@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends import dispatch, register
+from .backends import Call, dispatch, register
 from .precision import without_autocast
-from .tree_batch import TreeBatch
+from .tree_batch import Table, TreeBatch
 
-__all__ = ["tree_attention", "tree_attention_torch"]
+__all__ = ["AttentionBlocksTable", "tree_attention", "tree_attention_torch"]
 
 BLOCK_SIZE = 128
 GROUP_ELEMENTS = 1 << 22  # scores per group (heads included): 16 MiB per fp32 temporary
@@ -55,6 +55,16 @@ class _Blocks:
     query_pos: torch.Tensor  # [nb, Bq] depth of each query slot (sliding windows)
     key_pos: torch.Tensor  # [Nk + 1] depth of each key
     buckets: tuple[_Bucket, ...]
+
+
+@dataclass(frozen=True)
+class AttentionBlocksTable(Table):
+    """The batch's block layout of ancestor attention for ``block_size`` queries a block."""
+
+    block_size: int
+
+    def build(self, batch: TreeBatch) -> _Blocks:
+        return _build_blocks(batch, self.block_size)
 
 
 def _padded_size(count: np.ndarray, block_size: int) -> np.ndarray:
@@ -359,7 +369,7 @@ def _check(q, k, v, batch, sinks, context_kv) -> None:
         raise ValueError(f"sinks must have shape ({hq},), got {tuple(sinks.shape)}")
 
 
-@register("attention", "torch")
+@register("attention", "torch", tables=lambda call: (AttentionBlocksTable(BLOCK_SIZE),))
 def tree_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -382,12 +392,12 @@ def tree_attention_torch(
     if context_kv is not None:
         k = torch.cat((context_kv[0], k))
         v = torch.cat((context_kv[1], v))
-    blocks = batch.cached(("attention", block_size), lambda b: _build_blocks(b, block_size))
+    blocks = batch.cached(AttentionBlocksTable(block_size))
     seed = int(torch.randint(1 << 62, (), device="cpu")) if dropout else 0
     return _Attention.apply(q, k, v, sinks, blocks, scale, softcap, sliding_window, dropout, seed, group_elements)
 
 
-@dispatch("attention", autocast_casts=("q", "k", "v", "context_kv"))
+@dispatch("attention", lambda kind, q, **_: Call(kind, q.device), autocast_casts=("q", "k", "v", "context_kv"))
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -15,17 +15,24 @@ D channels, W width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.autograd.function import once_differentiable
 from transformers.activations import ACT2FN
 
-from .backends import dispatch, register
+from .backends import Call, dispatch, register
 from .precision import without_autocast
-from .tree_batch import TreeBatch
+from .tree_batch import Table, TreeBatch
 
-__all__ = ["CONV_HALO_KEY", "conv_halo", "local_rows", "tree_causal_conv1d", "tree_causal_conv1d_torch"]
-
-CONV_HALO_KEY = "conv_halo"  # the table key of a batch's halo: (CONV_HALO_KEY, width)
+__all__ = [
+    "ConvGatherTable",
+    "ConvHaloTable",
+    "conv_halo",
+    "local_rows",
+    "tree_causal_conv1d",
+    "tree_causal_conv1d_torch",
+]
 
 
 def _combined_table(batch: TreeBatch, width: int) -> torch.Tensor:
@@ -42,15 +49,32 @@ def _combined_table(batch: TreeBatch, width: int) -> torch.Tensor:
     return table
 
 
+@dataclass(frozen=True)
+class ConvHaloTable(Table):
+    """The halo of a width-``width`` conv (:func:`conv_halo`): what a unit's handoff gives its conv layers."""
+
+    width: int
+    context_subset = True
+
+    def build(self, batch: TreeBatch) -> torch.Tensor:
+        table = _combined_table(batch, self.width)
+        return torch.unique(table[table < batch.num_context])
+
+
+@dataclass(frozen=True)
+class ConvGatherTable(Table):
+    """The torch backend's gather table of a width-``width`` conv (``_gather_table``)."""
+
+    width: int
+
+    def build(self, batch: TreeBatch) -> torch.Tensor:
+        return _gather_table(batch, self.width)
+
+
 def conv_halo(batch: TreeBatch, width: int) -> torch.Tensor:
     """[H] combined indices (ascending) of the context tokens a width-``width`` conv reads: the
     ancestors within ``width - 1`` steps of a piece token that lie in the context."""
-
-    def build(b: TreeBatch) -> torch.Tensor:
-        table = _combined_table(b, width)
-        return torch.unique(table[table < b.num_context])
-
-    return batch.cached((CONV_HALO_KEY, width), build)
+    return batch.cached(ConvHaloTable(width))
 
 
 def local_rows(batch: TreeBatch, width: int, combined: torch.Tensor) -> torch.Tensor:
@@ -114,7 +138,12 @@ def check_conv_args(x, weight, bias, batch, context_x, activation=None) -> None:
         raise ValueError(f"context_x must have shape ({halo}, {x.shape[1]}) (conv_halo), got {tuple(context_x.shape)}")
 
 
-@register("conv", "torch")
+def conv_call(kind: str, x: torch.Tensor, weight: torch.Tensor, **_) -> Call:
+    """The :class:`~harts_hf.ops.backends.Call` of a conv over x [N, D] with weight [D, W]."""
+    return Call(kind, x.device, width=weight.shape[1])
+
+
+@register("conv", "torch", tables=lambda call: (ConvHaloTable(call.width), ConvGatherTable(call.width)))
 def tree_causal_conv1d_torch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -128,8 +157,7 @@ def tree_causal_conv1d_torch(
     check_conv_args(x, weight, bias, batch, context_x, activation)
     parts = (x,) if context_x is None else (context_x, x)
     xa = torch.cat((*parts, x.new_zeros(1, x.shape[1]))).to(weight.dtype)  # [H + N + 1, D]
-    width = weight.shape[1]
-    table = batch.cached(("conv", width), lambda b: _gather_table(b, width))
+    table = batch.cached(ConvGatherTable(weight.shape[1]))
     out = _Conv.apply(xa, weight, table)
     if bias is not None:
         out = out + bias
@@ -138,7 +166,7 @@ def tree_causal_conv1d_torch(
     return out.to(x.dtype)
 
 
-@dispatch("conv", autocast_casts=("x", "weight", "bias", "context_x"))
+@dispatch("conv", conv_call, autocast_casts=("x", "weight", "bias", "context_x"))
 def tree_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -17,7 +17,16 @@ import torch
 
 from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
-from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, masked_exp, prefix_state, run_tree_kind
+from .linear_attention import (
+    ChunkKernel,
+    chunk_scan,
+    linear_call,
+    linear_inputs_check,
+    masked_exp,
+    prefix_state,
+    run_tree_kind,
+    torch_tables,
+)
 from .tree_batch import TreeBatch
 
 __all__ = ["GDN_KERNEL", "gdn_chunk_scan", "tree_gated_delta_rule"]
@@ -110,7 +119,7 @@ def gdn_chunk_scan(
     return chunk_scan(GDN_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
-@register("gated_delta", "torch")
+@register("gated_delta", "torch", tables=torch_tables)
 def tree_gated_delta_rule_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,7 +151,7 @@ def tree_gated_delta_rule_torch(
     )
 
 
-@dispatch("gated_delta", check=linear_inputs_check(per_channel=False))
+@dispatch("gated_delta", linear_call, check=linear_inputs_check(per_channel=False))
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -29,10 +29,12 @@ from .linear_attention import (
     ChunkKernel,
     chunk_scan,
     expand_heads,
+    linear_call,
     linear_inputs_check,
     masked_exp,
     prefix_state,
     run_tree_kind,
+    torch_tables,
 )
 from .tree_batch import TreeBatch
 
@@ -198,7 +200,7 @@ def simple_gla_chunk_scan(
     return chunk_scan(SIMPLE_GLA_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
-@register("gla", "torch")
+@register("gla", "torch", tables=torch_tables)
 def tree_gla_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -226,7 +228,7 @@ def tree_gla_torch(
     )
 
 
-@dispatch("gla", check=linear_inputs_check(per_channel=True))
+@dispatch("gla", linear_call, check=linear_inputs_check(per_channel=True))
 def tree_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -253,7 +255,7 @@ def tree_gla(
     """
 
 
-@register("simple_gla", "torch")
+@register("simple_gla", "torch", tables=torch_tables)
 def tree_simple_gla_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,7 +294,7 @@ def tree_simple_gla_torch(
     )
 
 
-@dispatch("simple_gla", check=linear_inputs_check(per_channel=False))
+@dispatch("simple_gla", linear_call, check=linear_inputs_check(per_channel=False))
 def tree_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,

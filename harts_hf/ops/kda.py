@@ -22,7 +22,7 @@ from ..chunking import CHUNK_SIZE
 from .backends import dispatch, register
 from .gated_delta import delta_output, delta_state_at, delta_step
 from .gla import channel_decay_scores
-from .linear_attention import ChunkKernel, chunk_scan, linear_inputs_check, run_tree_kind
+from .linear_attention import ChunkKernel, chunk_scan, linear_call, linear_inputs_check, run_tree_kind, torch_tables
 from .tree_batch import TreeBatch
 
 __all__ = ["KDA_KERNEL", "kda_chunk_scan", "tree_kda"]
@@ -78,7 +78,7 @@ def kda_chunk_scan(
     return chunk_scan(KDA_KERNEL, q, k, v, g, beta, h0, step_counts, scale=scale)
 
 
-@register("kda", "torch")
+@register("kda", "torch", tables=torch_tables)
 def tree_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,7 +110,7 @@ def tree_kda_torch(
     )
 
 
-@dispatch("kda", check=linear_inputs_check(per_channel=True))
+@dispatch("kda", linear_call, check=linear_inputs_check(per_channel=True))
 def tree_kda(
     q: torch.Tensor,
     k: torch.Tensor,

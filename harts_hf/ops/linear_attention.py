@@ -47,21 +47,25 @@ from typing import NamedTuple
 
 import torch
 
-from .ragged_layout import ScanRound, ragged_layout_of
-from .rounds import context_replay_of, input_table, rounds_of
+from .backends import Call
+from .ragged_layout import RaggedLayoutTable, ScanRound, ragged_layout_of
+from .rounds import ReplayTable, RoundsTable, context_replay_of, input_table, rounds_of
 from .take_rows import take_rows
-from .tree_batch import TreeBatch
+from .tree_batch import Table, TreeBatch
 
 __all__ = [
     "ChunkKernel",
     "chunk_scan",
     "expand_heads",
+    "grid_tables",
+    "linear_call",
     "linear_inputs_check",
     "masked_exp",
     "prefix_state",
     "run_tree_linear_attention",
     "scan_ragged",
     "scan_steps",
+    "torch_tables",
 ]
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -88,6 +92,23 @@ class ChunkKernel(NamedTuple):
     step: Step
     output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     state_at: Callable[..., torch.Tensor]
+
+
+def linear_call(kind: str, q: torch.Tensor, v: torch.Tensor, chunk_size: int, **_) -> Call:
+    """The :class:`~harts_hf.ops.backends.Call` of a linear ``kind``'s public op: q [N, Hk, K],
+    v [N, H, V] on the chunk grid ``chunk_size``."""
+    return Call(kind, q.device, chunk_size, key_dim=q.shape[-1], value_dim=v.shape[-1])
+
+
+def grid_tables(call: Call) -> tuple[Table, ...]:
+    """The tables every linear backend reads: the rounds (the grid states live on) and the
+    context tokens its paths replay."""
+    return RoundsTable(call.chunk_size), ReplayTable(call.chunk_size)
+
+
+def torch_tables(call: Call) -> tuple[Table, ...]:
+    """The tables :func:`run_tree_linear_attention` (every torch backend) reads."""
+    return (*grid_tables(call), RaggedLayoutTable(call.chunk_size))
 
 
 def _fits(shape: Sequence[int], target: Sequence[int]) -> bool:

@@ -34,9 +34,18 @@ import numpy as np
 import torch
 
 from .rounds import Rounds, rounds_of
-from .tree_batch import TreeBatch
+from .tree_batch import Table, TreeBatch
 
-__all__ = ["BUCKET", "MidStates", "RaggedLayout", "ScanRound", "ScanStep", "build_ragged_layout", "ragged_layout_of"]
+__all__ = [
+    "BUCKET",
+    "MidStates",
+    "RaggedLayout",
+    "RaggedLayoutTable",
+    "ScanRound",
+    "ScanStep",
+    "build_ragged_layout",
+    "ragged_layout_of",
+]
 
 BUCKET = 8  # chunk lengths round up to a multiple of this (KDA / GLA sub-chunks are 8 rows)
 
@@ -323,9 +332,18 @@ def build_ragged_layout(
     )
 
 
+@dataclass(frozen=True)
+class RaggedLayoutTable(Table):
+    """The torch driver's :class:`RaggedLayout` of a batch on the chunk grid ``chunk_size``."""
+
+    chunk_size: int
+    state_dependent = True
+
+    def build(self, batch: TreeBatch) -> RaggedLayout:
+        return build_ragged_layout(batch, self.chunk_size, batch.state_out.get(self.chunk_size))
+
+
 def ragged_layout_of(batch: TreeBatch, chunk_size: int) -> RaggedLayout:
     """The :class:`RaggedLayout` of ``batch`` returning the states after ``batch.state_out[chunk_size]``,
     derived once per batch."""
-    return batch.cached(
-        ("ragged_layout", chunk_size), lambda b: build_ragged_layout(b, chunk_size, b.state_out.get(chunk_size))
-    )
+    return batch.cached(RaggedLayoutTable(chunk_size))

@@ -37,21 +37,18 @@ import numpy as np
 import torch
 
 from ..trees import chains, min_rounds, replay_length, tree_levels
-from .tree_batch import TreeBatch
+from .tree_batch import Table, TreeBatch
 
 __all__ = [
-    "REPLAY_KEY",
-    "ROUNDS_KEY",
     "GridTokens",
+    "ReplayTable",
     "Rounds",
+    "RoundsTable",
     "build_rounds",
     "context_replay_of",
     "input_table",
     "rounds_of",
 ]
-
-ROUNDS_KEY = "rounds"  # the table key of a batch's rounds: (ROUNDS_KEY, chunk_size)
-REPLAY_KEY = "context_replay"  # the table key of the context tokens its paths replay: (REPLAY_KEY, chunk_size)
 
 
 class GridTokens(NamedTuple):
@@ -323,15 +320,37 @@ def build_rounds(batch: TreeBatch, chunk_size: int) -> Rounds:
     )
 
 
+@dataclass(frozen=True)
+class RoundsTable(Table):
+    """The rounds of a batch on the chunk grid ``chunk_size``: the grid its linear layers' states
+    live on (``harts_hf.schedule`` hands states over on it)."""
+
+    chunk_size: int
+
+    def build(self, batch: TreeBatch) -> Rounds:
+        return build_rounds(batch, self.chunk_size)
+
+
+@dataclass(frozen=True)
+class ReplayTable(Table):
+    """The context tokens the paths on the chunk grid ``chunk_size`` replay (``Rounds.context_replay``)."""
+
+    chunk_size: int
+    context_subset = True
+
+    def build(self, batch: TreeBatch) -> torch.Tensor:
+        return rounds_of(batch, self.chunk_size).context_replay
+
+
 def rounds_of(batch: TreeBatch, chunk_size: int) -> Rounds:
     """The rounds of ``batch`` for ``chunk_size``, derived once per batch."""
-    return batch.cached((ROUNDS_KEY, chunk_size), lambda b: build_rounds(b, chunk_size))
+    return batch.cached(RoundsTable(chunk_size))
 
 
 def context_replay_of(batch: TreeBatch, chunk_size: int) -> torch.Tensor:
     """[R] the context tokens ``batch``'s paths replay (``Rounds.context_replay``), as a table of
     its own: the context subset a linear layer's handoff delivers."""
-    return batch.cached((REPLAY_KEY, chunk_size), lambda b: rounds_of(b, chunk_size).context_replay)
+    return batch.cached(ReplayTable(chunk_size))
 
 
 def input_table(own: torch.Tensor, ctx: torch.Tensor | None, num_replayed: int) -> torch.Tensor:

@@ -7,18 +7,20 @@ microbatch: those ancestors are its *context*. Layers read context through expli
 
 Index spaces: "combined" = ``cat([context, piece])`` (context first, both in DFS order);
 ``num_context`` = len(context). For a whole forest the context is empty and combined == piece.
-Per-kind structures (attention blocks, linear-attention rounds, conv gather tables) are built by
-the op modules through :meth:`TreeBatch.cached`, once per batch, not once per layer; each builder
-is kept, so ``harts_hf.schedule`` can build a model's tables for a new batch on the host before
-the model runs and move them to the device with :meth:`TreeBatch.to` (the layers then only read).
+Per-kind structures (attention blocks, linear-attention rounds, conv gather tables) are tables:
+each is named by a typed key, a :class:`Table` (a frozen dataclass of what it is built from, e.g.
+the chunk size), that builds it, and the op modules read them through :meth:`TreeBatch.cached`,
+once per batch, not once per layer. ``harts_hf.schedule`` builds the tables a model's layers
+declare on the host before the model runs and moves them to the device with :meth:`TreeBatch.to`;
+the layers then only read, and a layer reading a table nobody declared fails (:class:`MissingTable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -26,7 +28,40 @@ import torch
 from ..forest import RolloutForest, sorted_unique
 from ..trees import path_intervals
 
-__all__ = ["TreeBatch"]
+__all__ = ["MissingTable", "Table", "TreeBatch"]
+
+
+class Table:
+    """The typed key of one tree table of a batch, and its builder: subclasses are frozen
+    dataclasses whose fields are what the table is built from (a chunk size, a conv width), so two
+    keys are equal iff they name the same table. ``build`` may read the batch (and other tables, each
+    then built too) and the key's fields only: it runs on any batch, ahead of the layers."""
+
+    context_subset: ClassVar[bool] = False
+    """The table is [R] combined indices (ascending) of the context tokens one kind of layer reads:
+    the rows a unit's handoff delivers to it (a conv's halo, the tokens linear attention replays)."""
+    state_dependent: ClassVar[bool] = False
+    """The table depends on ``TreeBatch.state_out`` (:meth:`TreeBatch.with_state_out` drops it)."""
+
+    def build(self, batch: TreeBatch) -> Any:
+        raise NotImplementedError
+
+
+class MissingTable(LookupError):
+    """A layer read a table its batch does not hold, on a batch whose tables were built ahead.
+    ``call``: the kernel or attention call that read it, ``layer``: the module making that call
+    (filled in on the way up by the callers that know them, ``harts_hf.modeling``)."""
+
+    def __init__(self, table: Table, call: str | None = None, layer: str | None = None):
+        super().__init__(table, call, layer)
+        self.table, self.call, self.layer = table, call, layer
+
+    def __str__(self) -> str:
+        who = " of ".join(part for part in (self.call, self.layer) if part) or "a layer"
+        return (
+            f"{who} read the tree table {self.table}, which was not built before the model ran: its layer kind "
+            "does not declare it (the tables harts_hf.modeling.tables.model_tables finds for this model are wrong)"
+        )
 
 
 @dataclass(eq=False)
@@ -46,6 +81,9 @@ class TreeBatch:
         handoff: for a piece run by ``harts_hf.engine``, the object that gives each layer call its
             context inputs and keeps the boundary outputs later pieces read (the modeling kinds
             call it); None for a whole forest. Set on a per-run view (:meth:`with_handoff`).
+        built_ahead: the batch holds every table its model's layers declare (``harts_hf.schedule``
+            built them before the model runs): reading another raises :class:`MissingTable`
+            instead of building it while the model runs.
     """
 
     position: torch.Tensor
@@ -55,8 +93,8 @@ class TreeBatch:
     num_context: int = 0
     state_out: Mapping[int, np.ndarray] = field(default_factory=dict)
     handoff: Any = None
+    built_ahead: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
-    _builders: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_forest(
@@ -100,26 +138,26 @@ class TreeBatch:
     def device(self) -> torch.device:
         return self.position.device
 
-    def cached(self, key: Hashable, build: Callable[[TreeBatch], Any]) -> Any:
-        """``build(self)`` computed once per batch and key (e.g. ``("rounds", chunk_size)``).
-        ``build`` may read the batch and model constants only (it is replayed on other batches)."""
-        if key not in self._cache:
-            self._cache[key] = build(self)
-            self._builders[key] = build
-        return self._cache[key]
+    def cached(self, table: Table) -> Any:
+        """The ``table`` of this batch, built once (``table.build(self)``) on first use; on a batch
+        whose tables were built ahead (``built_ahead``) a table it lacks is an error."""
+        if table not in self._cache:
+            if self.built_ahead:
+                raise MissingTable(table)
+            self._cache[table] = table.build(self)
+        return self._cache[table]
 
     @property
-    def builders(self) -> dict[Hashable, Callable[[TreeBatch], Any]]:
-        """The tables built so far: key -> builder (what the layers that ran read)."""
-        return dict(self._builders)
+    def tables(self) -> frozenset[Table]:
+        """The tables built so far (what the layers that ran read, or what was built ahead)."""
+        return frozenset(self._cache)
 
-    def with_state_out(self, state_out: Mapping[int, np.ndarray], keep: tuple[Hashable, ...] = ()) -> TreeBatch:
-        """The same tokens returning the states after ``state_out``: new tables, but for the
-        ``keep`` ones, which do not depend on it (e.g. the rounds)."""
+    def with_state_out(self, state_out: Mapping[int, np.ndarray]) -> TreeBatch:
+        """The same tokens returning the states after ``state_out``: the tables built so far, but
+        for those that depend on it (``Table.state_dependent``)."""
         state_out = {int(c): np.asarray(t, dtype=np.int64) for c, t in state_out.items()}
-        cache = {key: self._cache[key] for key in keep if key in self._cache}
-        builders = {key: self._builders[key] for key in cache}
-        return dataclasses.replace(self, state_out=state_out, handoff=None, _cache=cache, _builders=builders)
+        cache = {table: value for table, value in self._cache.items() if not table.state_dependent}
+        return dataclasses.replace(self, state_out=state_out, handoff=None, _cache=cache)
 
     def with_handoff(self, handoff: Any) -> TreeBatch:
         """A view for one run of the engine: the same tables, this ``handoff``."""
@@ -129,12 +167,12 @@ class TreeBatch:
         """The batch and its tables on ``device`` (fields named ``*_cpu`` and numpy arrays stay)."""
         device = torch.device(device)
         if device == self.device:  # built where it runs (a CPU model): nothing to move
-            return dataclasses.replace(self, handoff=None, _cache=dict(self._cache), _builders=dict(self._builders))
+            return dataclasses.replace(self, handoff=None, _cache=dict(self._cache))
         memo: dict[int, Any] = {}
         move = lambda x: _to_device(x, device, memo)
         fields = {f: move(getattr(self, f)) for f in ("position", "prev", "global_index", "global_end")}
         cache = {key: move(value) for key, value in self._cache.items()}
-        return dataclasses.replace(self, **fields, handoff=None, _cache=cache, _builders=dict(self._builders))
+        return dataclasses.replace(self, **fields, handoff=None, _cache=cache)
 
 
 def _in_sorted(x: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:

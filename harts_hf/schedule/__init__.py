@@ -5,19 +5,19 @@
 - ``units.py``: :class:`Unit` (token ids, tree tables, log-prob pairs, handoff addresses) and
   the compilers: :func:`rank_units` (a rank's row of a plan) and :func:`forest_unit` (a whole
   forest, what ``tree_logprobs`` runs).
-- ``tables.py``: builds the tree tables a model's layers read on a host batch and moves them once.
+- ``tables.py``: builds the tree tables a model's layers declare on a host batch and moves them once.
 - ``rows.py``: :class:`TrajectoryRows`, pair values -> TRL's ``[B, max_len - 1]`` rows.
 """
 
 from .rows import TrajectoryRows
 from .schedule import Schedule
-from .tables import Builders, build_tables, chunk_sizes
+from .tables import Tables, build_tables, chunk_sizes
 from .units import Gather, Unit, forest_unit, handoff_rows, rank_units
 
 __all__ = [
-    "Builders",
     "Gather",
     "Schedule",
+    "Tables",
     "TrajectoryRows",
     "Unit",
     "build_tables",

@@ -10,7 +10,7 @@ compact tokens.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,7 @@ from ..forest import RolloutForest
 from ..planner.plan import Plan
 from ..planner.plan import plan as make_plan
 from .rows import TrajectoryRows
-from .tables import Builders
+from .tables import Tables
 from .units import Unit, forest_unit, rank_units
 
 __all__ = ["Schedule"]
@@ -40,7 +40,7 @@ class Schedule:
         num_pairs: per forest P_f.
         pair_index: per unit, the forest-order numbers of the pairs it produces.
         token_index: per unit, its compact tokens (device).
-        tables: the keys of the tree tables every unit carries (the model's builders).
+        tables: the tree tables every unit carries (those the model's layers declare).
         plan, rank: what it was compiled from (None for a whole forest's schedule).
     """
 
@@ -52,7 +52,7 @@ class Schedule:
     num_pairs: tuple[int, ...]
     pair_index: tuple[torch.Tensor, ...]
     token_index: tuple[torch.Tensor, ...]
-    tables: frozenset[Hashable]
+    tables: Tables
     plan: Plan | None
     rank: int
 
@@ -62,24 +62,24 @@ class Schedule:
         forests: Sequence[RolloutForest],
         plan: Plan,
         rank: int,
-        builders: Builders,
+        tables: Tables,
         device: torch.device,
         calls: int = 0,
     ) -> Schedule:
         """``rank``'s schedule of ``plan`` over ``forests`` on ``device``; ``calls``: at least this many
         model calls per pass (padding)."""
-        units = rank_units(list(forests), plan, rank, builders, device)
+        units = rank_units(list(forests), plan, rank, tables, device)
         owned = [np.asarray(t == rank) for t in plan.traj_rank]
-        return cls._assemble(forests, units, owned, builders, device, max(calls, len(units)), plan, rank)
+        return cls._assemble(forests, units, owned, tables, device, max(calls, len(units)), plan, rank)
 
     @classmethod
-    def whole(cls, forest: RolloutForest, builders: Builders, device: torch.device | str) -> Schedule:
+    def whole(cls, forest: RolloutForest, tables: Tables, device: torch.device | str) -> Schedule:
         """The one-unit schedule of a whole forest: every token and pair in one model call, no
         handoff, every trajectory owned (what ``tree_forward`` runs)."""
         device = torch.device(device)
-        units = [forest_unit(forest, builders, device)]
+        units = [forest_unit(forest, tables, device)]
         owned = [np.ones(forest.num_trajectories, dtype=bool)]
-        return cls._assemble([forest], units, owned, builders, device, 1, None, 0)
+        return cls._assemble([forest], units, owned, tables, device, 1, None, 0)
 
     @classmethod
     def _assemble(
@@ -87,7 +87,7 @@ class Schedule:
         forests: Sequence[RolloutForest],
         units: list[Unit],
         owned: list[np.ndarray],
-        builders: Builders,
+        tables: Tables,
         device: torch.device,
         calls: int,
         plan: Plan | None,
@@ -96,26 +96,26 @@ class Schedule:
         return cls(
             units=tuple(units),
             calls=calls,
-            padding=_padding_unit(builders, device) if calls > len(units) else None,
+            padding=_padding_unit(tables, device) if calls > len(units) else None,
             owned=tuple(torch.as_tensor(o, device=device) for o in owned),
             rows=tuple(TrajectoryRows.of(f, device) for f in forests),
             num_pairs=tuple(int((f.prev >= 0).sum()) for f in forests),
             pair_index=tuple(torch.as_tensor(forests[u.forest].pair_number[u.pairs], device=device) for u in units),
             token_index=tuple(torch.as_tensor(u.tokens, device=device) for u in units),
-            tables=frozenset(builders),
+            tables=frozenset(tables),
             plan=plan,
             rank=rank,
         )
 
-    def serves(self, plan: Plan, rank: int, builders: Builders, calls: int, device: torch.device) -> bool:
-        """Whether this is ``rank``'s schedule of ``plan`` for a model whose layers read the tables of
-        ``builders``, with at least ``calls`` model calls per pass, on ``device``: another pass over
-        the same plan (the reference model after the old policy) reuses it instead of compiling."""
+    def serves(self, plan: Plan, rank: int, tables: Tables, calls: int, device: torch.device) -> bool:
+        """Whether this is ``rank``'s schedule of ``plan`` for a model whose layers read ``tables``, with
+        at least ``calls`` model calls per pass, on ``device``: another pass over the same plan (the
+        reference model after the old policy) reuses it instead of compiling."""
         on = self.units[0].input_ids.device if self.units else None
         return (
             self.plan is plan
             and self.rank == rank
-            and self.tables == frozenset(builders)
+            and self.tables == frozenset(tables)
             and self.calls == max(calls, len(self.units))
             and on in (None, device)
         )
@@ -125,7 +125,7 @@ class Schedule:
         return [*self.units, *[self.padding] * (self.calls - len(self.units))]
 
 
-def _padding_unit(builders: Builders, device: torch.device) -> Unit:
+def _padding_unit(tables: Tables, device: torch.device) -> Unit:
     """A two-token chain in one unit: what a rank runs for a model call it has no unit for."""
     forest = RolloutForest.from_sequences([[0, 0]])
-    return rank_units([forest], make_plan(forest, world_size=1, max_tokens_per_microbatch=2), 0, builders, device)[0]
+    return rank_units([forest], make_plan(forest, world_size=1, max_tokens_per_microbatch=2), 0, tables, device)[0]

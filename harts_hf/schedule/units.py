@@ -22,10 +22,10 @@ import torch
 
 from ..checks import is_integer
 from ..forest import RolloutForest, sorted_unique
-from ..ops.rounds import ROUNDS_KEY, rounds_of
+from ..ops.rounds import rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .tables import Builders, build_tables, chunk_sizes, context_subsets
+from .tables import Tables, build_tables, chunk_sizes, context_subsets
 
 __all__ = ["Gather", "Unit", "forest_unit", "handoff_rows", "rank_units"]
 
@@ -60,9 +60,9 @@ class Unit:
         batch: its tree metadata and tables (device; context = the ancestors that ran in earlier
             units; ``state_out`` = its states later units start from).
         exports: [X] own compact indices that later units read as context (sorted).
-        export_rows: per context subset (None: all context rows; a table key naming a subset: a
-            conv's halo ``(CONV_HALO_KEY, W)``, the tokens linear attention replays
-            ``(REPLAY_KEY, C)``), the rows among its own tokens later units read for it (device;
+        export_rows: per context subset (None: all context rows; a table holding a subset: a
+            conv's halo ``ConvHaloTable(W)``, the tokens linear attention replays
+            ``ReplayTable(C)``), the rows among its own tokens later units read for it (device;
             absent: none).
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
             j is computed on this rank: the (predictor, target) log-probs this call produces.
@@ -119,7 +119,7 @@ def _unit(
     exports: dict[Hashable, np.ndarray],
     context: dict[Hashable, Gather],
     states: dict[int, Gather],
-    builders: Builders,
+    builders: Tables,
     device: torch.device,
 ) -> Unit:
     as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)
@@ -140,7 +140,7 @@ def _unit(
     )
 
 
-def forest_unit(forest: RolloutForest, builders: Builders, device: torch.device | str) -> Unit:
+def forest_unit(forest: RolloutForest, builders: Tables, device: torch.device | str) -> Unit:
     """The one unit of a whole forest (every token, every pair, no handoff)."""
     tokens = np.arange(forest.num_compact_tokens)
     batch = TreeBatch.from_forest(forest)
@@ -150,7 +150,7 @@ def forest_unit(forest: RolloutForest, builders: Builders, device: torch.device 
 
 
 def rank_units(
-    forests: list[RolloutForest], plan: Plan, rank: int, builders: Builders, device: torch.device | str
+    forests: list[RolloutForest], plan: Plan, rank: int, builders: Tables, device: torch.device | str
 ) -> list[Unit]:
     """The compiled units of ``rank``'s row of ``plan``; refuses a plan whose context tokens were
     not computed in an earlier slot of the same rank (the engine never reads another rank's
@@ -187,7 +187,7 @@ def rank_units(
     contexts: list[dict[Hashable, Gather]] = [{} for _ in calls]
     for key in [None, *context_subsets(builders)]:
         reads = [
-            context if key is None else batch.global_index[batch.cached(key, builders[key])].numpy()
+            context if key is None else batch.global_index[batch.cached(key)].numpy()
             for _, _, _, batch, context in calls
         ]
         kept, sources = handoff_rows(forests, own, reads)
@@ -224,9 +224,7 @@ def rank_units(
             slot,
             f,
             forests[f],
-            batch.with_state_out(state_out[i], keep=tuple((ROUNDS_KEY, C) for C in state_out[i]))
-            if state_out[i]
-            else batch,
+            batch.with_state_out(state_out[i]) if state_out[i] else batch,
             tokens,
             pairs_of[i],
             exports[i],

@@ -25,17 +25,19 @@ from collections.abc import Callable
 
 import torch
 
-from ...chunking import CHUNK_SIZE
-from ..backends import register
+from ..backends import Call, register
 from ..gated_delta import tree_gated_delta_rule_torch
 from ..gla import tree_gla_torch, tree_simple_gla_torch
 from ..kda import tree_kda_torch
+from ..linear_attention import grid_tables
+from ..tree_batch import Table
 from . import _compat as fla
 from .common import BT as FLA_CHUNK
 from .delta import DeltaChunkOp
 from .diagonal import DiagonalChunkOp
 from .driver import run_waves
 from .public_ops import SEGMENT_OPS
+from .waves import WavesTable
 
 __all__ = [
     "FLA_CHUNK",
@@ -80,16 +82,17 @@ def fla_available() -> bool:
     return _importable() and (interpreting() or torch.cuda.is_available())
 
 
-def runs_on(tensor: torch.Tensor) -> bool:
-    """fla's kernels can take ``tensor``: on CUDA, or anywhere under the interpreter."""
-    return tensor.is_cuda or interpreting()
+def runs_on(device: torch.device) -> bool:
+    """fla's kernels can take tensors on ``device``: CUDA, or anywhere under the interpreter."""
+    return device.type == "cuda" or interpreting()
 
 
-def _accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, chunk_size: int = CHUNK_SIZE, **kwargs) -> bool:
+def _accepts(call: Call) -> bool:
     """fla's chunk grid, and on a GPU head dims its kernels' ``tl.dot`` tiles take (Jamba's Mamba v1
     runs as GLA with V = 1: the torch backend serves it)."""
-    dims_fit = not q.is_cuda or min(q.shape[-1], v.shape[-1]) >= MIN_GPU_HEAD_DIM
-    return runs_on(q) and chunk_size % FLA_CHUNK == 0 and dims_fit
+    on_gpu = call.device.type == "cuda"
+    dims_fit = not on_gpu or min(call.key_dim, call.value_dim) >= MIN_GPU_HEAD_DIM
+    return runs_on(call.device) and call.chunk_size % FLA_CHUNK == 0 and dims_fit
 
 
 # Kinds whose backward runs fla's gated ``chunk_bwd_dqkwg``, which fla 0.6.0 refuses on Hopper with
@@ -110,17 +113,25 @@ def fla_refuses_gated_backward() -> bool:
     return refuses
 
 
-def _accepts_kind(kind: str) -> Callable[..., bool]:
+def _accepts_kind(kind: str) -> Callable[[Call], bool]:
     """:func:`_accepts`, and for :data:`GATED_DQKWG_KINDS` a Triton fla runs them correctly with."""
     gated = kind in GATED_DQKWG_KINDS
-    return lambda q, *args, **kwargs: (
-        _accepts(q, *args, **kwargs) and not (gated and q.is_cuda and fla_refuses_gated_backward())
-    )
+    return lambda call: _accepts(call) and not (gated and call.device.type == "cuda" and fla_refuses_gated_backward())
+
+
+def _cut(kind: str) -> bool:
+    """Whether ``kind`` runs the cut layout (``WAVES_LAYOUT``)."""
+    return WAVES_LAYOUT[kind] == "cut"
+
+
+def _tables(kind: str) -> Callable[[Call], tuple[Table, ...]]:
+    """The tables :func:`.driver.run_waves` reads for ``kind``."""
+    return lambda call: (*grid_tables(call), WavesTable(call.chunk_size, _cut(kind)))
 
 
 @functools.cache
 def _announce(kind: str) -> None:
-    if WAVES_LAYOUT[kind] == "cut":
+    if _cut(kind):
         logger.info("harts-hf: fla %s uses the cut layout (exact, extra sequential waves)", kind)
 
 
@@ -142,14 +153,16 @@ def _fla_kind(kind: str, torch_fn: Callable, prepare: Callable[[Arguments], Argu
         a["scale"] = a["k"].shape[-1] ** -0.5 if a["scale"] is None else a["scale"]
         a.setdefault("beta", None)
         _announce(kind)
-        cut = WAVES_LAYOUT[kind] == "cut"
+        cut = _cut(kind)
         kernel = functools.partial((SEGMENT_OPS if cut else ROUNDS_OPS)[kind], l2=l2)
         return run_waves(kernel, batch, chunk_size, cut=cut, **a)
 
     tree_op_fla.__name__ = tree_op_fla.__qualname__ = torch_fn.__name__.removesuffix("_torch") + "_fla"
     tree_op_fla.__doc__ = f"fla backend of the ``{kind}`` tree op (arguments: :func:`{torch_fn.__name__}`)."
     tree_op_fla.__signature__ = signature
-    return register(kind, "fla", available=fla_available, accepts=_accepts_kind(kind))(tree_op_fla)
+    return register(kind, "fla", tables=_tables(kind), available=fla_available, accepts=_accepts_kind(kind))(
+        tree_op_fla
+    )
 
 
 def _per_token_decay(a: Arguments) -> Arguments:

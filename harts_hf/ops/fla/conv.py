@@ -11,8 +11,8 @@ halo tokens of the context supply them in a piece), gathered as fla's ``initial_
 [S, D, W] (slot 0 unused, slot c = the (W-c)-th ancestor); fla's backward returns its gradient
 (dh0), which autograd scatters into the ancestors' rows of x and ``context_x``.
 
-Per call, a *fragmented* batch (mean run shorter than ``GATHER_BELOW_MEAN_RUN`` tokens) runs
-the torch gather (``..conv``) instead: fla gives each run at least one 64-token program and
+A *fragmented* batch (mean run shorter than ``GATHER_BELOW_MEAN_RUN`` tokens) runs the torch
+gather (``..conv``) instead (its runs table is None, and building it builds the gather table): fla gives each run at least one 64-token program and
 the initial-state gather copies W-1 rows per run (as many as x holds, or more), while the
 gather's W index passes do not depend on the tree's shape. Agentic and GRPO trees have runs of hundreds
 of tokens and take the fla kernel; 16 is an estimate, timed by ``scripts/gpu_check.py``.
@@ -30,12 +30,20 @@ import torch
 from transformers.activations import ACT2FN
 
 from ..backends import register
-from ..conv import check_conv_args, local_rows, tree_causal_conv1d_torch
-from ..tree_batch import TreeBatch
+from ..conv import ConvGatherTable, ConvHaloTable, check_conv_args, local_rows, tree_causal_conv1d_torch
+from ..tree_batch import Table, TreeBatch
 from . import _compat as fla
 from .backend import fla_available, runs_on
 
-__all__ = ["GATHER_BELOW_MEAN_RUN", "Runs", "runs_of", "mean_run", "tree_causal_conv1d_fla", "uses_gather"]
+__all__ = [
+    "GATHER_BELOW_MEAN_RUN",
+    "Runs",
+    "RunsTable",
+    "mean_run",
+    "runs_of",
+    "tree_causal_conv1d_fla",
+    "uses_gather",
+]
 
 GATHER_BELOW_MEAN_RUN = 16.0
 _FLA_ACTIVATIONS = ("silu", "swish")
@@ -57,16 +65,34 @@ class Runs:
     halo: torch.Tensor
 
 
-def _run_starts(batch: TreeBatch) -> torch.Tensor:
-    """[S] combined index of every run's first token (module docstring), derived once per batch."""
+@dataclass(frozen=True)
+class RunStartsTable(Table):
+    """[S] combined index of every run's first token (module docstring)."""
 
-    def build(b: TreeBatch) -> torch.Tensor:
-        own = torch.arange(b.num_context, b.prev.numel(), device=b.device)
-        starts = b.prev[b.num_context :] != own - 1
+    def build(self, batch: TreeBatch) -> torch.Tensor:
+        own = torch.arange(batch.num_context, batch.prev.numel(), device=batch.device)
+        starts = batch.prev[batch.num_context :] != own - 1
         starts[0] = True  # the piece's first token starts a run even under a context parent
         return own[starts]
 
-    return batch.cached(("fla_conv_run_starts",), build)
+
+@dataclass(frozen=True)
+class RunsTable(Table):
+    """The :class:`Runs` of a width-``width`` conv; None for a fragmented batch (:func:`uses_gather`),
+    whose calls run the torch gather: its table is built with this one."""
+
+    width: int
+
+    def build(self, batch: TreeBatch) -> Runs | None:
+        if uses_gather(batch):
+            batch.cached(ConvGatherTable(self.width))
+            return None
+        return _build(batch, self.width)
+
+
+def _run_starts(batch: TreeBatch) -> torch.Tensor:
+    """[S] combined index of every run's first token (module docstring), derived once per batch."""
+    return batch.cached(RunStartsTable())
 
 
 def _build(batch: TreeBatch, width: int) -> Runs:
@@ -83,9 +109,9 @@ def _build(batch: TreeBatch, width: int) -> Runs:
     return Runs(cu, cu.cpu(), local_rows(batch, width, halo))
 
 
-def runs_of(batch: TreeBatch, width: int) -> Runs:
-    """The runs of ``batch`` for conv width ``width``, derived once per batch."""
-    return batch.cached(("fla_conv_runs", width), lambda b: _build(b, width))
+def runs_of(batch: TreeBatch, width: int) -> Runs | None:
+    """The runs of ``batch`` for conv width ``width`` (None: fragmented), derived once per batch."""
+    return batch.cached(RunsTable(width))
 
 
 def mean_run(batch: TreeBatch) -> float:
@@ -105,7 +131,13 @@ def _initial_states(src: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
     return torch.cat((rows.new_zeros(rows.shape[0], 1, rows.shape[2]), rows), dim=1).transpose(1, 2).contiguous()
 
 
-@register("conv", "fla", available=fla_available, accepts=lambda x, *args, **kwargs: runs_on(x))
+@register(
+    "conv",
+    "fla",
+    tables=lambda call: (ConvHaloTable(call.width), RunsTable(call.width)),
+    available=fla_available,
+    accepts=lambda call: runs_on(call.device),
+)
 def tree_causal_conv1d_fla(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -117,9 +149,9 @@ def tree_causal_conv1d_fla(
 ) -> torch.Tensor:
     """fla backend of :func:`harts_hf.ops.tree_causal_conv1d` (same arguments and result)."""
     check_conv_args(x, weight, bias, batch, context_x, activation)
-    if uses_gather(batch):
-        return tree_causal_conv1d_torch(x, weight, bias, batch, activation=activation, context_x=context_x)
     runs = runs_of(batch, weight.shape[1])
+    if runs is None:  # fragmented
+        return tree_causal_conv1d_torch(x, weight, bias, batch, activation=activation, context_x=context_x)
     xw = x.to(weight.dtype)  # [N, D], computed in weight's dtype like the torch backend
     src = xw if context_x is None else torch.cat((context_x.to(weight.dtype), xw))  # [H + N, D]
     in_kernel = activation if activation in _FLA_ACTIVATIONS else None

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from ..rounds import Rounds, rounds_of
-from ..tree_batch import TreeBatch
+from ..tree_batch import Table, TreeBatch
 from .common import BT
 
-__all__ = ["BankRows", "ChunkSteps", "Wave", "Waves", "waves_of"]
+__all__ = ["BankRows", "ChunkSteps", "Wave", "Waves", "WavesTable", "waves_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -247,6 +247,18 @@ def build_waves(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
     return Waves(waves, torch.as_tensor(own_index, device=device), rounds, source, row, out)
 
 
+@dataclass(frozen=True)
+class WavesTable(Table):
+    """The fla backend's :class:`Waves` of a batch on the chunk grid ``chunk_size`` (``cut``: the cut layout)."""
+
+    chunk_size: int
+    cut: bool
+    state_dependent = True
+
+    def build(self, batch: TreeBatch) -> Waves:
+        return build_waves(batch, self.chunk_size, self.cut)
+
+
 def waves_of(batch: TreeBatch, chunk_size: int, cut: bool) -> Waves:
     """The waves of ``batch`` (module docstring), derived once per batch and layout."""
-    return batch.cached(("fla_waves", chunk_size, cut), lambda b: build_waves(b, chunk_size, cut))
+    return batch.cached(WavesTable(chunk_size, cut))
