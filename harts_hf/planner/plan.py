@@ -172,25 +172,16 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
     return out
 
 
-def _context_tokens(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
-    """[num_mb] context tokens of every microbatch: the union of its entries' root paths,
-    intersected with the rank's pieces."""
+def _context_tokens(geo: Geometry, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
+    """[num_mb] context tokens of every microbatch: the union of its entries' root paths (computed
+    in earlier slots, of its own rank or, handed over, of another)."""
     which, lo, hi = geo.path_intervals(entry)
     mb = entry_mb[which]
     stride = geo.num_tokens + 1
     key, inv = np.unique(mb * stride + lo, return_inverse=True)  # one interval per (microbatch, node)
     top = np.zeros(key.size, dtype=np.int64)
     np.maximum.at(top, inv, hi)
-    mb, lo, hi = key // stride, key % stride, top
-    rank = mb // pieces.num_slots
-    p_lo, p_hi, p_span = pieces.keys()
-    k1 = np.searchsorted(p_hi, rank * p_span + lo, side="right")
-    k2 = np.searchsorted(p_lo, rank * p_span + hi, side="left")
-    n = k2 - k1
-    src = pieces.by_token[np.repeat(k1, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
-    dst = np.repeat(mb, n)
-    count = np.minimum(np.repeat(hi, n), pieces.hi[src]) - np.maximum(np.repeat(lo, n), pieces.lo[src])
-    return np.bincount(dst, weights=count, minlength=num_mb).astype(np.int64)
+    return np.bincount(key // stride, weights=top - key % stride, minlength=num_mb).astype(np.int64)
 
 
 def _replay(
@@ -303,7 +294,7 @@ def build_plan(
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    context = _context_tokens(geo, pieces, entry, entry_mb, num_mb)
+    context = _context_tokens(geo, entry, entry_mb, num_mb)
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)
