@@ -12,7 +12,7 @@ call once without grad, keeping its boundary values (inputs at the rows later un
 at their chunk-aligned restarts), except the last, which runs with grad and keeps its graph. The
 loss is applied to the complete per-trajectory log-probs (so sequence-level objectives such as
 GSPO's see whole trajectories); its gradients w.r.t. them then flow back through the calls in
-reverse slot order: the kept call first, from its graph, then every other unit rerun with grad,
+reverse call order: the kept call first, from its graph, then every other unit rerun with grad,
 each backpropagating its log-prob gradients plus the boundary gradients its consumers sent and
 sending its own context gradients to its producers. Every unit is backpropagated once; at most one
 graph is alive, so peak activation memory is one microbatch's (plus the boundary values), at the
@@ -21,6 +21,15 @@ price of one extra forward per token of every unit but the last (none for a plan
 gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd graph) are three
 doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
+
+Between ranks: a unit may read its context from a unit of another rank (an earlier slot): the
+producer's rank sends the rows after its call and the reader's rank receives them at the same call
+index (calls align by slot), and the replay sends their gradients back after the reader's rerun
+(:mod:`.exchange`; point to point over the default process group, whose ranks are the plan's).
+A pair whose predictor another rank computes is computed there, so the pair values, and their
+gradients, are then summed over ranks (each pair on one home rank) at the end of the recording and
+the start of the replay. Plans without cross-rank handoffs exchange nothing: ranks share only
+gradients, through the wrapper.
 
 Data parallel: each unit's model call can run as the forward of the wrapper the caller trains
 (``forward``), so DDP / FSDP2 see ordinary forward and backward passes, and every backward pass but
@@ -97,7 +106,8 @@ class TreeEngine:
         no_sync: a context in which backward passes skip the wrapper's gradient sync (e.g.
             ``lambda: accelerator.no_sync(wrapped)``): every backward pass but the last runs in it.
         calls: the model calls every pass makes, at least: a rank with fewer units runs padding
-            calls (a two-token chain whose gradient is zero) after its units, so that a wrapper
+            calls (a two-token chain whose gradient is zero) after its units (and, where the plan
+            hands context between ranks, inside slots, so that every slot starts at one call), so that a wrapper
             whose every call is collective (FSDP2 gathers the parameters in each, DDP syncs in the
             last) sees as many on every rank.
         schedule: an earlier engine's :class:`~harts_hf.schedule.Schedule`, reused where it is

@@ -1,4 +1,4 @@
-"""Handoffs: what a unit gives the later units of its rank, and the gradients they send back.
+"""Handoffs: what a unit gives later units, and the gradients they send back.
 
 Every tree-aware layer call of a unit (``modeling/kinds.py``, ``modeling/attention.py``) asks the
 unit's :class:`Handoff` (the :class:`~harts_hf.modeling.calls.LayerHandoff` its tree kwarg carries)
@@ -9,10 +9,13 @@ and state address is compiled with the unit (``harts_hf.schedule.units``). A cal
 ``(module, kind, n)`` by the view its module takes when its forward starts (``calls.called_by``),
 so gradient checkpointing's recomputation, which reruns the same forwards, finds the same names.
 
-Recording (no grad) stores detached values in the rank's :class:`Store`. In the backward pass a
-unit reruns with grad: the context it reads are fresh leaves over the stored values, whose
-gradients go back to their producers; its own exports are kept live so the engine can
-backpropagate the gradients its consumers sent.
+Recording (no grad) stores detached values in the rank's :class:`Store`, by the producing unit's
+step-wide number; a unit of another rank reaches them through the block its rank is sent
+(``harts_hf.engine.exchange``), stored under the producer's number too, so a unit gathers its
+context the same way whichever rank kept it. In the backward pass a unit reruns with grad: the
+context it reads are fresh leaves over the stored values, whose gradients go back to their
+producers (through the exchange for another rank's); its own exports are kept live so the engine
+can backpropagate the gradients its consumers sent.
 
 Legend: Nc context tokens, X export rows, E external states, S state exports, C chunk size.
 """

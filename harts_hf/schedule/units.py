@@ -8,6 +8,14 @@ and each boundary state it reads, and which of its own rows and states later uni
 moved to the device before the model runs. ``tree_logprobs`` runs the one-unit case
 (:func:`forest_unit`).
 
+Handoffs may cross ranks: a unit reads a context token from its own rank's unit that computes it,
+else from a unit of another rank in an earlier slot (never the same slot: that is context
+parallelism). The addresses are resolved over every rank's units (:func:`handoff_rows`: every rank
+compiles the same answer) and seen from this rank by ``crossrank.py``: the blocks its units send
+and receive, by call. Units are numbered over the step (:attr:`Unit.number`), the name their kept
+values go by on every rank. With cross-rank handoffs, calls align by slot across ranks, and a pair
+whose predictor another rank computes is computed there (the predictor's hidden state is there).
+
 Legend: N a unit's own tokens, Nc its context tokens, P pairs (non-root compact tokens),
 X export rows, E external states, C a linear-attention chunk size.
 """
@@ -68,7 +76,8 @@ class Unit:
             ``(REPLAY_KEY, C)``), the rows among its own tokens later units read for it (device;
             absent: none).
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
-            j is computed on this rank: the (predictor, target) log-probs this call produces.
+            j is computed on this rank, or read from this unit by another rank's: the
+            (predictor, target) log-probs this call produces.
         pair_rows: [p] row of each predictor in the call's own hidden states (device).
         targets: [p] the pairs' target token ids (device).
         context: per context subset, where its rows are kept (absent: none).
