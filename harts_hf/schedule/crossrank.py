@@ -104,8 +104,9 @@ def rank_view(
     """``handoff_rows``' answer (``kept`` per unit, ``sources`` [2, r] per unit) seen from ``rank``:
     a producer of another rank is reached through the block of its kept rows that the consumer's
     rank reads (sorted rows), so reads of it are renumbered into that block; ``world`` ranks."""
-    consumer = np.concatenate([np.full(s.shape[1], i, dtype=np.int64) for i, s in enumerate(sources)] or [[]])
-    producer, row = (np.concatenate([s[k] for s in sources] or [[]]).astype(np.int64) for k in (0, 1))
+    none = np.zeros(0, dtype=np.int64)
+    consumer = np.concatenate([none, *(np.full(s.shape[1], i, dtype=np.int64) for i, s in enumerate(sources))])
+    producer, row = (np.concatenate([none, *(s[k] for s in sources)]) for k in (0, 1))
     remote = ranks[producer] != ranks[consumer]
     p, q, c, r = producer[remote], ranks[consumer[remote]], consumer[remote], row[remote]
     stride = max((k.size for k in kept), default=0) + 1

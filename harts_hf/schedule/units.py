@@ -83,7 +83,8 @@ class Unit:
         context: per context subset, where its rows are kept (absent: none).
         states: per chunk size C, where its E external states are kept (absent: E = 0).
         number: its number among the step's units (every rank's, rank by rank, each in call
-            order): the name its kept values go by, on every rank.
+            order; without cross-rank handoffs, among its rank's): the name its kept values go by,
+            on every rank.
         sends: per rank of units that read it, per subset (a context subset or ``(ROUNDS_KEY, C)``
             for the states on grid C), the rows of what it keeps that it sends there (device).
     """
@@ -105,34 +106,54 @@ class Unit:
     sends: dict[int, dict[Hashable, torch.Tensor]] = field(default_factory=dict)
 
 
+ProducerIndex = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None]
+"""Per forest, the units computing its tokens, sorted two ways: by (rank, token) and by (token,
+slot, rank): keys and units of each (:func:`producer_index`)."""
+
+
+def producer_index(
+    forests: list[RolloutForest], units: list[tuple[int, np.ndarray]], ranks: np.ndarray, slots: np.ndarray
+) -> ProducerIndex:
+    """Which unit computes each token: on each rank (a rank computes a token once), and first over
+    ranks (by slot, then rank); built once per step, read by every :func:`handoff_rows`."""
+    out: ProducerIndex = []
+    for f, forest in enumerate(forests):
+        mine = [i for i, (g, _) in enumerate(units) if g == f]
+        if not mine:
+            out.append(None)
+            continue
+        unit = np.concatenate([np.full(units[i][1].size, i, dtype=np.int64) for i in mine])
+        token = np.concatenate([units[i][1] for i in mine])
+        local_key = ranks[unit] * forest.num_compact_tokens + token
+        local = np.argsort(local_key)
+        first = np.lexsort((ranks[unit], slots[unit], token))
+        out.append((local_key[local], unit[local], token[first], unit[first]))
+    return out
+
+
 def handoff_rows(
     forests: list[RolloutForest],
     units: list[tuple[int, np.ndarray]],
     reads: list[np.ndarray],
     ranks: np.ndarray,
     slots: np.ndarray,
+    producers: ProducerIndex | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Who hands what to whom: ``units`` are (forest, own compact indices) of the step's units (every
     rank's), ``ranks`` and ``slots`` [U] where each runs, ``reads`` the compact indices each reads
-    from earlier slots. A unit reads a token from the unit of its own rank that computes it, else
-    from the first unit (by slot, then rank) of another rank that computes it; either must run in an
-    earlier slot (a producer on another rank in the same slot would need context parallelism inside
-    the slot: refused). Per unit: its own tokens that some unit reads (sorted: the rows of what it
-    keeps), and [2, r] for each token it reads, the unit holding it and its row there."""
+    from earlier slots (``producers``: their :func:`producer_index`, if built). A unit reads a token
+    from the unit of its own rank that computes it, else from the first unit (by slot, then rank) of
+    another rank that computes it; either must run in an earlier slot (a producer on another rank in
+    the same slot would need context parallelism inside the slot: refused). Per unit: its own tokens
+    that some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads,
+    the unit holding it and its row there."""
+    producers = producer_index(forests, units, ranks, slots) if producers is None else producers
     source = [np.zeros(0, dtype=np.int64) for _ in units]
-    for f, forest in enumerate(forests):
-        mine = [i for i, (g, _) in enumerate(units) if g == f]
-        if not mine:
-            continue
-        unit = np.concatenate([np.full(units[i][1].size, i, dtype=np.int64) for i in mine])
-        token = np.concatenate([units[i][1] for i in mine])
-        n = forest.num_compact_tokens
-        local = np.argsort(ranks[unit] * n + token)  # a rank computes a token once
-        first = np.lexsort((ranks[unit], slots[unit], token))  # per token, its earliest unit first
-        for i in mine:
-            read = reads[i]
-            here = _lookup(ranks[unit[local]] * n + token[local], unit[local], ranks[i] * n + read)
-            source[i] = np.where(here >= 0, here, _lookup(token[first], unit[first], read))
+    for i, ((f, _), read) in enumerate(zip(units, reads)):
+        if read.size:
+            local_key, local_unit, first_token, first_unit = producers[f]
+            here = _lookup(local_key, local_unit, ranks[i] * forests[f].num_compact_tokens + read)
+            source[i] = np.where(here >= 0, here, _lookup(first_token, first_unit, read))
             _check_producers(forests, units, ranks, slots, i, read, source[i])
     none = np.zeros(0, dtype=np.int64)
     producer, read = np.concatenate([none, *source]), np.concatenate([none, *reads])
@@ -229,10 +250,27 @@ class _Call(NamedTuple):
     context: np.ndarray  # its context tokens (compact indices)
 
 
-def _step_calls(forests: list[RolloutForest], plan: Plan) -> list[_Call]:
-    """Every rank's calls, rank by rank, each in call order (slots; forests in order within one)."""
-    calls: list[_Call] = []
+def crosses_ranks(forests: list[RolloutForest], plan: Plan) -> bool:
+    """Whether some unit of ``plan`` reads context another rank computes: whether a parent of its
+    tokens outside it is computed on another rank only (its farther ancestors then follow: each is
+    in the parent's unit or read by it). Cheap (no batch is built): a plan without cross-rank
+    handoffs compiles one rank's units only."""
     for rank in range(plan.world_size):
+        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
+        pieces = [plan.microbatch(rank, slot) for slot in range(plan.num_slots)]
+        for f, tokens in (entry for slot in pieces for entry in slot):
+            computed[f][tokens] = True
+        for f, tokens in (entry for slot in pieces for entry in slot):
+            parent = forests[f].prev[tokens]
+            if not computed[f][parent[parent >= 0]].all():
+                return True
+    return False
+
+
+def _step_calls(forests: list[RolloutForest], plan: Plan, ranks: range) -> list[_Call]:
+    """The calls of ``ranks``, rank by rank, each in call order (slots; forests in order within one)."""
+    calls: list[_Call] = []
+    for rank in ranks:
         computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
         for slot in range(plan.num_slots):
             first = len(calls)
@@ -344,12 +382,14 @@ def compile_rank(
     if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     device = torch.device(device)
-    calls = _step_calls(forests, plan)
+    # Without cross-rank handoffs a rank's addresses are its own units' business: compile those only.
+    cross = crosses_ranks(forests, plan)
+    calls = _step_calls(forests, plan, range(plan.world_size) if cross else range(rank, rank + 1))
     ranks, slots = (np.array([c[k] for c in calls], dtype=np.int64) for k in (0, 1))
     own = [(c.forest, c.tokens) for c in calls]
-    _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots)
-    aligned = any((ranks[s[0]] != ranks[i]).any() for i, s in enumerate(sources))
-    call = _call_index(calls, aligned)
+    producers = producer_index(forests, own, ranks, slots)
+    _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots, producers)
+    call = _call_index(calls, cross)
     # The units whose reads decide this rank's addresses: its own, and every reader of a unit that
     # this rank's units are or read from (a producer's kept rows are what all its readers read).
     mine = np.flatnonzero(ranks == rank)
@@ -368,7 +408,7 @@ def compile_rank(
     def hand_off(subset: Hashable, read_of) -> list[np.ndarray]:
         """One subset's handoffs (``read_of(call)``: its reads); returns every unit's kept tokens."""
         reads = [read_of(calls[i]) if i in relevant_set else none for i in range(len(calls))]
-        kept, found = handoff_rows(forests, own, reads, ranks, slots)
+        kept, found = handoff_rows(forests, own, reads, ranks, slots, producers)
         view = rank_view(kept, found, ranks, slots, rank, plan.world_size)
         for g, i in local.items():
             if reads[g].size:
@@ -449,9 +489,9 @@ def compile_rank(
             device,
         )
         units.append(dataclasses.replace(unit, number=int(g), sends=sends[i]))
-    width = int(call[ranks == rank].max(initial=-1)) + 1 if not aligned else int(call.max(initial=-1)) + 1
+    width = int(call[ranks == rank].max(initial=-1)) + 1 if not cross else int(call.max(initial=-1)) + 1
     order = [-1] * width
     for i, g in enumerate(mine):
         order[call[g]] = i
-    home = _pair_homes(forests, calls, boundary, ranks, rank) if aligned else None
+    home = _pair_homes(forests, calls, boundary, ranks, rank) if cross else None
     return RankUnits(units, tuple(order), Transfers.of(transfers), exchange, home)
