@@ -113,6 +113,9 @@ class TreeEngine:
         schedule: an earlier engine's :class:`~harts_hf.schedule.Schedule`, reused where it is
             ``rank``'s of this ``plan`` and serves this model (the same tables, calls and device);
             compiled afresh otherwise.
+
+    ``exchanged_bytes``: the bytes of cross-rank handoffs this rank has sent ("values" in the
+    recordings, "grads" in the replays), summed over its passes (0 for a plan without them).
     """
 
     def __init__(
