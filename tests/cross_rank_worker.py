@@ -2,6 +2,7 @@
 hand-built plans whose units read context, conv halos, recurrent states and replay inputs from
 units of other ranks; rank 0 saves, per case, the log-probs and SGD parameter gradients summed
 over ranks, the single-process engine's and the unpatched model's (trajectory by trajectory).
+Under autocast (bf16) the single-process reference runs the same units on one rank.
 
 Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.
 """
@@ -67,6 +68,9 @@ def prompt_forest(rng: np.random.Generator) -> list[list[int]]:
     return [prompt + a, prompt + a[:5] + seg(4), prompt + b, prompt + b + seg(20), prompt + c, prompt + [a[0]], seg(7)]
 
 
+ONE_RANK = {"chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1)}
+"""The same units on one rank, where every slot holds one piece (the autocast case's reference)."""
+
 PLANS = {
     # name -> (world size, forest kind, plan of the forest)
     "chain3": (3, "family", lambda f: chain_plan(f, [50, 85], [0, 1, 2], 3)),
@@ -122,7 +126,9 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         seen.append(lps[0].detach())
         return loss_fn([torch.where(own[:, None], lps[0], others)])
 
-    engine.backward(loss)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=wrapper == "autocast")
+    with autocast:
+        engine.backward(loss)
     lp = torch.where(own[:, None], seen[0], 0.0)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
     dist.all_reduce(lp)
@@ -140,9 +146,10 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         p.grad = None
     oracle = as_layout([lp for lp, _ in trajectory_logprobs(model, seqs)], width)
     ref = torch.autograd.grad(loss_fn([oracle]), params, allow_unused=True)
-    single = TreeEngine(model, forest)
-    single_lp = single.logprobs()[0]
-    single.backward(loss_fn)
+    single = TreeEngine(model, forest, ONE_RANK[plan_name](forest) if wrapper == "autocast" else None)
+    with autocast:
+        single_lp = single.logprobs()[0]
+        single.backward(loss_fn)
     torch.save(
         {
             "logprobs": lp,

@@ -6,7 +6,8 @@ rows) and refuses a same-slot one; under ``torchrun`` (gloo, CPU; ``cross_rank_w
 the log-probs and parameter gradients summed over ranks equal the single-process engine's and the
 unpatched model's run trajectory by trajectory, for hand-built plans (a chain in pieces over 2 and
 3 ranks, a shared prompt computed once and its subtrees on other ranks), under gradient
-checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in the last backward).
+checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in the last backward); under
+bf16 autocast they equal the same units run on one rank.
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ def _check(out, cases) -> list[str]:
         saved = torch.load(out / f"{family}-{plan_name}-{wrapper}.pt")
         got = (saved["logprobs"], saved["grads"])
         assert saved["transfers"] > 0 and saved["bytes"][0] > 0 and saved["bytes"][1] > 0
-        _assert_same(saved["oracle"], got)
-        _assert_same(saved["single"], got)
+        if wrapper == "autocast":  # bf16 K/V etc. on the wire: the same units on one rank, to fp32 summation order
+            _assert_same(saved["single"], got, tol=1e-5)
+        else:
+            _assert_same(saved["oracle"], got)
+            _assert_same(saved["single"], got)
         assert float(saved["grads"][0].abs().max()) > 0
         report.append(f"{case}: {saved['bytes'][0]:.0f} bytes of values, {saved['bytes'][1]:.0f} of gradients sent")
     return report
@@ -122,6 +126,7 @@ CASES_3 = [
     "nemotron_h:chain3:plain",  # Mamba2 (16-token chunks) + attention
     "minimax:prompt3:plain",  # lightning attention
     "qwen3_5:prompt3:checkpointing",
+    "qwen3_5:chain3:autocast",  # bf16 compute, fp32 states: both dtypes on the wire
 ]
 CASES_2 = [
     "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
