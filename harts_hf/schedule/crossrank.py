@@ -11,6 +11,10 @@ rows); :class:`Exchange` says, per call of this rank, which blocks it receives i
 pass and which gradient blocks it sends and receives in the replay (``harts_hf.engine.exchange``
 moves them).
 
+Also here: whether a plan hands anything between ranks at all (:func:`crosses_ranks`: if not, a
+rank compiles its own units only, as before), the pairs a unit predicts for another rank's targets
+(:func:`boundary_pairs`) and the one rank that answers for each pair (:func:`pair_homes`).
+
 Every rank compiles the same addresses from the plan (numpy, on the host); a rank's own device
 tables only are built. Legend: U the step's units, H cross-rank handoffs, r reads of one unit.
 """
@@ -22,7 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Exchange", "Transfers", "rank_view"]
+from ..forest import RolloutForest
+from ..planner.plan import Plan
+
+__all__ = ["Exchange", "Transfers", "boundary_pairs", "crosses_ranks", "pair_homes", "rank_view"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,3 +145,66 @@ def rank_view(
         for u, v, n in zip(key // len(kept), key % len(kept), count)
     ]
     return RankView(out, held, sends, transfers)
+
+
+def crosses_ranks(forests: list[RolloutForest], plan: Plan) -> bool:
+    """Whether some unit of ``plan`` reads context another rank computes: whether a parent of its
+    tokens outside it is computed on another rank only (its farther ancestors then follow: each is
+    in the parent's unit or read by it). Cheap (no batch is built): a plan without cross-rank
+    handoffs compiles one rank's units only."""
+    for rank in range(plan.world_size):
+        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
+        pieces = [plan.microbatch(rank, slot) for slot in range(plan.num_slots)]
+        for f, tokens in (entry for slot in pieces for entry in slot):
+            computed[f][tokens] = True
+        for f, tokens in (entry for slot in pieces for entry in slot):
+            parent = forests[f].prev[tokens]
+            if not computed[f][parent[parent >= 0]].all():
+                return True
+    return False
+
+
+def boundary_pairs(
+    forests: list[RolloutForest],
+    units: list[tuple[int, np.ndarray, np.ndarray]],
+    sources: list[np.ndarray],
+    ranks: np.ndarray,
+) -> list[np.ndarray]:
+    """Per unit of the step ((forest, own tokens, context tokens), ``sources`` [2, Nc] where its
+    context comes from), the pairs it computes for other ranks: a target whose predictor a unit
+    reads from another rank is predicted there, by the unit holding the predictor's hidden state."""
+    out: list[list[np.ndarray]] = [[] for _ in units]
+    for i, (f, tokens, context) in enumerate(units):
+        prev = forests[f].prev
+        target = tokens[prev[tokens] >= 0]
+        at = np.minimum(np.searchsorted(context, prev[target]), max(context.size - 1, 0))
+        read = (context[at] == prev[target]) if context.size else np.zeros(target.size, dtype=bool)
+        producer = sources[i][0][at[read]]
+        far = ranks[producer] != ranks[i]
+        for u in np.unique(producer[far]):
+            out[u].append(target[read][far][producer[far] == u])
+    return [np.unique(np.concatenate(o)) if o else np.zeros(0, dtype=np.int64) for o in out]
+
+
+def pair_homes(
+    forests: list[RolloutForest],
+    units: list[tuple[int, np.ndarray]],
+    boundary: list[np.ndarray],
+    ranks: np.ndarray,
+    rank: int,
+) -> list[np.ndarray]:
+    """Per forest [P_f] bool: the pairs ``rank`` is the lowest rank to compute, of the step's
+    ``units`` (forest, own tokens) and their :func:`boundary_pairs` (a replicated chain's pairs run
+    on every rank holding it; one answers for them)."""
+    world = int(ranks.max(initial=0)) + 1
+    home = [np.full(f.num_compact_tokens, world, dtype=np.int64) for f in forests]
+    for r in range(world):
+        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
+        for i in np.flatnonzero(ranks == r):
+            computed[units[i][0]][units[i][1]] = True
+        for f, forest in enumerate(forests):
+            here = np.flatnonzero((forest.prev >= 0) & computed[f] & computed[f][np.maximum(forest.prev, 0)])
+            theirs = [boundary[i] for i in np.flatnonzero(ranks == r) if units[i][0] == f]
+            pairs = np.concatenate([here, *theirs])
+            home[f][pairs] = np.minimum(home[f][pairs], r)
+    return [h[f.prev >= 0] == rank for h, f in zip(home, forests)]

@@ -35,7 +35,7 @@ from ..forest import RolloutForest, sorted_unique
 from ..ops.rounds import ROUNDS_KEY, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .crossrank import Exchange, Transfers, rank_view
+from .crossrank import Exchange, Transfers, boundary_pairs, crosses_ranks, pair_homes, rank_view
 from .tables import Builders, build_tables, chunk_sizes, context_subsets
 
 __all__ = ["Gather", "RankUnits", "Unit", "compile_rank", "forest_unit", "handoff_rows", "rank_units"]
@@ -250,23 +250,6 @@ class _Call(NamedTuple):
     context: np.ndarray  # its context tokens (compact indices)
 
 
-def crosses_ranks(forests: list[RolloutForest], plan: Plan) -> bool:
-    """Whether some unit of ``plan`` reads context another rank computes: whether a parent of its
-    tokens outside it is computed on another rank only (its farther ancestors then follow: each is
-    in the parent's unit or read by it). Cheap (no batch is built): a plan without cross-rank
-    handoffs compiles one rank's units only."""
-    for rank in range(plan.world_size):
-        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-        pieces = [plan.microbatch(rank, slot) for slot in range(plan.num_slots)]
-        for f, tokens in (entry for slot in pieces for entry in slot):
-            computed[f][tokens] = True
-        for f, tokens in (entry for slot in pieces for entry in slot):
-            parent = forests[f].prev[tokens]
-            if not computed[f][parent[parent >= 0]].all():
-                return True
-    return False
-
-
 def _step_calls(forests: list[RolloutForest], plan: Plan, ranks: range) -> list[_Call]:
     """The calls of ``ranks``, rank by rank, each in call order (slots; forests in order within one)."""
     calls: list[_Call] = []
@@ -309,43 +292,6 @@ def _call_index(calls: list[_Call], aligned: bool) -> np.ndarray:
     width = np.zeros(int(slots.max()) + 1, dtype=np.int64)
     np.maximum.at(width, slots, within + 1)
     return np.r_[0, np.cumsum(width)][slots] + within
-
-
-def _boundary_pairs(
-    forests: list[RolloutForest], calls: list[_Call], sources: list[np.ndarray], ranks: np.ndarray
-) -> list[np.ndarray]:
-    """Per unit of the step, the pairs it computes for other ranks: a target whose predictor a unit
-    reads from another rank is predicted there, by the unit holding the predictor's hidden state."""
-    out: list[list[np.ndarray]] = [[] for _ in calls]
-    for i, c in enumerate(calls):
-        prev = forests[c.forest].prev
-        target = c.tokens[prev[c.tokens] >= 0]
-        at = np.minimum(np.searchsorted(c.context, prev[target]), max(c.context.size - 1, 0))
-        read = (c.context.size > 0) & (c.context[at] == prev[target]) if c.context.size else np.zeros(0, dtype=bool)
-        producer = sources[i][0][at[read]]
-        far = ranks[producer] != c.rank
-        for u in np.unique(producer[far]):
-            out[u].append(target[read][far][producer[far] == u])
-    return [np.unique(np.concatenate(o)) if o else np.zeros(0, dtype=np.int64) for o in out]
-
-
-def _pair_homes(
-    forests: list[RolloutForest], calls: list[_Call], boundary: list[np.ndarray], ranks: np.ndarray, rank: int
-) -> list[np.ndarray]:
-    """Per forest [P_f] bool: the pairs ``rank`` is the lowest rank to compute (a replicated chain's
-    pairs run on every rank holding it; one answers for them)."""
-    world = int(ranks.max(initial=0)) + 1
-    home = [np.full(f.num_compact_tokens, world, dtype=np.int64) for f in forests]
-    for r in range(world):
-        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-        for i in np.flatnonzero(ranks == r):
-            computed[calls[i].forest][calls[i].tokens] = True
-        for f, forest in enumerate(forests):
-            here = np.flatnonzero((forest.prev >= 0) & computed[f] & computed[f][np.maximum(forest.prev, 0)])
-            theirs = [boundary[i] for i in np.flatnonzero(ranks == r) if calls[i].forest == f]
-            pairs = np.concatenate([here, *theirs])
-            home[f][pairs] = np.minimum(home[f][pairs], r)
-    return [h[f.prev >= 0] == rank for h, f in zip(home, forests)]
 
 
 def rank_units(
@@ -457,7 +403,7 @@ def compile_rank(
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
     for i, g in enumerate(mine):
         owner[calls[g].forest][calls[g].tokens] = i
-    boundary = _boundary_pairs(forests, calls, sources, ranks)
+    boundary = boundary_pairs(forests, [(c.forest, c.tokens, c.context) for c in calls], sources, ranks)
     pairs_of = [boundary[g] for g in mine]
     for f, forest in enumerate(forests):
         pairs = np.flatnonzero((forest.prev >= 0) & (owner[f] >= 0))  # targets computed on this rank
@@ -493,5 +439,5 @@ def compile_rank(
     order = [-1] * width
     for i, g in enumerate(mine):
         order[call[g]] = i
-    home = _pair_homes(forests, calls, boundary, ranks, rank) if cross else None
+    home = pair_homes(forests, own, boundary, ranks, rank) if cross else None
     return RankUnits(units, tuple(order), Transfers.of(transfers), exchange, home)
