@@ -157,3 +157,19 @@ def test_plans_are_what_the_docstrings_say():
         assert the_plan.world_size == world and the_plan.tokens.sum() == forest.num_compact_tokens
         assert not the_plan.piece_replica.any() and (the_plan.context.sum(axis=1) > 0).sum() >= 1, name
         assert np.all(np.diff(the_plan.piece_start[np.argsort(the_plan.piece_start)]) > 0)
+
+
+def test_planner_plans_hand_nothing_between_ranks(builders):
+    """plan()'s plans keep a rank's context on the rank: no transfer, no exchange, no shared pairs,
+    and the calls are the units then the padding, as before cross-rank handoffs."""
+    from harts_hf import plan
+    from harts_hf.schedule.crossrank import crosses_ranks
+
+    _, forest = forest_of("family")
+    the_plan = plan(forest, world_size=3, max_tokens_per_microbatch=forest.max_length + 8)
+    assert not crosses_ranks([forest], the_plan)
+    for rank in range(3):
+        s = Schedule.compile([forest], the_plan, rank, builders, torch.device("cpu"), calls=6)
+        assert len(s.transfers) == 0 and not s.exchange and s.pair_home is None
+        assert s.order == (*range(len(s.units)), *[-1] * (6 - len(s.units)))
+        assert [u.number for u in s.units] == list(range(len(s.units)))
