@@ -173,3 +173,14 @@ def test_planner_plans_hand_nothing_between_ranks(builders):
         assert len(s.transfers) == 0 and not s.exchange and s.pair_home is None
         assert s.order == (*range(len(s.units)), *[-1] * (6 - len(s.units)))
         assert [u.number for u in s.units] == list(range(len(s.units)))
+
+
+def test_needs_the_plans_process_group():
+    """A plan that hands context between ranks runs one process per rank: without a process group
+    the engine says so instead of recomputing or hanging."""
+    from harts_hf.engine import TreeEngine
+
+    _, forest = forest_of("prompt")
+    engine = TreeEngine(patch_model(tiny_model("qwen3_5")), forest, PLANS["prompt3"][2](forest), rank=1)
+    with pytest.raises(RuntimeError, match="start torch.distributed"):
+        engine.logprobs()

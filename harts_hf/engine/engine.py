@@ -167,10 +167,8 @@ class TreeEngine:
         if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule
-        self.exchanged_bytes = {
-            "values": 0,
-            "grads": 0,
-        }  # cross-rank handoffs this rank sent (harts_hf.engine.exchange)
+        self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
+        self._joined = False  # whether this engine's ranks met once (_exchanger)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -296,8 +294,15 @@ class TreeEngine:
                 exchanger.after_replay(len(calls) - 1 - done, store)
 
     def _exchanger(self) -> Exchanger | None:
-        """What moves this pass's cross-rank handoffs (None: the plan has none for this rank)."""
-        return Exchanger(self.schedule, self.hf, self.device, self.exchanged_bytes) if self.schedule.exchange else None
+        """What moves this pass's cross-rank handoffs (None: the plan has none). Every rank of a plan
+        with them makes one, at the same points (it also checks the process group)."""
+        if self.schedule.pair_home is None:
+            return None
+        exchanger = Exchanger(self.schedule, self.hf, self.device, self.exchanged_bytes)
+        if not self._joined:  # NCCL: a group's first communication must involve all its ranks, not a pair
+            dist.barrier()
+            self._joined = True
+        return exchanger
 
     def _send_unit(
         self,

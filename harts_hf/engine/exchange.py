@@ -88,6 +88,8 @@ class Exchanger:
     def after_record(self, k: int, store: Store) -> None:
         """After call k of the recording: send the blocks its unit kept for other ranks, receive
         the blocks other ranks' call k made for this one."""
+        if not self.plan:  # nothing of this rank crosses
+            return
         unit = self.by_call.get(k)
         outgoing = {to: self._block(unit, to, rows, store) for to, rows in sorted(unit.sends.items())} if unit else {}
         incoming = self.plan.receive.get(k, ())
@@ -127,6 +129,8 @@ class Exchanger:
     def after_replay(self, k: int, store: Store) -> None:
         """After the replay's rerun of call k: send back the gradients of the blocks whose first
         reader here is call k; receive those other ranks send for this rank's units."""
+        if not self.plan:
+            return
         outgoing: dict[int, list[torch.Tensor]] = {}
         for p, u in self.plan.grad_send.get(k, ()):
             outgoing.setdefault(p, []).extend(
