@@ -97,6 +97,7 @@ def check_states(forests: list[RolloutForest], units: list[Unit], C: int) -> int
     depth - depth % C) from the state after its ancestor at depth a - 1, which the schedule takes
     from an earlier unit of the rank that returns it. Returns the number of such paths."""
     entries = 0
+    by_number = {unit.number: unit for unit in units}  # producers go by their number among the step's units
     for unit in units:
         batch, nc = unit.batch, unit.batch.num_context
         prev, depth, index = batch.prev.numpy(), batch.position.numpy(), batch.global_index.numpy()
@@ -111,10 +112,10 @@ def check_states(forests: list[RolloutForest], units: list[Unit], C: int) -> int
         source = unit.states.get(C)
         got = set()
         if source is not None:
-            assert all(q < unit.index for q in source.producers), "a state from a later unit"
+            assert all(q < unit.number for q in source.producers), "a state from a later unit"
             kept = np.concatenate(
                 [index[:0]]
-                + [units[q].batch.global_index.numpy()[units[q].batch.state_out[C]] for q in source.producers]
+                + [by_number[q].batch.global_index.numpy()[by_number[q].batch.state_out[C]] for q in source.producers]
             )
             got = set(kept[source.index.numpy()].tolist())
             assert len(got) == source.index.numel()

@@ -12,7 +12,7 @@ call once without grad, keeping its boundary values (inputs at the rows later un
 at their chunk-aligned restarts), except the last, which runs with grad and keeps its graph. The
 loss is applied to the complete per-trajectory log-probs (so sequence-level objectives such as
 GSPO's see whole trajectories); its gradients w.r.t. them then flow back through the calls in
-reverse slot order: the kept call first, from its graph, then every other unit rerun with grad,
+reverse call order: the kept call first, from its graph, then every other unit rerun with grad,
 each backpropagating its log-prob gradients plus the boundary gradients its consumers sent and
 sending its own context gradients to its producers. Every unit is backpropagated once; at most one
 graph is alive, so peak activation memory is one microbatch's (plus the boundary values), at the
@@ -21,6 +21,15 @@ price of one extra forward per token of every unit but the last (none for a plan
 gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd graph) are three
 doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
+
+Between ranks: a unit may read its context from a unit of another rank (an earlier slot): the
+producer's rank sends the rows after its call and the reader's rank receives them at the same call
+index (calls align by slot), and the replay sends their gradients back after the reader's rerun
+(:mod:`.exchange`; point to point over the default process group, whose ranks are the plan's).
+A pair whose predictor another rank computes is computed there, so the pair values, and their
+gradients, are then summed over ranks (each pair on one home rank) at the end of the recording and
+the start of the replay. Plans without cross-rank handoffs exchange nothing: ranks share only
+gradients, through the wrapper.
 
 Data parallel: each unit's model call can run as the forward of the wrapper the caller trains
 (``forward``), so DDP / FSDP2 see ordinary forward and backward passes, and every backward pass but
@@ -38,6 +47,7 @@ from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..forest import RolloutForest
@@ -56,6 +66,7 @@ from ..planner.memory import MemoryModel
 from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
 from ..schedule import Schedule, Unit
+from .exchange import Exchanger
 from .handoff import Handoff, Store
 
 __all__ = ["Recording", "TreeEngine"]
@@ -95,12 +106,16 @@ class TreeEngine:
         no_sync: a context in which backward passes skip the wrapper's gradient sync (e.g.
             ``lambda: accelerator.no_sync(wrapped)``): every backward pass but the last runs in it.
         calls: the model calls every pass makes, at least: a rank with fewer units runs padding
-            calls (a two-token chain whose gradient is zero) after its units, so that a wrapper
+            calls (a two-token chain whose gradient is zero) after its units (and, where the plan
+            hands context between ranks, inside slots, so that every slot starts at one call), so that a wrapper
             whose every call is collective (FSDP2 gathers the parameters in each, DDP syncs in the
             last) sees as many on every rank.
         schedule: an earlier engine's :class:`~harts_hf.schedule.Schedule`, reused where it is
             ``rank``'s of this ``plan`` and serves this model (the same tables, calls and device);
             compiled afresh otherwise.
+
+    ``exchanged_bytes``: the bytes of cross-rank handoffs this rank has sent ("values" in the
+    recordings, "grads" in the replays), summed over its passes (0 for a plan without them).
     """
 
     def __init__(
@@ -151,6 +166,8 @@ class TreeEngine:
         if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule
+        self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
+        self._joined = False  # whether this engine's ranks met once (_exchanger)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -257,28 +274,34 @@ class TreeEngine:
         given, ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per
         forest [layers, N_f, E], w.r.t. the router logits); the ``kept`` call first, from its graph."""
         entropy, router = entropy_grads is not None, router_grads is not None
-        units, padding = list(reversed(self.units)), self.calls - len(self.units)
-        done = 0
-        if kept is not None:
+        exchanger = self._exchanger()
+        calls = self.schedule.call_order()
+        for done, unit in enumerate(reversed(calls)):  # the exact reverse of the recording's order
             with self._sync_last(done):
-                if kept.handoff.unit is self.schedule.padding:
-                    torch.autograd.backward(kept.outputs[0], torch.zeros_like(kept.outputs[0]))
-                    padding -= 1
+                if done == 0 and kept is not None:
+                    run = kept
+                elif unit is self.schedule.padding:
+                    run = _GradRun(Handoff(Store(), unit, grad=True), self._run_padding(grad=True)[:3])
                 else:
-                    units.pop(0)
-                    self._send_unit(store, kept, grads, entropy_grads, router_grads)
-            done += 1
-        for unit in units:
-            with self._sync_last(done):
-                handoff = Handoff(store, unit, grad=True)
-                lp, ent, logits, _ = self._run(unit, handoff, entropy, router)
-                self._send_unit(store, _GradRun(handoff, (lp, ent, logits)), grads, entropy_grads, router_grads)
-            done += 1
-        for _ in range(padding):
-            with self._sync_last(done):
-                lp, *_ = self._run_padding(grad=True)
-                torch.autograd.backward(lp, torch.zeros_like(lp))
-            done += 1
+                    handoff = Handoff(store, unit, grad=True)
+                    run = _GradRun(handoff, self._run(unit, handoff, entropy, router)[:3])
+                if unit is self.schedule.padding:
+                    torch.autograd.backward(run.outputs[0], torch.zeros_like(run.outputs[0]))
+                else:
+                    self._send_unit(store, run, grads, entropy_grads, router_grads)
+            if exchanger is not None:
+                exchanger.after_replay(len(calls) - 1 - done, store)
+
+    def _exchanger(self) -> Exchanger | None:
+        """What moves this pass's cross-rank handoffs (None: the plan has none). Every rank of a plan
+        with them makes one, at the same points (it also checks the process group)."""
+        if self.schedule.pair_home is None:
+            return None
+        exchanger = Exchanger(self.schedule, self.hf, self.device, self.exchanged_bytes)
+        if not self._joined:  # NCCL: a group's first communication must involve all its ranks, not a pair
+            dist.barrier()
+            self._joined = True
+        return exchanger
 
     def _send_unit(
         self,
@@ -317,7 +340,7 @@ class TreeEngine:
         if live:
             torch.autograd.backward(*zip(*live))
         store.add_grads(handoff.leaves)
-        store.release(handoff.unit)
+        store.release(handoff.unit.number)
 
     def _as_rows(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per forest [P_f] pair values -> TRL's [B_f, L_f - 1] rows, 0 in the rows other ranks own."""
@@ -331,6 +354,28 @@ class TreeEngine:
         out = [torch.zeros(n, device=self.device) for n in self.schedule.num_pairs]
         for unit, value in zip(self.units, per_unit):
             out[unit.forest] = out[unit.forest].index_put((self.schedule.pair_index[unit.index],), value.float())
+        return out
+
+    def _share(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per forest [P_f] pair values of this rank -> every rank's, where the plan hands context
+        between ranks (a trajectory's pairs then run on several ranks: each pair counted on its home
+        rank, summed over ranks); as they are otherwise. Every rank calls it at the same point."""
+        if self.schedule.pair_home is None:
+            return values
+        return self._all_reduce([torch.where(home, v, 0.0) for v, home in zip(values, self.schedule.pair_home)])
+
+    def _share_grads(self, grads: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """The adjoint of :meth:`_share`: per forest [P_f] gradients w.r.t. the shared pair values
+        (this rank's rows') -> summed over ranks, on the home pairs of this rank (0 elsewhere)."""
+        if self.schedule.pair_home is None or grads is None:
+            return grads
+        return [torch.where(home, g, 0.0) for g, home in zip(self._all_reduce(grads), self.schedule.pair_home)]
+
+    @staticmethod
+    def _all_reduce(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = [v.clone() for v in values]
+        for v in out:
+            dist.all_reduce(v)
         return out
 
     def _scatter_tokens(self, per_unit: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
@@ -361,7 +406,8 @@ class TreeEngine:
         ``keep_last``, the last, which runs with grad in the sync context of the replay's first
         backward pass and is returned with its graph; the values come detached."""
         calls = self.schedule.call_order()
-        lps, ents, routers, stats, kept = [], [], [], [], None
+        exchanger = self._exchanger()
+        lps, ents, routers, stats, kept, like = [], [], [], [], None, None
         for i, unit in enumerate(calls):
             keep = keep_last and i == len(calls) - 1
             padding = unit is self.schedule.padding
@@ -369,17 +415,20 @@ class TreeEngine:
                 handoff = Handoff(Store() if padding else store, unit, grad=keep)
                 wanted = () if padding else statistics
                 lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
+            if exchanger is not None:
+                exchanger.after_record(i, store)
             if keep:
                 kept = _GradRun(handoff, (lp, ent, logits))
-            routers.append(None if logits is None else logits.detach())  # a padding call's: the shape only
+            like = like if like is not None or logits is None else logits.detach()  # any call's: the shape only
             if padding:
                 continue
+            routers.append(None if logits is None else logits.detach())
             lps.append(lp.detach())
             ents.append(None if ent is None else ent.detach())
             stats.append({name: value.detach() for name, value in values.items()})
-        values, ents = self._scatter(lps), self._scatter(ents) if entropy else None
-        per_name = {name: self._scatter([v[name] for v in stats]) for name in statistics}
-        return values, ents, self._scatter_tokens(routers, routers[0]) if router else None, per_name, kept
+        values, ents = self._share(self._scatter(lps)), self._share(self._scatter(ents)) if entropy else None
+        per_name = {name: self._share(self._scatter([v[name] for v in stats])) for name in statistics}
+        return values, ents, self._scatter_tokens(routers, like) if router else None, per_name, kept
 
     def _run_padding(self, *, grad: bool, router: bool = False):
         """A padding call (``Schedule.padding``): records nothing any unit reads."""
@@ -500,6 +549,8 @@ class Recording:
             raise ValueError("entropy gradients need a recording made with return_entropy=True")
         if router_grads is not None and self.router_logits is None:
             raise ValueError("router gradients need a recording made with return_router_logits=True")
+        # Pair gradients where pairs are shared between ranks: summed, then each rank's home pairs.
+        grads, entropy_grads = self.engine._share_grads(grads), self.engine._share_grads(entropy_grads)
         with torch.enable_grad(), self._autocast.restored():
             self.engine._replay_units(self._store, grads, entropy_grads, router_grads, kept=self._kept)
         self._store, self._kept, self._pending = None, None, False

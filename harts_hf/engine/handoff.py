@@ -1,4 +1,4 @@
-"""Handoffs: what a unit gives the later units of its rank, and the gradients they send back.
+"""Handoffs: what a unit gives later units, and the gradients they send back.
 
 Every tree-aware layer call of a unit (``modeling/kinds.py``, ``modeling/attention.py``) asks the
 unit's :class:`Handoff` (the :class:`~harts_hf.modeling.calls.LayerHandoff` its tree kwarg carries)
@@ -9,10 +9,13 @@ and state address is compiled with the unit (``harts_hf.schedule.units``). A cal
 ``(module, kind, n)`` by the view its module takes when its forward starts (``calls.called_by``),
 so gradient checkpointing's recomputation, which reruns the same forwards, finds the same names.
 
-Recording (no grad) stores detached values in the rank's :class:`Store`. In the backward pass a
-unit reruns with grad: the context it reads are fresh leaves over the stored values, whose
-gradients go back to their producers; its own exports are kept live so the engine can
-backpropagate the gradients its consumers sent.
+Recording (no grad) stores detached values in the rank's :class:`Store`, by the producing unit's
+step-wide number; a unit of another rank reaches them through the block its rank is sent
+(``harts_hf.engine.exchange``), stored under the producer's number too, so a unit gathers its
+context the same way whichever rank kept it. In the backward pass a unit reruns with grad: the
+context it reads are fresh leaves over the stored values, whose gradients go back to their
+producers (through the exchange for another rank's); its own exports are kept live so the engine
+can backpropagate the gradients its consumers sent.
 
 Legend: Nc context tokens, X export rows, E external states, S state exports, C chunk size.
 """
@@ -27,29 +30,38 @@ import torch
 from torch import nn
 
 from ..modeling.calls import LayerHandoff
+from ..ops.rounds import RoundsTable
 from ..schedule import Gather, Unit
 
 __all__ = ["Handoff", "Store"]
 
-Key = tuple[int, Hashable, str]  # (unit, call name (module, kind, n), field)
+Key = tuple[int, Hashable, str]  # (unit number, call name (module, kind, n), field)
 
 
 class Store:
-    """The rank's recorded boundary values (detached) and the gradients sent back to them."""
+    """The rank's recorded boundary values (detached) and the gradients sent back to them, by the
+    number of the unit that kept them (``Unit.number``): this rank's units, and the blocks units
+    of other ranks sent it (``harts_hf.engine.exchange``). ``subsets``: the context subset (or
+    ``RoundsTable(C)`` for states) each kept value holds rows of; ``sent`` and ``received``: the
+    keys of the blocks sent to (unit, rank) and received from a unit, in wire order."""
 
     def __init__(self) -> None:
         self.values: dict[Key, torch.Tensor] = {}
         self.grads: dict[Key, torch.Tensor] = {}
+        self.subsets: dict[Key, Hashable] = {}
+        self.sent: dict[tuple[int, int], list[Key]] = {}
+        self.received: dict[int, list[Key]] = {}
 
     def add_grads(self, leaves: Mapping[Key, torch.Tensor]) -> None:
         for key, leaf in leaves.items():
             if leaf.grad is not None:
                 self.grads[key] = self.grads[key] + leaf.grad if key in self.grads else leaf.grad
 
-    def release(self, unit: Unit) -> None:
-        """Drop a unit's records once nobody reads them any more (its backward is done)."""
-        for table in (self.values, self.grads):
-            for key in [k for k in table if k[0] == unit.index]:
+    def release(self, number: int) -> None:
+        """Drop the records of unit ``number`` once nobody reads them any more (its backward is
+        done, or, for a block of another rank's, its gradients are sent back)."""
+        for table in (self.values, self.grads, self.subsets):
+            for key in [k for k in table if k[0] == number]:
                 del table[key]
 
 
@@ -90,7 +102,7 @@ class Handoff(LayerHandoff):
         keep = self.unit.export_rows.get(rows)
         if keep is not None:
             for field, value in values.items():
-                self._keep((self.unit.index, call, field), value.index_select(0, keep))
+                self._keep((self.unit.number, call, field), value.index_select(0, keep), rows)
         source = self.unit.context.get(rows)
         if source is None:
             return None
@@ -101,11 +113,11 @@ class Handoff(LayerHandoff):
         source = self.unit.states.get(chunk_size)
         return None if source is None else self._gather(call, "state", source)
 
-    def keep_states(self, call: Hashable, states: torch.Tensor | None) -> None:
+    def keep_states(self, call: Hashable, chunk_size: int, states: torch.Tensor | None) -> None:
         if states is not None:
-            self._keep((self.unit.index, call, "state"), states)
+            self._keep((self.unit.number, call, "state"), states, RoundsTable(chunk_size))
 
-    def _keep(self, key: Key, value: torch.Tensor) -> None:
+    def _keep(self, key: Key, value: torch.Tensor, subset: Hashable) -> None:
         if not self.grad:
             if key in self.store.values:
                 module, kind, _ = key[1]
@@ -115,6 +127,7 @@ class Handoff(LayerHandoff):
                     "each forest runs in one microbatch"
                 )
             self.store.values[key] = value.detach()
+            self.store.subsets[key] = subset
         elif key not in self.live:  # a checkpoint recomputation must not replace the first
             self.live[key] = value
 

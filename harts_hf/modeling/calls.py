@@ -42,8 +42,8 @@ class LayerHandoff(Protocol):
     def initial_states(self, call: Hashable, chunk_size: int) -> torch.Tensor | None:
         """[E, ...] the states the unit's external paths start from (None: E = 0)."""
 
-    def keep_states(self, call: Hashable, states: torch.Tensor | None) -> None:
-        """Keep the states after ``batch.state_out`` (later units start from them)."""
+    def keep_states(self, call: Hashable, chunk_size: int, states: torch.Tensor | None) -> None:
+        """Keep the states after ``batch.state_out[chunk_size]`` (later units start from them)."""
 
 
 def called_by(batch: TreeBatch, module: nn.Module) -> TreeBatch:
@@ -76,5 +76,5 @@ def linear_call(
     call = handoff.call(kind)
     context = handoff.context(call, values, ReplayTable(chunk_size))  # the context tokens its paths replay
     o, states = run(context, handoff.initial_states(call, chunk_size))
-    handoff.keep_states(call, states)
+    handoff.keep_states(call, chunk_size, states)
     return o

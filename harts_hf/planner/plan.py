@@ -4,7 +4,8 @@ A pure, deterministic function of token-id structure, world size, budget and cos
 torch, no torch.distributed): every rank computes the same plan and runs its own row.
 
 1. Ranks (``assign.py``): whole subtrees to ranks, balanced on the cost model; each rank also
-   recomputes the shared chains above its subtrees (ranks exchange only gradients), which is the
+   recomputes the shared chains above its subtrees (the plans made here exchange only gradients
+   between ranks, though the engine can hand context over: see :class:`Plan`), which is the
    plan's redundancy besides the bounded replay. Whether a tree that fits one microbatch is
    divided between ranks is the cost model's call: the plan is made under each rule of
    ``assign.BRANCH_RULES`` and the lowest predicted step time wins (an idle rank loses to a shared
@@ -14,7 +15,7 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    same S on every rank (the smallest S whose microbatches all fit the budget), cuts on
    chunk-aligned depths where possible. Slot s then costs about total_r / S on every rank r.
 3. Dependencies (``node_parts.py``): per microbatch, the entries (paths whose parent token ran in
-   an earlier slot of the same rank), the replay they add and the pieces holding their attention
+   an earlier slot), the replay they add and the pieces holding their attention
    context (counted against the budget at the weight the memory model gives it: ``memory.py``).
    The handoff addresses themselves (which unit keeps each context row and boundary state) are
    compiled from the plan by ``harts_hf.schedule``.
@@ -69,13 +70,16 @@ class Plan:
     context) <= budget.tokens``) and linear-attention ``rounds``. Empty microbatches cost 0;
     ``peak_bytes`` is what ``memory_model`` predicts they hold.
 
-    A microbatch's context lies in pieces of its own rank's earlier slots: ranks never exchange
-    activations. Which pieces, and where each context row and boundary state comes from (the
-    handoff addresses), is compiled from these pieces by ``harts_hf.schedule``, the one place that
-    derives them; the plan keeps only the context's size, which the budget decides on.
+    A microbatch's context lies in pieces of earlier slots: of its own rank, or of another rank,
+    whose unit then sends it (a cross-rank handoff: ``harts_hf.engine.exchange``; never from the
+    same slot of another rank, which would need context parallelism). ``plan()`` itself still
+    places a rank's context on the rank (replica pieces); hand-built plans may hand it over. Which
+    pieces, and where each context row and boundary state comes from (the handoff addresses), is
+    compiled from these pieces by ``harts_hf.schedule``, the one place that derives them; the plan
+    keeps only the context's size, which the budget decides on.
 
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
-    last token; its whole path is on that rank). ``forest_digests``: per forest, the
+    last token; its whole path is on that rank unless part of it is handed over). ``forest_digests``: per forest, the
     ``RolloutForest.shape_digest`` the plan was made for.
     """
 
@@ -172,25 +176,16 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
     return out
 
 
-def _context_tokens(geo: Geometry, pieces: Pieces, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
-    """[num_mb] context tokens of every microbatch: the union of its entries' root paths,
-    intersected with the rank's pieces."""
+def _context_tokens(geo: Geometry, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
+    """[num_mb] context tokens of every microbatch: the union of its entries' root paths (computed
+    in earlier slots, of its own rank or, handed over, of another)."""
     which, lo, hi = geo.path_intervals(entry)
     mb = entry_mb[which]
     stride = geo.num_tokens + 1
     key, inv = np.unique(mb * stride + lo, return_inverse=True)  # one interval per (microbatch, node)
     top = np.zeros(key.size, dtype=np.int64)
     np.maximum.at(top, inv, hi)
-    mb, lo, hi = key // stride, key % stride, top
-    rank = mb // pieces.num_slots
-    p_lo, p_hi, p_span = pieces.keys()
-    k1 = np.searchsorted(p_hi, rank * p_span + lo, side="right")
-    k2 = np.searchsorted(p_lo, rank * p_span + hi, side="left")
-    n = k2 - k1
-    src = pieces.by_token[np.repeat(k1, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
-    dst = np.repeat(mb, n)
-    count = np.minimum(np.repeat(hi, n), pieces.hi[src]) - np.maximum(np.repeat(lo, n), pieces.lo[src])
-    return np.bincount(dst, weights=count, minlength=num_mb).astype(np.int64)
+    return np.bincount(key // stride, weights=top - key % stride, minlength=num_mb).astype(np.int64)
 
 
 def _replay(
@@ -201,7 +196,11 @@ def _replay(
     stride = geo.num_tokens + 1
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
-    mb = pieces.microbatch[pieces.locate(rank, pt)]
+    piece = pieces.locate(rank, pt)
+    for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
+        missing = np.flatnonzero(piece < 0)
+        piece[missing] = pieces.locate(np.full(missing.size, other), pt[missing])
+    mb = pieces.microbatch[piece]
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
     has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0
     lonely = ~has_child[s]
@@ -303,7 +302,7 @@ def build_plan(
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    context = _context_tokens(geo, pieces, entry, entry_mb, num_mb)
+    context = _context_tokens(geo, entry, entry_mb, num_mb)
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)

@@ -8,26 +8,37 @@ and each boundary state it reads, and which of its own rows and states later uni
 moved to the device before the model runs. ``tree_logprobs`` runs the one-unit case
 (:func:`forest_unit`).
 
+Handoffs may cross ranks: a unit reads a context token from its own rank's unit that computes it,
+else from a unit of another rank in an earlier slot (never the same slot: that is context
+parallelism). The addresses are resolved over every rank's units (:func:`handoff_rows`: every rank
+compiles the same answer) and seen from this rank by ``crossrank.py``: the blocks its units send
+and receive, by call. Units are numbered over the step (:attr:`Unit.number`), the name their kept
+values go by on every rank. With cross-rank handoffs, calls align by slot across ranks, and a pair
+whose predictor another rank computes is computed there (the predictor's hidden state is there).
+
 Legend: N a unit's own tokens, Nc its context tokens, P pairs (non-root compact tokens),
 X export rows, E external states, C a linear-attention chunk size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..checks import is_integer
 from ..forest import RolloutForest, sorted_unique
-from ..ops.rounds import rounds_of
+from ..ops.rounds import RoundsTable, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
+from .crossrank import Exchange, Transfers, boundary_pairs, crosses_ranks, pair_homes, rank_view
 from .tables import Tables, build_tables, chunk_sizes, context_subsets
 
-__all__ = ["Gather", "Unit", "forest_unit", "handoff_rows", "rank_units"]
+__all__ = ["Gather", "RankUnits", "Unit", "compile_rank", "forest_unit", "handoff_rows", "rank_units"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,16 +71,22 @@ class Unit:
         batch: its tree metadata and tables (device; context = the ancestors that ran in earlier
             units; ``state_out`` = its states later units start from).
         exports: [X] own compact indices that later units read as context (sorted).
-        export_rows: per context subset (None: all context rows; a table holding a subset: a
+        export_rows: per context subset (None: all context rows; a table key naming a subset: a
             conv's halo ``ConvHaloTable(W)``, the tokens linear attention replays
             ``ReplayTable(C)``), the rows among its own tokens later units read for it (device;
             absent: none).
         pairs: [p] compact indices j whose predictor ``prev[j]`` is an own token and whose target
-            j is computed on this rank: the (predictor, target) log-probs this call produces.
+            j is computed on this rank, or read from this unit by another rank's: the
+            (predictor, target) log-probs this call produces.
         pair_rows: [p] row of each predictor in the call's own hidden states (device).
         targets: [p] the pairs' target token ids (device).
         context: per context subset, where its rows are kept (absent: none).
         states: per chunk size C, where its E external states are kept (absent: E = 0).
+        number: its number among the step's units (every rank's, rank by rank, each in call
+            order; without cross-rank handoffs, among its rank's): the name its kept values go by,
+            on every rank.
+        sends: per rank of units that read it, per subset (a context subset or ``RoundsTable(C)``
+            for the states on grid C), the rows of what it keeps that it sends there (device).
     """
 
     index: int
@@ -85,27 +102,100 @@ class Unit:
     targets: torch.Tensor
     context: dict[Hashable, Gather]
     states: dict[int, Gather]
+    number: int = 0
+    sends: dict[int, dict[Hashable, torch.Tensor]] = field(default_factory=dict)
+
+
+ProducerIndex = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None]
+"""Per forest, the units computing its tokens, sorted two ways: by (rank, token) and by (token,
+slot, rank): keys and units of each (:func:`producer_index`)."""
+
+
+def producer_index(
+    forests: list[RolloutForest], units: list[tuple[int, np.ndarray]], ranks: np.ndarray, slots: np.ndarray
+) -> ProducerIndex:
+    """Which unit computes each token: on each rank (a rank computes a token once), and first over
+    ranks (by slot, then rank); built once per step, read by every :func:`handoff_rows`."""
+    out: ProducerIndex = []
+    for f, forest in enumerate(forests):
+        mine = [i for i, (g, _) in enumerate(units) if g == f]
+        if not mine:
+            out.append(None)
+            continue
+        unit = np.concatenate([np.full(units[i][1].size, i, dtype=np.int64) for i in mine])
+        token = np.concatenate([units[i][1] for i in mine])
+        local_key = ranks[unit] * forest.num_compact_tokens + token
+        local = np.argsort(local_key)
+        first = np.lexsort((ranks[unit], slots[unit], token))
+        out.append((local_key[local], unit[local], token[first], unit[first]))
+    return out
 
 
 def handoff_rows(
-    forests: list[RolloutForest], units: list[tuple[int, np.ndarray]], reads: list[np.ndarray]
+    forests: list[RolloutForest],
+    units: list[tuple[int, np.ndarray]],
+    reads: list[np.ndarray],
+    ranks: np.ndarray,
+    slots: np.ndarray,
+    producers: ProducerIndex | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Who hands what to whom: ``units`` are (forest, own compact indices) in call order, ``reads``
-    the compact indices each unit reads from earlier units. Per unit: its own tokens that some unit
-    reads (sorted: the rows of what it keeps), and [2, r] for each token it reads, the unit holding
-    it and its row there."""
-    owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
-    needed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-    row = [np.zeros(f.num_compact_tokens, dtype=np.int64) for f in forests]
-    for i, ((f, tokens), read) in enumerate(zip(units, reads)):
-        owner[f][tokens] = i
-        needed[f][read] = True
-    kept = []
-    for f, tokens in units:
-        mine = tokens[needed[f][tokens]]
-        row[f][mine] = np.arange(mine.size)
-        kept.append(mine)
-    return kept, [np.stack((owner[f][read], row[f][read])) for (f, _), read in zip(units, reads)]
+    """Who hands what to whom: ``units`` are (forest, own compact indices) of the step's units (every
+    rank's), ``ranks`` and ``slots`` [U] where each runs, ``reads`` the compact indices each reads
+    from earlier slots (``producers``: their :func:`producer_index`, if built). A unit reads a token
+    from the unit of its own rank that computes it, else from the first unit (by slot, then rank) of
+    another rank that computes it; either must run in an earlier slot (a producer on another rank in
+    the same slot would need context parallelism inside the slot: refused). Per unit: its own tokens
+    that some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads,
+    the unit holding it and its row there."""
+    producers = producer_index(forests, units, ranks, slots) if producers is None else producers
+    source = [np.zeros(0, dtype=np.int64) for _ in units]
+    for i, ((f, _), read) in enumerate(zip(units, reads)):
+        if read.size:
+            local_key, local_unit, first_token, first_unit = producers[f]
+            here = _lookup(local_key, local_unit, ranks[i] * forests[f].num_compact_tokens + read)
+            source[i] = np.where(here >= 0, here, _lookup(first_token, first_unit, read))
+            _check_producers(forests, units, ranks, slots, i, read, source[i])
+    none = np.zeros(0, dtype=np.int64)
+    producer, read = np.concatenate([none, *source]), np.concatenate([none, *reads])
+    stride = max(f.num_compact_tokens for f in forests) + 1
+    key = producer * stride + read
+    held = np.unique(key)
+    start = np.searchsorted(held, np.arange(len(units) + 1) * stride)
+    kept = [held[start[u] : start[u + 1]] - u * stride for u in range(len(units))]
+    row = np.split(np.searchsorted(held, key) - start[producer], np.cumsum([r.size for r in reads])[:-1])
+    return kept, [np.stack((s, r)) for s, r in zip(source, row)]
+
+
+def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """``values`` at the first of the sorted ``keys`` equal to each query, -1 where none is."""
+    if keys.size == 0:
+        return np.full(query.size, -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(keys, query), keys.size - 1)
+    return np.where(keys[at] == query, values[at], -1)
+
+
+def _check_producers(
+    forests: list[RolloutForest],
+    units: list[tuple[int, np.ndarray]],
+    ranks: np.ndarray,
+    slots: np.ndarray,
+    i: int,
+    read: np.ndarray,
+    source: np.ndarray,
+) -> None:
+    """Every token unit ``i`` reads has a producer in an earlier slot (module docstring)."""
+    where = f"slot {slots[i]} of rank {ranks[i]} reads context tokens of forest {units[i][0]}"
+    if (source < 0).any():
+        raise ValueError(f"{where} that no rank computes: the plan does not match these forests")
+    late = source[slots[source] >= slots[i]]
+    if late.size and (ranks[late] != ranks[i]).any():
+        raise ValueError(
+            f"{where} that rank {ranks[late[ranks[late] != ranks[i]][0]]} computes in the same or a later slot: a "
+            "unit reads another rank's tokens only from an earlier slot (context parallelism inside a slot is not "
+            "supported yet)"
+        )
+    if late.size:
+        raise ValueError(f"{where} that no earlier slot computes: the plan does not match these forests")
 
 
 def _unit(
@@ -119,7 +209,7 @@ def _unit(
     exports: dict[Hashable, np.ndarray],
     context: dict[Hashable, Gather],
     states: dict[int, Gather],
-    builders: Tables,
+    tables: Tables,
     device: torch.device,
 ) -> Unit:
     as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)
@@ -129,7 +219,7 @@ def _unit(
         forest=f,
         tokens=tokens,
         input_ids=as_t(forest.tokens[tokens]),
-        batch=build_tables(batch, builders, device),
+        batch=build_tables(batch, tables, device),
         exports=exports[None],
         export_rows={key: as_t(np.searchsorted(tokens, rows)) for key, rows in exports.items() if rows.size},
         pairs=pairs,
@@ -140,98 +230,214 @@ def _unit(
     )
 
 
-def forest_unit(forest: RolloutForest, builders: Tables, device: torch.device | str) -> Unit:
+def forest_unit(forest: RolloutForest, tables: Tables, device: torch.device | str) -> Unit:
     """The one unit of a whole forest (every token, every pair, no handoff)."""
     tokens = np.arange(forest.num_compact_tokens)
     batch = TreeBatch.from_forest(forest)
     pairs = np.flatnonzero(forest.prev >= 0)
     exports = {None: np.zeros(0, dtype=np.int64)}
-    return _unit(0, 0, 0, forest, batch, tokens, pairs, exports, {}, {}, builders, torch.device(device))
+    return _unit(0, 0, 0, forest, batch, tokens, pairs, exports, {}, {}, tables, torch.device(device))
+
+
+class _Call(NamedTuple):
+    """One model call of some rank, on the host: where it runs, its tokens and batch."""
+
+    rank: int
+    slot: int
+    forest: int
+    tokens: np.ndarray
+    batch: TreeBatch
+    context: np.ndarray  # its context tokens (compact indices)
+
+
+def _step_calls(forests: list[RolloutForest], plan: Plan, ranks: range) -> list[_Call]:
+    """The calls of ``ranks``, rank by rank, each in call order (slots; forests in order within one)."""
+    calls: list[_Call] = []
+    for rank in ranks:
+        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
+        for slot in range(plan.num_slots):
+            first = len(calls)
+            for f, tokens in plan.microbatch(rank, slot):
+                tokens = sorted_unique(tokens)
+                if computed[f][tokens].any():
+                    raise ValueError(f"the plan computes some tokens of forest {f} twice on rank {rank}")
+                computed[f][tokens] = True
+                batch = TreeBatch.from_forest(forests[f], tokens)  # on the host until its tables are built
+                calls.append(_Call(rank, slot, f, tokens, batch, batch.global_index[: batch.num_context].numpy()))
+            held = tuple(sum(c[k].size for c in calls[first:]) for k in (3, 5))  # own tokens, context tokens
+            if held != (plan.tokens[rank, slot], plan.context[rank, slot]):
+                raise ValueError(
+                    f"slot {slot} of rank {rank} holds {held[0]} own and {held[1]} context tokens where the plan "
+                    f"counted {plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these "
+                    "forests"
+                )
+    return calls
+
+
+def _call_index(calls: list[_Call], aligned: bool) -> np.ndarray:
+    """[U] each unit's position in its rank's call order: with ``aligned`` (a step with cross-rank
+    handoffs), slot s starts at the same call on every rank (ranks with fewer units in a slot pad it),
+    so that a unit of an earlier slot always runs at an earlier call than its readers."""
+    ranks, slots = (np.array([c[k] for c in calls], dtype=np.int64) for k in (0, 1))
+    position = np.zeros(len(calls), dtype=np.int64)
+    if not calls:
+        return position
+    for r in np.unique(ranks):
+        mine = np.flatnonzero(ranks == r)
+        position[mine] = np.arange(mine.size)
+    if not aligned:
+        return position
+    first = {(r, s): i for i, (r, s) in reversed(list(enumerate(zip(ranks, slots))))}
+    within = position - np.array([position[first[r, s]] for r, s in zip(ranks, slots)])
+    width = np.zeros(int(slots.max()) + 1, dtype=np.int64)
+    np.maximum.at(width, slots, within + 1)
+    return np.r_[0, np.cumsum(width)][slots] + within
 
 
 def rank_units(
-    forests: list[RolloutForest], plan: Plan, rank: int, builders: Tables, device: torch.device | str
+    forests: list[RolloutForest], plan: Plan, rank: int, tables: Tables, device: torch.device | str
 ) -> list[Unit]:
-    """The compiled units of ``rank``'s row of ``plan``; refuses a plan whose context tokens were
-    not computed in an earlier slot of the same rank (the engine never reads another rank's
-    activations)."""
+    """The compiled units of ``rank``'s row of ``plan`` (:func:`compile_rank`)."""
+    return compile_rank(forests, plan, rank, tables, device).units
+
+
+@dataclass(frozen=True, eq=False)
+class RankUnits:
+    """:func:`compile_rank`'s answer: the rank's ``units``, its ``calls`` per pass (the units and the
+    padding calls that align slots across ranks), each a unit index or -1 (padding), the step's
+    cross-rank handoffs (``transfers``) and the rank's share of them (``exchange``); with them,
+    ``pair_home`` per forest [P_f] bool: the pairs whose values (and gradients) this rank answers
+    for when the ranks share them (each pair on exactly one rank; None without cross-rank
+    handoffs: a rank's trajectories then have all their pairs on it)."""
+
+    units: list[Unit]
+    calls: tuple[int, ...]
+    transfers: Transfers
+    exchange: Exchange
+    pair_home: list[np.ndarray] | None = None
+
+
+def compile_rank(
+    forests: list[RolloutForest], plan: Plan, rank: int, tables: Tables, device: torch.device | str
+) -> RankUnits:
+    """Compile ``rank``'s row of ``plan``. A unit reads its context from earlier slots: of its own
+    rank, or of another rank (a cross-rank handoff, sent by ``harts_hf.engine.exchange``); a plan
+    whose tokens no earlier slot computes, or that reads another rank's tokens of the same slot, is
+    refused. The handoff addresses are resolved over every rank's units on the host (numpy), the
+    device tables built for this rank's units only."""
     if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     device = torch.device(device)
-    owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
-    calls: list[tuple[int, int, np.ndarray, TreeBatch, np.ndarray]] = []
-    for slot in range(plan.num_slots):
-        first = len(calls)
-        for f, tokens in plan.microbatch(rank, slot):
-            tokens = sorted_unique(tokens)
-            if (owner[f][tokens] >= 0).any():
-                raise ValueError(f"the plan computes some tokens of forest {f} twice on rank {rank}")
-            batch = TreeBatch.from_forest(forests[f], tokens)  # on the host until its tables are built
-            context = batch.global_index[: batch.num_context].numpy()
-            if (owner[f][context] < 0).any():
-                raise ValueError(
-                    f"slot {slot} of rank {rank} reads context tokens of forest {f} that no earlier slot of "
-                    "the rank computes: the plan does not match these forests"
-                )
-            owner[f][tokens] = len(calls)
-            calls.append((slot, f, tokens, batch, context))
-        held = tuple(sum(c[k].size for c in calls[first:]) for k in (2, 4))  # own tokens, context tokens
-        if held != (plan.tokens[rank, slot], plan.context[rank, slot]):
-            raise ValueError(
-                f"slot {slot} of rank {rank} holds {held[0]} own and {held[1]} context tokens where the plan counted "
-                f"{plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these forests"
-            )
-    own = [(f, tokens) for _, f, tokens, _, _ in calls]
+    # Without cross-rank handoffs a rank's addresses are its own units' business: compile those only.
+    cross = crosses_ranks(forests, plan)
+    calls = _step_calls(forests, plan, range(plan.world_size) if cross else range(rank, rank + 1))
+    ranks, slots = (np.array([c[k] for c in calls], dtype=np.int64) for k in (0, 1))
+    own = [(c.forest, c.tokens) for c in calls]
+    producers = producer_index(forests, own, ranks, slots)
+    _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots, producers)
+    call = _call_index(calls, cross)
+    # The units whose reads decide this rank's addresses: its own, and every reader of a unit that
+    # this rank's units are or read from (a producer's kept rows are what all its readers read).
+    mine = np.flatnonzero(ranks == rank)
+    near = np.union1d(mine, np.concatenate([sources[i][0] for i in mine] or [np.zeros(0, dtype=np.int64)]))
+    relevant = [i for i, s in enumerate(sources) if ranks[i] == rank or np.isin(s[0], near).any()]
+    none = np.zeros(0, dtype=np.int64)
+    local = {int(g): i for i, g in enumerate(mine)}
+
+    exports: list[dict[Hashable, np.ndarray]] = [{} for _ in mine]
+    contexts: list[dict[Hashable, Gather]] = [{} for _ in mine]
+    sends: list[dict[int, dict[Hashable, torch.Tensor]]] = [{} for _ in mine]
+    transfers: list[tuple] = []
+    # (producer, reading rank) -> the reading rank's first call that reads it (its gradients go back after it)
+    first_read: dict[tuple[int, int], int] = {}
+
+    def hand_off(subset: Hashable, read_of) -> list[np.ndarray]:
+        """One subset's handoffs (``read_of(call)``: its reads); returns every unit's kept tokens."""
+        reads = [read_of(calls[i]) if i in relevant_set else none for i in range(len(calls))]
+        kept, found = handoff_rows(forests, own, reads, ranks, slots, producers)
+        view = rank_view(kept, found, ranks, slots, rank, plan.world_size)
+        for g, i in local.items():
+            if reads[g].size:
+                gathers[subset][i] = Gather.of(view.sources[g], view.held, device)
+            for to, rows in view.sends[g].items():
+                sends[i].setdefault(to, {})[subset] = torch.as_tensor(rows, dtype=torch.long, device=device)
+        for p_rank, p_slot, p, c_rank, c_slot, c, n in view.transfers:
+            transfers.append((p_rank, p_slot, p, c_rank, c_slot, c, subset, n))
+            first_read[p, c_rank] = min(first_read.get((p, c_rank), int(call[c])), int(call[c]))
+        return kept
+
+    relevant_set = set(relevant)
+    gathers: dict[Hashable, dict[int, Gather]] = {}
     # Context rows, per subset a layer reads: all (attention), a conv's halo, the replayed tokens.
-    exports: list[dict[Hashable, np.ndarray]] = [{} for _ in calls]
-    contexts: list[dict[Hashable, Gather]] = [{} for _ in calls]
-    for key in [None, *context_subsets(builders)]:
-        reads = [
-            context if key is None else batch.global_index[batch.cached(key)].numpy()
-            for _, _, _, batch, context in calls
-        ]
-        kept, sources = handoff_rows(forests, own, reads)
-        for i, read in enumerate(reads):
-            exports[i][key] = kept[i]
-            if read.size:
-                contexts[i][key] = Gather.of(sources[i], [k.size for k in kept], device)
+    for key in [None, *context_subsets(tables)]:
+        gathers[key] = {}
+        subset = lambda c, key=key: (
+            c.context if key is None else c.batch.global_index[c.batch.cached(key)].numpy()
+        )
+        kept = hand_off(key, subset)
+        for g, i in local.items():
+            exports[i][key] = kept[g]
+            if i in gathers[key]:
+                contexts[i][key] = gathers[key][i]
 
     # Boundary states, per chunk grid: a unit's external paths start from states after context
     # tokens (``Rounds.external_tokens``), which their producers return (``TreeBatch.state_out``).
-    state_out: list[dict[int, np.ndarray]] = [{} for _ in calls]
-    states: list[dict[int, Gather]] = [{} for _ in calls]
-    for C in chunk_sizes(builders):
-        ext = [b.global_index[rounds_of(b, C).external_tokens].numpy() for _, _, _, b, _ in calls]
-        out, source = handoff_rows(forests, own, ext)
-        for i, (_, _, tokens, batch, _) in enumerate(calls):
-            if out[i].size:
-                state_out[i][C] = batch.num_context + np.searchsorted(tokens, out[i])
-            if source[i].shape[1]:
-                states[i][C] = Gather.of(source[i], [o.size for o in out], device)
+    state_out: list[dict[int, np.ndarray]] = [{} for _ in mine]
+    states: list[dict[int, Gather]] = [{} for _ in mine]
+    for C in chunk_sizes(tables):
+        gathers[RoundsTable(C)] = {}
+        out = hand_off(
+            RoundsTable(C), lambda c, C=C: c.batch.global_index[rounds_of(c.batch, C).external_tokens].numpy()
+        )
+        for g, i in local.items():
+            if out[g].size:
+                state_out[i][C] = calls[g].batch.num_context + np.searchsorted(calls[g].tokens, out[g])
+            if i in gathers[RoundsTable(C)]:
+                states[i][C] = gathers[RoundsTable(C)][i]
 
-    pairs_of = [np.zeros(0, dtype=np.int64)] * len(calls)
+    exchange = Exchange.of(
+        {(int(call[p]), int(ranks[p]), p) for p, q in first_read if q == rank},
+        {(k, int(ranks[p]), p) for (p, q), k in first_read.items() if q == rank},
+        {(k, q, p) for (p, q), k in first_read.items() if ranks[p] == rank},
+    )
+    owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
+    for i, g in enumerate(mine):
+        owner[calls[g].forest][calls[g].tokens] = i
+    boundary = boundary_pairs(forests, [(c.forest, c.tokens, c.context) for c in calls], sources, ranks)
+    pairs_of = [boundary[g] for g in mine]
     for f, forest in enumerate(forests):
         pairs = np.flatnonzero((forest.prev >= 0) & (owner[f] >= 0))  # targets computed on this rank
         unit = owner[f][forest.prev[pairs]]
+        pairs, unit = pairs[unit >= 0], unit[unit >= 0]  # the others' predictors are another rank's
         order = np.argsort(unit, kind="stable")
-        bounds = np.searchsorted(unit[order], np.arange(len(calls) + 1))
+        bounds = np.searchsorted(unit[order], np.arange(len(mine) + 1))
         for i in np.unique(unit):
-            pairs_of[i] = pairs[order[bounds[i] : bounds[i + 1]]]
+            pairs_of[i] = np.union1d(pairs_of[i], pairs[order[bounds[i] : bounds[i + 1]]])
 
-    return [
-        _unit(
+    units = []
+    for i, g in enumerate(mine):
+        c = calls[g]
+        batch = c.batch
+        if state_out[i]:
+            batch = batch.with_state_out(state_out[i])
+        unit = _unit(
             i,
-            slot,
-            f,
-            forests[f],
-            batch.with_state_out(state_out[i]) if state_out[i] else batch,
-            tokens,
+            c.slot,
+            c.forest,
+            forests[c.forest],
+            batch,
+            c.tokens,
             pairs_of[i],
             exports[i],
             contexts[i],
             states[i],
-            builders,
+            tables,
             device,
         )
-        for i, (slot, f, tokens, batch, _) in enumerate(calls)
-    ]
+        units.append(dataclasses.replace(unit, number=int(g), sends=sends[i]))
+    width = int(call[ranks == rank].max(initial=-1)) + 1 if not cross else int(call.max(initial=-1)) + 1
+    order = [-1] * width
+    for i, g in enumerate(mine):
+        order[call[g]] = i
+    home = pair_homes(forests, own, boundary, ranks, rank) if cross else None
+    return RankUnits(units, tuple(order), Transfers.of(transfers), exchange, home)

@@ -1,0 +1,176 @@
+"""Worker of ``test_cross_rank.py`` under ``torchrun`` (gloo, CPU): every rank runs its row of
+hand-built plans whose units read context, conv halos, recurrent states and replay inputs from
+units of other ranks; rank 0 saves, per case, the log-probs and SGD parameter gradients summed
+over ranks, the single-process engine's and the unpatched model's (trajectory by trajectory).
+Under autocast (bf16) the single-process reference runs the same units on one rank.
+
+Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harts_hf import RolloutForest
+from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.memory import TOKEN_MEMORY, Budget
+from harts_hf.planner.pieces import Pieces
+from harts_hf.planner.plan import Plan, build_plan
+
+
+def piece_plan(forest: RolloutForest, pieces: list[tuple[int, int, int, int]], world_size: int) -> Plan:
+    """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest``, one rank's owner of
+    each token (no replicas)."""
+    pieces = sorted(pieces)
+    rank, slot, lo, hi = (np.array([p[k] for p in pieces], dtype=np.int64) for k in range(4))
+    zeros = np.zeros(len(pieces), dtype=np.int64)
+    cut = Pieces(rank, slot, lo, hi, zeros, zeros.astype(bool), int(slot.max()) + 1)
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    budget = Budget(forest.num_compact_tokens)
+    return build_plan(geo, [forest], cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
+
+
+def chain_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], world_size: int) -> Plan:
+    """The DFS order cut at ``cuts``, piece i in slot i on rank ``ranks[i]``."""
+    bounds = [0, *cuts, forest.num_compact_tokens]
+    return piece_plan(forest, [(r, i, a, b) for i, (r, a, b) in enumerate(zip(ranks, bounds, bounds[1:]))], world_size)
+
+
+def prompt_plan(forest: RolloutForest, prompt: int, world_size: int) -> Plan:
+    """The first ``prompt`` tokens of the largest tree (a shared chain) on rank 0 in slot 0; the
+    subtrees under its last token split between ranks 1.. in slot 1 (a DFS range each, cut at
+    subtree starts); the other trees on the last rank in slot 0."""
+    roots = np.flatnonzero(forest.prev < 0)
+    root = int(roots[np.argmax(forest.subtree_end[roots] - roots)])
+    last, end = root + prompt - 1, int(forest.subtree_end[root])
+    starts = [*np.flatnonzero(forest.prev == last).tolist(), end]  # the chain's children: subtree starts
+    pieces = [(0, 0, root, last + 1)]
+    for r, g in enumerate(np.array_split(np.arange(len(starts) - 1), world_size - 1), start=1):
+        pieces.append((r, 1, starts[g[0]], starts[g[-1] + 1]))
+    others = [(a, b) for a, b in ((0, root), (end, forest.num_compact_tokens)) if b > a]
+    pieces += [(world_size - 1, 0, a, b) for a, b in others]
+    return piece_plan(forest, pieces, world_size)
+
+
+def prompt_forest(rng: np.random.Generator) -> list[list[int]]:
+    """A 40-token prompt shared by subtrees that branch again mid-chunk (one leaf past 64 tokens),
+    and a second tree."""
+    seg = lambda n: [int(t) for t in rng.integers(3, 120, n)]
+    prompt = seg(40)
+    a, b, c = seg(30), seg(12), seg(9)
+    return [prompt + a, prompt + a[:5] + seg(4), prompt + b, prompt + b + seg(20), prompt + c, prompt + [a[0]], seg(7)]
+
+
+ONE_RANK = {"chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1)}
+"""The same units on one rank, where every slot holds one piece (the autocast case's reference)."""
+
+PLANS = {
+    # name -> (world size, forest kind, plan of the forest)
+    "chain3": (3, "family", lambda f: chain_plan(f, [50, 85], [0, 1, 2], 3)),
+    "prompt3": (3, "prompt", lambda f: prompt_plan(f, 40, 3)),
+    "zigzag2": (2, "family", lambda f: chain_plan(f, [20, 66, 90], [0, 1, 0, 1], 2)),
+    "prompt2": (2, "prompt", lambda f: prompt_plan(f, 40, 2)),
+}
+
+
+def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
+    from tiny_models import family_forest
+
+    rng = np.random.default_rng(0)
+    seqs = family_forest(rng) if kind == "family" else prompt_forest(rng)
+    return seqs, RolloutForest.from_sequences(seqs)
+
+
+def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
+    """One case on every rank; rank 0 saves what the test compares."""
+    from tiny_models import as_layout, tiny_model, trainable, trajectory_logprobs
+
+    from harts_hf import patch_model, tree_logprobs
+    from harts_hf.engine import TreeEngine
+    from harts_hf.trainers._compat import add_tree_forward
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size, kind, make = PLANS[plan_name]
+    assert size == world
+    seqs, forest = forest_of(kind)
+    the_plan = make(forest)
+    model = patch_model(tiny_model(family))
+    if wrapper == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    width = forest.max_length - 1
+    weights = torch.as_tensor(
+        np.random.default_rng(1).standard_normal((forest.num_trajectories, width)), dtype=torch.float32
+    )
+    loss_fn = lambda lps: (lps[0] * weights).sum()
+    params = trainable(model)
+    with torch.no_grad():
+        others = tree_logprobs(model, forest)
+    forward = no_sync = None
+    if wrapper == "ddp":
+        add_tree_forward(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        forward, no_sync = (lambda run: ddp(harts_call=run)), ddp.no_sync
+    engine = TreeEngine(model, forest, the_plan, rank=rank, forward=forward, no_sync=no_sync)
+    own = engine.owned[0]
+    seen = []
+
+    def loss(lps):  # a gathered objective: this rank's rows live, the others' constant
+        seen.append(lps[0].detach())
+        return loss_fn([torch.where(own[:, None], lps[0], others)])
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=wrapper == "autocast")
+    with autocast:
+        engine.backward(loss)
+    lp = torch.where(own[:, None], seen[0], 0.0)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    dist.all_reduce(lp)
+    for g in grads:
+        if wrapper == "ddp":
+            g.mul_(world)  # DDP averaged them
+        else:
+            dist.all_reduce(g)
+    sent = torch.tensor([float(engine.exchanged_bytes[k]) for k in ("values", "grads")])
+    dist.all_reduce(sent)
+    if rank != 0:
+        return
+    # References on rank 0: the unpatched model trajectory by trajectory, and the single-process engine.
+    for p in params:
+        p.grad = None
+    oracle = as_layout([lp for lp, _ in trajectory_logprobs(model, seqs)], width)
+    ref = torch.autograd.grad(loss_fn([oracle]), params, allow_unused=True)
+    single = TreeEngine(model, forest, ONE_RANK[plan_name](forest) if wrapper == "autocast" else None)
+    with autocast:
+        single_lp = single.logprobs()[0]
+        single.backward(loss_fn)
+    torch.save(
+        {
+            "logprobs": lp,
+            "grads": grads,
+            "oracle": (oracle.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, ref)]),
+            "single": (single_lp, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]),
+            "transfers": len(engine.schedule.transfers),
+            "bytes": sent.tolist(),
+        },
+        out / f"{family}-{plan_name}-{wrapper}.pt",
+    )
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        family, plan_name, wrapper = case.split(":")
+        run_case(family, plan_name, wrapper, out)
+        dist.barrier()
+    from harts_hf.trainers.teardown import end_distributed
+
+    end_distributed()  # gloo's threads abort the exit ("terminate called ...") otherwise

@@ -1,0 +1,186 @@
+"""Cross-rank handoffs: a unit reads its context (ancestor K/V, conv halos, recurrent states,
+replay inputs) from units of other ranks, sent point to point and their gradients sent back.
+
+The schedule names every handoff (producer rank/slot/unit -> consumer rank/slot/unit, subset,
+rows) and refuses a same-slot one; under ``torchrun`` (gloo, CPU; ``cross_rank_worker.py``),
+the log-probs and parameter gradients summed over ranks equal the single-process engine's and the
+unpatched model's run trajectory by trajectory, for hand-built plans (a chain in pieces over 2 and
+3 ranks, a shared prompt computed once and its subtrees on other ranks), under gradient
+checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in the last backward); under
+bf16 autocast they equal the same units run on one rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cross_rank_worker import PLANS, chain_plan, forest_of, piece_plan
+from launch import torchrun
+from tiny_models import tiny_model
+
+from harts_hf import patch_model
+from harts_hf.modeling.registry import patched_adapter
+from harts_hf.modeling.tables import model_tables
+from harts_hf.ops.conv import ConvHaloTable
+from harts_hf.ops.rounds import ReplayTable, RoundsTable
+from harts_hf.schedule import Schedule
+
+TOL = 2e-5  # fp32, as tests/test_engine.py: log-probs absolute, grads relative to the largest reference
+
+
+@pytest.fixture(scope="module")
+def tables():
+    hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))  # GDN (chunk 64) + conv (width 4) + attention
+    return model_tables(hf, adapter)
+
+
+def _schedules(name, tables):
+    world, kind, make = PLANS[name]
+    _, forest = forest_of(kind)
+    the_plan = make(forest)
+    return (
+        forest,
+        the_plan,
+        [Schedule.compile([forest], the_plan, r, tables, torch.device("cpu")) for r in range(world)],
+    )
+
+
+def _rows(transfers, subset) -> dict[tuple[int, int, int, int], int]:
+    """(producer rank, slot, consumer rank, slot) -> rows of one subset."""
+    t = transfers
+    return {
+        (int(a), int(b), int(c), int(d)): int(n)
+        for a, b, c, d, s, n in zip(
+            t.producer_rank, t.producer_slot, t.consumer_rank, t.consumer_slot, t.subset, t.rows
+        )
+        if s == subset
+    }
+
+
+def test_prompt_handoff_table(tables):
+    """A 40-token prompt on rank 0 (slot 0), its subtrees on ranks 1 and 2 (slot 1): each reads all
+    40 prompt rows, the prompt's replay (no chunk edge: every row) and its last 3 tokens as the
+    width-4 conv's halo, from rank 0; calls align by slot (rank 1 pads slot 0)."""
+    _, the_plan, schedules = _schedules("prompt3", tables)
+    for s in schedules:  # every rank compiles the same table
+        assert _rows(s.transfers, None) == {(0, 0, 1, 1): 40, (0, 0, 2, 1): 40}
+        assert _rows(s.transfers, ReplayTable(64)) == {(0, 0, 1, 1): 40, (0, 0, 2, 1): 40}
+        assert _rows(s.transfers, ConvHaloTable(4)) == {(0, 0, 1, 1): 3, (0, 0, 2, 1): 3}
+    assert [s.order for s in schedules] == [(0, -1), (-1, 0), (0, 1)]
+    prompt = schedules[0].units[0]
+    assert {to: rows[None].tolist() for to, rows in prompt.sends.items()} == {1: list(range(40)), 2: list(range(40))}
+    assert schedules[0].exchange.grad_receive == {1: ((1, 0), (2, 0))}  # both gradients back after slot 1's replay
+    assert schedules[1].exchange.receive == {0: ((0, 0),)} and schedules[1].exchange.grad_send == {1: ((0, 0),)}
+    assert the_plan.context.tolist() == [[0, 0], [0, 40], [0, 40]]
+
+
+def test_chain_handoff_table_has_states(tables):
+    """A chain cut at depths 30 and 65 over ranks 0, 1, 2: rank 2 reads 30 context rows from rank 0
+    and 35 from rank 1, and the GDN state at the 64-token chunk edge from rank 1."""
+    _, _, schedules = _schedules("chain3", tables)
+    transfers = schedules[2].transfers
+    assert _rows(transfers, None) == {(0, 0, 1, 1): 30, (0, 0, 2, 2): 30, (1, 1, 2, 2): 35}
+    assert _rows(transfers, RoundsTable(64)) == {(1, 1, 2, 2): 1}
+    assert schedules[2].exchange.grad_send == {2: ((0, 0), (1, 1))}  # one message per producer rank
+
+
+def test_refuses_same_slot_remote_context(tables):
+    """A piece whose context another rank computes in the same slot needs context parallelism
+    inside the slot: refused, by name."""
+    _, forest = forest_of("family")
+    the_plan = chain_plan(forest, [50, 85], [0, 1, 2], 3)
+    same_slot = piece_plan(forest, [(0, 0, 0, 50), (1, 0, 50, 85), (2, 1, 85, 112)], 3)
+    with pytest.raises(ValueError, match="same or a later slot.*context parallelism"):
+        Schedule.compile([forest], same_slot, 2, tables, torch.device("cpu"))
+    Schedule.compile([forest], the_plan, 2, tables, torch.device("cpu"))  # the slot-ordered plan runs
+
+
+def _assert_same(ref, got, tol: float = TOL) -> None:
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=tol)
+    scale = max(float(g.abs().max()) for g in ref[1])
+    for r, g in zip(ref[1], got[1]):
+        torch.testing.assert_close(g, r, rtol=0, atol=tol * scale)
+
+
+def _check(out, cases) -> list[str]:
+    report = []
+    for case in cases:
+        family, plan_name, wrapper = case.split(":")
+        saved = torch.load(out / f"{family}-{plan_name}-{wrapper}.pt")
+        got = (saved["logprobs"], saved["grads"])
+        assert saved["transfers"] > 0 and saved["bytes"][0] > 0 and saved["bytes"][1] > 0
+        if wrapper == "autocast":  # bf16 K/V etc. on the wire: the same units on one rank, to fp32 summation order
+            _assert_same(saved["single"], got, tol=1e-5)
+        else:
+            _assert_same(saved["oracle"], got)
+            _assert_same(saved["single"], got)
+        assert float(saved["grads"][0].abs().max()) > 0
+        report.append(f"{case}: {saved['bytes'][0]:.0f} bytes of values, {saved['bytes'][1]:.0f} of gradients sent")
+    return report
+
+
+CASES_3 = [
+    "qwen3_5:chain3:plain",  # GDN + conv + attention
+    "kimi_linear:prompt3:plain",  # KDA + MLA, three convs in one mixer
+    "nemotron_h:chain3:plain",  # Mamba2 (16-token chunks) + attention
+    "minimax:prompt3:plain",  # lightning attention
+    "qwen3_5:prompt3:checkpointing",
+    "qwen3_5:chain3:autocast",  # bf16 compute, fp32 states: both dtypes on the wire
+]
+CASES_2 = [
+    "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
+    "jamba:zigzag2:plain",  # Mamba1
+    "falcon_h1:prompt2:plain",  # Mamba2 beside attention in one layer
+]
+
+
+@pytest.mark.slow
+def test_three_ranks(tmp_path, capsys):
+    torchrun("cross_rank_worker.py", 3, str(tmp_path), *CASES_3, timeout=600)
+    with capsys.disabled():
+        print("\n" + "\n".join(_check(tmp_path, CASES_3)))
+
+
+@pytest.mark.slow
+def test_two_ranks_ddp(tmp_path, capsys):
+    torchrun("cross_rank_worker.py", 2, str(tmp_path), *CASES_2, timeout=600)
+    with capsys.disabled():
+        print("\n" + "\n".join(_check(tmp_path, CASES_2)))
+
+
+def test_plans_are_what_the_docstrings_say():
+    """The worker's plans put context on other ranks (the plan counts it) and every token once."""
+    for name, (world, kind, make) in PLANS.items():
+        _, forest = forest_of(kind)
+        the_plan = make(forest)
+        assert the_plan.world_size == world and the_plan.tokens.sum() == forest.num_compact_tokens
+        assert not the_plan.piece_replica.any() and (the_plan.context.sum(axis=1) > 0).sum() >= 1, name
+        assert np.all(np.diff(the_plan.piece_start[np.argsort(the_plan.piece_start)]) > 0)
+
+
+def test_planner_plans_hand_nothing_between_ranks(tables):
+    """plan()'s plans keep a rank's context on the rank: no transfer, no exchange, no shared pairs,
+    and the calls are the units then the padding, as before cross-rank handoffs."""
+    from harts_hf import plan
+    from harts_hf.schedule.crossrank import crosses_ranks
+
+    _, forest = forest_of("family")
+    the_plan = plan(forest, world_size=3, max_tokens_per_microbatch=forest.max_length + 8)
+    assert not crosses_ranks([forest], the_plan)
+    for rank in range(3):
+        s = Schedule.compile([forest], the_plan, rank, tables, torch.device("cpu"), calls=6)
+        assert len(s.transfers) == 0 and not s.exchange and s.pair_home is None
+        assert s.order == (*range(len(s.units)), *[-1] * (6 - len(s.units)))
+        assert [u.number for u in s.units] == list(range(len(s.units)))
+
+
+def test_needs_the_plans_process_group():
+    """A plan that hands context between ranks runs one process per rank: without a process group
+    the engine says so instead of recomputing or hanging."""
+    from harts_hf.engine import TreeEngine
+
+    _, forest = forest_of("prompt")
+    engine = TreeEngine(patch_model(tiny_model("qwen3_5")), forest, PLANS["prompt3"][2](forest), rank=1)
+    with pytest.raises(RuntimeError, match="start torch.distributed"):
+        engine.logprobs()
