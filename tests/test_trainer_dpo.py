@@ -4,8 +4,9 @@ step, losses and metrics (fp32, SGD; see test_trainer_exactness.py for why not A
 A pair is an agent conversation's history (system prompt, tool calls, tool results, reasoning: the
 built-in ``harts_hf.sources.agent_conversations``) with its last assistant message as the chosen
 answer and another as the rejected one; TRL's batch is the chosen rows then the rejected rows,
-so each forest computes a pair's whole history once (and once more for the reference model, which
-TRL reloads from the checkpoint).
+so each optimizer step's forest computes a pair's whole history once, for the policy (one HARTS step
+over the step's microbatches) and once more for the reference model, which TRL reloads from the
+checkpoint (one no-grad step on the same forest, plan and schedule).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict
         "history": [h for h in logged if "loss" in h],
         "evals": [h for h in logged if "eval_loss" in h],
         "ref_model": trainer.ref_model,
+        "model": trainer.model,
     }
 
 
@@ -82,9 +84,10 @@ def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
     stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
     microbatches = CASES[case].get("gradient_accumulation_steps", 1)
     rows = 2 * CASES[case].get("per_device_train_batch_size", 4)  # chosen and rejected of a microbatch
-    # the policy: one HARTS step per optimizer step over its microbatches; the reference: every microbatch
-    expected = [rows * microbatches] * 2 + [rows] * (2 * microbatches)
-    assert sorted(f.num_trajectories for f in forests) == sorted(expected)
+    # per optimizer step, one HARTS step over its microbatches for the policy and one no-grad step for the
+    # reference, on the same forest
+    assert [f.num_trajectories for f in forests] == [rows * microbatches] * 4
+    assert forests[0] is forests[1] and forests[2] is forests[3]
     assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
     assert min(f.num_trajectory_tokens / f.num_compact_tokens for f in forests) > 1.5  # the histories were shared
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights

@@ -108,7 +108,7 @@ def train(case: str, harts: bool, tmp_path, **overrides) -> dict:
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
-    return {"params": snaps.params, "history": history, "evals": evals}
+    return {"params": snaps.params, "history": history, "evals": evals, "model": trainer.model}
 
 
 @pytest.mark.slow

@@ -73,6 +73,10 @@ class Snapshots(TrainerCallback):
 
 
 def flat_parameters(model, trained: bool = True) -> torch.Tensor:
-    """``model``'s parameters (``trained``: those that train only), flat, in float32."""
+    """``model``'s parameters (``trained``: those that train only), flat, in float32; whole where FSDP2
+    shards them (every rank calls)."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad or not trained]
-    return torch.cat([p.detach().float().flatten().clone() for p in params])
+    whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
+    return torch.cat([p.detach().float().flatten().clone() for p in whole])

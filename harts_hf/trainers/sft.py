@@ -10,7 +10,7 @@ the label masks (``completion_only_loss``, ``assistant_only_loss``) and the metr
 on what it returns.
 
 Batches without an attention mask (``padding_free`` / packing) and multimodal inputs take TRL's
-own path; under FSDP2 and in evaluation each microbatch is its own forest (``fused.py``).
+own path; in evaluation each microbatch is its own forest (``fused.py``). DDP and FSDP2 alike.
 """
 
 from __future__ import annotations
