@@ -107,7 +107,8 @@ def _saved_bytes(
     inside: list[int | None] = [None]
     params: set[int] = set()
 
-    def gathered() -> None:  # FSDP2 swaps a module's whole parameters in for its forward (DTensors outside)
+    def gathered() -> None:  # the parameters whole now: FSDP2 swaps them in for a module's forward only
+        params.clear()  # and frees them after it: an activation may take a freed one's address
         params.update(p.untyped_storage().data_ptr() for p in hf.parameters() if not isinstance(p, DTensor))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
