@@ -4,10 +4,11 @@ CPU (gloo): DDP under 2 and 3 processes, FSDP2 under 2.
 Each launch starts ``torchrun --nproc_per_node N`` on this file once. Each worker trains the single-process
 tests' cases (``test_trainer_sft``'s prompt-completion samples and per-turn text, ``test_trainer_dpo``'s
 multi-turn pairs), stock then HARTS, on its shard of the data (TRL's distributed sampler), and rank 0
-saves the parameters after every step, the logged history and the plan slots of every fused-head
-pass that ran as a forest. Every optimizer step's microbatches of every rank are one forest under one plan (the HARTS
-step; *-pieces: cut into pieces, two microbatches per step), DPO's reference log-probs one no-grad
-step over the same forest; the wrapper syncs the gradients once per step.
+saves the parameters after every step, the logged history and evaluations, and what its fused-head
+passes were (``trainer_args.pass_counts``). Every optimizer step's microbatches of every rank are one forest under one plan (the HARTS
+step; *-pieces: cut into pieces, two microbatches per step, evaluated at the start and after every
+step), DPO's reference log-probs one no-grad step over the same forest; each eval batch of every
+rank one no-grad step; the wrapper syncs the gradients once per step.
 
 Under 3 processes the microbatches are smaller so that every rank has rows in every step; the DPO
 data (8 pairs, 6 a step) make the last batch of an epoch short, which accelerate's sampler fills
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from launch import torchrun
+from trainer_args import eval_keys
 
 TOL = 1e-5
 # run -> that test file's case; *-pieces: two microbatches per step, its forest (every rank's rows) cut into pieces
@@ -57,10 +59,18 @@ def test_processes_match_stock(launch, tmp_path):
         stock, harts = torch.load(tmp_path / f"{kind}-stock.pt"), torch.load(tmp_path / f"{kind}-harts.pt")
         assert stock["world"] == harts["world"] == world  # the trainers ran data-parallel
         assert stock["sharded"] == harts["sharded"] == (wrapper == "fsdp2")
-        assert harts["slots"] and not stock["slots"]  # HARTS ran its passes as forests, stock none
-        # one forest per optimizer step for the policy (and one for DPO's reference): no per-microbatch pass
-        assert len(harts["slots"]) == (2 if kind.startswith("dpo") else 1) * (len(harts["params"]) - 1)
-        assert min(harts["slots"]) > 1 if kind.endswith("pieces") else max(harts["slots"]) == 1
+        passes, steps = harts["passes"], len(harts["params"]) - 1
+        assert passes["trained"] and not stock["passes"]["trained"]  # HARTS ran its passes as forests, stock none
+        # one step per optimizer step for the policy, every pass a HARTS step (no per-microbatch pass)
+        assert passes["per_microbatch"] == 0 and len(passes["trained"]) == steps
+        assert min(passes["trained"]) > 1 if kind.endswith("pieces") else max(passes["trained"]) == 1
+        if kind.startswith("dpo"):  # a reference step per optimizer step and per eval batch, on the policy's forest
+            assert passes["no_grad"] - passes["reused"] == passes["reused"] - steps
+        else:  # a step per eval batch
+            assert passes["reused"] == 0
+        assert len(stock["evals"]) == len(harts["evals"]) == (steps + 1 if kind.endswith("pieces") else 0)
+        for a, b in zip(stock["evals"], harts["evals"], strict=True):
+            np.testing.assert_allclose([b[k] for k in eval_keys(a)], [a[k] for k in eval_keys(a)], rtol=TOL, atol=1e-6)
         assert len(stock["params"]) == len(harts["params"]) > 2  # the start, then every step
         assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
         for step, (a, b) in enumerate(zip(stock["params"], harts["params"], strict=True)):
@@ -76,7 +86,7 @@ def _worker(out: Path, wrapper: str) -> None:
     import test_trainer_sft
     from fsdp2_cpu import fsdp2_trainers
     from torch.distributed.fsdp import FSDPModule
-    from trainer_args import saved_model, spy_fused_outputs
+    from trainer_args import pass_counts, saved_model, spy_fused_outputs
 
     from harts_hf.sources import agent_tokenizer
 
@@ -89,7 +99,7 @@ def _worker(out: Path, wrapper: str) -> None:
             options["gradient_checkpointing"] = False
         for harts in (False, True):
             with pytest.MonkeyPatch.context() as patch:
-                _, slots = spy_fused_outputs(patch)
+                forests, _, steps = spy_fused_outputs(patch)
                 sharded = fsdp2_trainers(patch) if wrapper == "fsdp2" else contextlib.nullcontext()
                 work = out / f"{kind}-{harts}-rank{rank}"
                 with sharded:
@@ -101,7 +111,8 @@ def _worker(out: Path, wrapper: str) -> None:
                 record = {
                     "params": run["params"],
                     "history": run["history"],
-                    "slots": slots,  # of each forest pass
+                    "evals": run["evals"],
+                    "passes": pass_counts(forests, steps),
                     "world": torch.distributed.get_world_size(),
                     "sharded": isinstance(run["model"], FSDPModule),
                 }

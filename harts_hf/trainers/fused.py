@@ -14,11 +14,11 @@ once; each loss pass finds its rows in it by their tokens and reads their values
 its backward fills their gradients (under ``no_sync``: no parameter is in that graph), and after the
 last microbatch the step backpropagates through its units once, syncing the gradients in its last
 backward pass (DDP, FSDP2: the loss passes still run as the wrapper's forward, in step on every
-rank, but their graphs hold no parameter). A model's first no-grad call on the step's rows (DPO's
-reference model) makes a no-grad step of that model over the same rows, the policy step's
-forest, plan and schedule reused, inside that call (every rank makes it at once); its later calls
-read it. Other calls (evaluation, inputs the step does not hold) run :func:`fused_outputs` on
-their own batch.
+rank, but their graphs hold no parameter). Calls without grad read no-grad steps, made inside the
+call on every rank at once: a model's first call on the training step's rows (DPO's reference
+model) makes its step over all of them, on the policy step's forest, plan and schedule; in
+evaluation each call is a step over its rows of every rank (the reference's on the policy's
+forest). A call with grad the training step does not hold runs :func:`fused_outputs` on its batch.
 
 Legend: B rows, S padded width.
 """
@@ -136,7 +136,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         self._passes: list[tuple[int, int, int]] = []  # this step's (trajectory tokens, compact, slots) per pass
         self._block: list[dict] = []  # the optimizer step's microbatches on this rank (get_batch_samples)
         self._step: HARTSStep | None = None  # the HARTS step over them, while their loss passes run
-        self._no_grad_steps: dict[torch.nn.Module, HARTSStep] = {}  # per model, its no-grad step over them
+        self._no_grad_steps: dict[torch.nn.Module | None, HARTSStep] = {}  # per model its step over them; None: eval's
         self._statistics = models.get(self.model, ())  # what the policy's head computes
         if not self._harts_enabled:
             return
@@ -218,41 +218,54 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
     def _from_step(
         self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
     ) -> FusedCausalLMOutput | None:
-        """A pass's outputs from the HARTS step's values (its rows looked up by their tokens) or, without
-        grad, from ``model``'s no-grad step over the same rows (:meth:`_no_grad_step`); None when the
-        step does not hold them."""
-        step = self._step
-        if step is None or (torch.is_grad_enabled() and not set(statistics) <= set(self._statistics)):
-            return None
+        """A pass's outputs from a HARTS step's values (its rows looked up by their tokens): a loss
+        pass's from the training step, a pass without grad from a no-grad step (:meth:`_no_grad_step`);
+        None when the step does not hold them."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        rows = step.row_index(row_sequences(input_ids, attention_mask))
+        sequences = row_sequences(input_ids, attention_mask)
+        if not torch.is_grad_enabled():
+            step = self._no_grad_step(model, inputs, sequences, statistics)
+        elif set(statistics) <= set(self._statistics):
+            step = self._step
+        else:
+            return None
+        rows = None if step is None else step.row_index(sequences)
         if rows is None:
             return None
-        if not torch.is_grad_enabled():
-            step = self._no_grad_step(model, statistics)
         values = {"log_probs": step.logprobs[rows]}
         values |= {name: (step.entropies if name == "entropy" else step.statistics[name])[rows] for name in statistics}
         aux_loss = step.rows_aux_loss(rows) if inputs.get("output_router_logits") else None
         label_mask = scored_labels(input_ids, attention_mask, inputs["labels"])
         return fused_result(model, values, aux_loss, label_mask, attention_mask)
 
-    def _no_grad_step(self, model: torch.nn.Module, statistics: tuple[str, ...]) -> HARTSStep:
-        """``model``'s no-grad step over the training step's rows (its forest, plan and schedule), made
-        at its first call: inside that call's forward, on every rank at once (TRL makes the reference
-        call of the same microbatch on every rank)."""
-        if (made := self._no_grad_steps.get(model)) is None:
-            entropy, others = _split_entropy(statistics)
-            made = self._no_grad_steps[model] = HARTSStep(
-                self,
-                model,
-                self._block,
-                self._plan_options(inside_forward=True),
-                entropy=entropy,
-                statistics=others,
-                previous=self._step,
-                inside_forward=True,
-            )
-            self._passes.append((*made.stats()[:2], made.plan.num_slots))
+    def _no_grad_step(
+        self, model: torch.nn.Module, inputs: dict, sequences: list[np.ndarray], statistics: tuple[str, ...]
+    ) -> HARTSStep:
+        """The no-grad step answering a call of ``model`` without grad, made inside that call on every
+        rank at once (TRL makes such calls in step on every rank: DDP's reference model, FSDP2's
+        gathers, the evaluation loop's gathers). Within a training step whose rows hold the call's
+        (DPO's reference model, LoRA's policy without its adapter), ``model``'s step over all of them,
+        made at its first call; otherwise (evaluation) a step over the call's rows of every rank. Each
+        reuses the forest, plan and schedule of the step before it over the same rows (the training
+        step's; in evaluation, the policy's pass before the reference's)."""
+        training = self._step is not None and self._step.row_index(sequences) is not None
+        if training and (made := self._no_grad_steps.get(model)) is not None:
+            return made
+        entropy, others = _split_entropy(statistics)
+        batches = self._block if training else [{key: inputs[key] for key in ("input_ids", "attention_mask")}]
+        made = HARTSStep(
+            self,
+            model,
+            batches,
+            self._plan_options(inside_forward=True),
+            entropy=entropy,
+            statistics=others,
+            router=bool(inputs.get("output_router_logits")),
+            previous=self._step if training else self._no_grad_steps.get(None),
+            inside_forward=True,
+        )
+        self._no_grad_steps[model if training else None] = made  # None: the last step outside training
+        self._passes.append((*made.stats()[:2], made.plan.num_slots))
         return made
 
     def _fused_on_forest(
