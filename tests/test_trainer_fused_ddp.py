@@ -15,7 +15,7 @@ data (8 pairs, 6 a step) make the last batch of an epoch short, which accelerate
 with the epoch's first pairs (``even_batches``): a rank's rows may repeat another's. A rank never
 holds no rows of a microbatch under TRL's sampler (that would leave stock's ranks out of step).
 FSDP2 is reached as in ``test_trainer_fsdp2`` (``fsdp2_cpu``): the models are sharded where
-accelerate would shard them; the DPO cases run without gradient checkpointing there.
+accelerate would shard them (DPO's first case under TRL's default gradient checkpointing).
 """
 
 from __future__ import annotations
@@ -95,8 +95,6 @@ def _worker(out: Path, wrapper: str) -> None:
     model_dir = saved_model(out / f"model-rank{rank}", agent_tokenizer())  # the same tiny model on every rank
     for kind, case in CASES.items():
         options = {"per_device_train_batch_size": PER_DEVICE[world, kind]} if (world, kind) in PER_DEVICE else {}
-        if wrapper == "fsdp2":
-            options["gradient_checkpointing"] = False
         for harts in (False, True):
             with pytest.MonkeyPatch.context() as patch:
                 forests, _, steps = spy_fused_outputs(patch)
