@@ -1,14 +1,15 @@
 """HARTSSFTTrainer == SFTTrainer and HARTSDPOTrainer == DPOTrainer under the same launch, step by step, on
 CPU (gloo): DDP under 2 and 3 processes, FSDP2 under 2.
 
-Each launch starts ``torchrun --nproc_per_node N`` on this file once. Each worker trains the single-process
-tests' cases (``test_trainer_sft``'s prompt-completion samples and per-turn text, ``test_trainer_dpo``'s
-multi-turn pairs), stock then HARTS, on its shard of the data (TRL's distributed sampler), and rank 0
-saves the parameters after every step, the logged history and evaluations, and what its fused-head
-passes were (``trainer_args.pass_counts``). Every optimizer step's microbatches of every rank are one forest under one plan (the HARTS
-step; *-pieces: cut into pieces, two microbatches per step, evaluated at the start and after every
-step), DPO's reference log-probs one no-grad step over the same forest; each eval batch of every
-rank one no-grad step; the wrapper syncs the gradients once per step.
+Each launch starts ``torchrun --nproc_per_node N`` on this file once. Each worker trains the
+single-process tests' cases (``test_trainer_sft``'s prompt-completion samples and per-turn text,
+``test_trainer_dpo``'s multi-turn pairs), stock then HARTS, on its shard of the data (TRL's
+distributed sampler), and rank 0 saves the parameters after every step, the logged history and
+evaluations, and what its fused-head passes were (``trainer_args.pass_counts``). Every optimizer
+step's microbatches of every rank are one forest under one plan (the HARTS step; *-pieces: cut into
+pieces, two microbatches per step, evaluated at the start and after every step), DPO's reference
+log-probs one no-grad step over the same forest; each eval batch of every rank one no-grad step;
+the wrapper syncs the gradients once per step.
 
 Under 3 processes the microbatches are smaller so that every rank has rows in every step; the DPO
 data (8 pairs, 6 a step) make the last batch of an epoch short, which accelerate's sampler fills
