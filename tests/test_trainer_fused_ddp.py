@@ -1,5 +1,5 @@
 """HARTSSFTTrainer == SFTTrainer and HARTSDPOTrainer == DPOTrainer under the same launch, step by step, on
-CPU (gloo): DDP under 2 and 3 processes, FSDP2 under 2.
+CPU (gloo): DDP and FSDP2, each under 2 and 3 processes.
 
 Each launch starts ``torchrun --nproc_per_node N`` on this file once. Each worker trains the
 single-process tests' cases (``test_trainer_sft``'s prompt-completion samples and per-turn text,
@@ -42,7 +42,7 @@ CASES = {
 SFT_KEYS = ["loss", "entropy", "mean_token_accuracy", "num_tokens"]
 DPO_KEYS = ["loss", "rewards/margins", "entropy"]
 KEYS = {"sft": SFT_KEYS, "sft-pieces": SFT_KEYS, "dpo": DPO_KEYS, "dpo-pieces": DPO_KEYS}
-LAUNCHES = {"ddp-2": (2, "ddp"), "ddp-3": (3, "ddp"), "fsdp2-2": (2, "fsdp2")}  # name -> (processes, wrapper)
+LAUNCHES = {f"{wrapper}-{world}": (world, wrapper) for wrapper in ("ddp", "fsdp2") for world in (2, 3)}
 PER_DEVICE = {  # (world, run) -> per_device_train_batch_size where the case's own leaves a rank no rows
     (3, "sft"): 4,
     (3, "sft-pieces"): 2,
