@@ -4,8 +4,9 @@ step, losses and metrics (fp32, SGD; see test_trainer_exactness.py for why not A
 A pair is an agent conversation's history (system prompt, tool calls, tool results, reasoning: the
 built-in ``harts_hf.sources.agent_conversations``) with its last assistant message as the chosen
 answer and another as the rejected one; TRL's batch is the chosen rows then the rejected rows,
-so each forest computes a pair's whole history once (and once more for the reference model, which
-TRL reloads from the checkpoint).
+so each optimizer step's forest computes a pair's whole history once, for the policy (one HARTS step
+over the step's microbatches) and once more for the reference model, which TRL reloads from the
+checkpoint (one no-grad step on the same forest, plan and schedule).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from datasets import Dataset
-from trainer_args import Snapshots, saved_model, sgd_args, spy_fused_outputs
+from trainer_args import Snapshots, eval_keys, pass_counts, saved_model, sgd_args, spy_fused_outputs
 from trl import DPOConfig, DPOTrainer
 
 from harts_hf.sources import agent_conversations, agent_tokenizer
 from harts_hf.trainers import HARTSDPOConfig, HARTSDPOTrainer
 
 TOL = 1e-5
+EVAL = dict(eval=True, eval_strategy="steps", eval_steps=1, eval_on_start=True)  # 4 pairs: one batch of 8 rows
 CASES = {
     "sigmoid-checkpointing": dict(gradient_checkpointing=True),  # TRL's defaults
     "ipo-wpo-ld_alpha-two-microbatches-pieces": dict(  # IPO's squared loss has large gradients: a smaller step
@@ -30,6 +32,7 @@ CASES = {
         per_device_train_batch_size=2,
         learning_rate=0.05,
         harts_max_tokens_per_microbatch=64,  # each forest in pieces: policy and reference through the engine
+        **EVAL,
     ),
 }
 METRICS = ["loss", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen", "entropy"]
@@ -73,20 +76,26 @@ def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict
         "history": [h for h in logged if "loss" in h],
         "evals": [h for h in logged if "eval_loss" in h],
         "ref_model": trainer.ref_model,
+        "model": trainer.model,
     }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dpo_matches_stock(case, model_dir, tmp_path, monkeypatch):
-    forests, slots = spy_fused_outputs(monkeypatch)
+    forests, slots, steps = spy_fused_outputs(monkeypatch)
     stock, harts = train(case, False, model_dir, tmp_path), train(case, True, model_dir, tmp_path)
     microbatches = CASES[case].get("gradient_accumulation_steps", 1)
     rows = 2 * CASES[case].get("per_device_train_batch_size", 4)  # chosen and rejected of a microbatch
-    # the policy: one HARTS step per optimizer step over its microbatches; the reference: every microbatch
-    expected = [rows * microbatches] * 2 + [rows] * (2 * microbatches)
-    assert sorted(f.num_trajectories for f in forests) == sorted(expected)
+    # per optimizer step, one HARTS step over its microbatches for the policy and one no-grad step for the
+    # reference on its forest, plan and schedule; per eval batch, a no-grad step for each on one forest
+    passes, evals = pass_counts(forests, steps), len(harts["evals"])
+    assert passes["per_microbatch"] == 0 and passes["no_grad"] == 2 + 2 * evals and passes["reused"] == 2 + evals
+    assert [s.forest.num_trajectories for s in steps if s.grad] == [rows * microbatches] * 2
     assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
     assert min(f.num_trajectory_tokens / f.num_compact_tokens for f in forests) > 1.5  # the histories were shared
+    assert len(stock["evals"]) == evals == (3 if CASES[case].get("eval") else 0)  # at the start, after each step
+    for a, b in zip(stock["evals"], harts["evals"], strict=True):
+        np.testing.assert_allclose([b[k] for k in eval_keys(a)], [a[k] for k in eval_keys(a)], rtol=TOL, atol=1e-6)
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
     for step, (a, b) in enumerate(zip(stock["params"], harts["params"], strict=True)):
         assert (a - b).abs().max().item() < TOL, f"step {step} differs by {(a - b).abs().max().item()}"

@@ -18,18 +18,23 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_models import tiny_model
-from trainer_args import Snapshots, sgd_args, spy_fused_outputs
+from trainer_args import Snapshots, eval_keys, pass_counts, sgd_args, spy_fused_outputs
 
 from harts_hf.sources import agent_conversations, agent_tokenizer, turn_samples
 from harts_hf.sources.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSSFTConfig, HARTSSFTTrainer
 
 TOL = 1e-5
+EVAL = dict(eval=True, eval_strategy="steps", eval_steps=1, eval_on_start=True, per_device_eval_batch_size=4)
 CASES = {
     "agent-conversations-checkpointing": dict(data="conversations", gradient_checkpointing=True),
     "prompt-completion": dict(data="prompt-completion"),
-    "text-two-microbatches-pieces": dict(  # each microbatch's forest cut into pieces by the engine
-        data="text", gradient_accumulation_steps=2, per_device_train_batch_size=3, harts_max_tokens_per_microbatch=24
+    "text-two-microbatches-pieces": dict(  # each step's forest cut into pieces; evaluated after every step
+        data="text",
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=3,
+        harts_max_tokens_per_microbatch=24,
+        **EVAL,
     ),
     "moe-router-aux": dict(data="prompt-completion", model="qwen3_5_moe"),
     "moe-router-aux-pieces": dict(  # the router loss of forests above the budget: one HARTS step's recording
@@ -108,19 +113,28 @@ def train(case: str, harts: bool, tmp_path, **overrides) -> dict:
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
-    return {"params": snaps.params, "history": history, "evals": evals}
+    return {"params": snaps.params, "history": history, "evals": evals, "model": trainer.model}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_matches_stock(case, tmp_path, monkeypatch):
-    forests, slots = spy_fused_outputs(monkeypatch)
+    forests, _, steps = spy_fused_outputs(monkeypatch)
     stock, harts = train(case, False, tmp_path), train(case, True, tmp_path)
     rows = CASES[case].get("gradient_accumulation_steps", 1) * CASES[case].get("per_device_train_batch_size", 6)
-    assert len(forests) == 3  # one forest per optimizer step: its microbatches' rows together
-    assert all(f.num_trajectories == rows for f in forests)
-    assert min(slots) > 1 if "harts_max_tokens_per_microbatch" in CASES[case] else max(slots) == 1
-    assert sum(f.num_trajectory_tokens for f in forests) > 1.02 * sum(f.num_compact_tokens for f in forests)
+    passes = pass_counts(forests, steps)
+    assert passes["per_microbatch"] == 0  # every pass a HARTS step
+    trained = [s.forest for s in steps if s.grad]
+    assert len(trained) == 3  # one forest per optimizer step: its microbatches' rows together
+    assert all(f.num_trajectories == rows for f in trained)
+    pieces = "harts_max_tokens_per_microbatch" in CASES[case]
+    assert min(passes["trained"]) > 1 if pieces else max(passes["trained"]) == 1
+    assert sum(f.num_trajectory_tokens for f in trained) > 1.02 * sum(f.num_compact_tokens for f in trained)
+    # evaluation (at the start and after every step): each eval batch (12 samples, 4 a batch) one no-grad step
+    assert passes["no_grad"] == 3 * len(harts["evals"])
+    assert len(harts["evals"]) == len(stock["evals"]) == (4 if CASES[case].get("eval") else 0)
+    for a, b in zip(stock["evals"], harts["evals"], strict=True):
+        np.testing.assert_allclose([b[k] for k in eval_keys(a)], [a[k] for k in eval_keys(a)], rtol=TOL, atol=1e-7)
     assert len(stock["params"]) == len(harts["params"]) == 4  # the start, then after each of the 3 steps
     assert (stock["params"][-1] - stock["params"][0]).abs().max() > 1e-3  # the steps moved the weights
     for step, (a, b) in enumerate(zip(stock["params"], harts["params"])):

@@ -38,13 +38,14 @@ def saved_model(path: Path, tokenizer, family: str = "qwen3_5") -> str:
     return str(path)
 
 
-def spy_fused_outputs(monkeypatch) -> tuple[list, list[int]]:
-    """(forests, slots): the forest and plan slot count of every fused-head pass that ran as a forest:
-    each HARTS step (an optimizer step's microbatches, ``harts_hf.trainers.fused.HARTSStep``) and each
-    per-microbatch pass (``harts_hf.trainers.fused.fused_outputs``), in pieces or not."""
+def spy_fused_outputs(monkeypatch) -> tuple[list, list[int], list]:
+    """(forests, slots, steps): the forest and plan slot count of every fused-head pass that ran as a
+    forest: each HARTS step (an optimizer step's microbatches, a no-grad pass: ``steps``, the
+    ``harts_hf.trainers.fused.HARTSStep`` objects) and each per-microbatch pass
+    (``harts_hf.trainers.fused.fused_outputs``), in pieces or not."""
     import harts_hf.trainers.fused as fused
 
-    forests, slots, run, step = [], [], fused.fused_outputs, fused.HARTSStep
+    forests, slots, steps, run, step = [], [], [], fused.fused_outputs, fused.HARTSStep
 
     def recorded(model, forest, *args, **kwargs):
         forests.append(forest)
@@ -53,13 +54,14 @@ def spy_fused_outputs(monkeypatch) -> tuple[list, list[int]]:
 
     def stepped(*args, **kwargs):
         made = step(*args, **kwargs)
+        steps.append(made)
         forests.append(made.forest)
         slots.append(made.plan.num_slots)
         return made
 
     monkeypatch.setattr(fused, "fused_outputs", recorded)
     monkeypatch.setattr(fused, "HARTSStep", stepped)
-    return forests, slots
+    return forests, slots, steps
 
 
 class Snapshots(TrainerCallback):
@@ -73,6 +75,30 @@ class Snapshots(TrainerCallback):
 
 
 def flat_parameters(model, trained: bool = True) -> torch.Tensor:
-    """``model``'s parameters (``trained``: those that train only), flat, in float32."""
+    """``model``'s parameters (``trained``: those that train only), flat, in float32; whole where FSDP2
+    shards them (every rank calls)."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad or not trained]
-    return torch.cat([p.detach().float().flatten().clone() for p in params])
+    whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
+    return torch.cat([p.detach().float().flatten().clone() for p in whole])
+
+
+def pass_counts(forests: list, steps: list) -> dict:
+    """What a run's fused-head passes were (:func:`spy_fused_outputs`' lists): ``per_microbatch``
+    passes outside any HARTS step, the plan slots of each ``trained`` step (with grad), the
+    ``no_grad`` steps and how many of them ran on the forest and schedule of the step just before
+    (``reused``: DPO's reference after the policy)."""
+    follows = zip(steps, steps[1:])
+    reused = sum(not b.grad and b.forest is a.forest and b.engine.schedule is a.engine.schedule for a, b in follows)
+    return {
+        "per_microbatch": len(forests) - len(steps),
+        "trained": [s.plan.num_slots for s in steps if s.grad],
+        "no_grad": sum(not s.grad for s in steps),
+        "reused": reused,
+    }
+
+
+def eval_keys(logged: dict) -> list[str]:
+    """The evaluation metrics of a logged line that a HARTS run must equal stock's in (not its timings)."""
+    return [k for k in logged if k.startswith("eval_") and "runtime" not in k and "per_second" not in k]

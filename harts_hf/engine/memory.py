@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..forest import RolloutForest
 from ..modeling import _compat
@@ -101,18 +102,28 @@ def _saved_bytes(
 ) -> tuple[int, list[int]]:
     """Bytes autograd saves over one unit of an ``n``-token chain (each storage once): in all, and
     by decoder layer (what a checkpointed layer saves is hidden inside its checkpoint)."""
-    params = {p.untyped_storage().data_ptr() for p in hf.parameters()}
     layers = [module for _, module in decoder_layers(hf)]
     seen: dict[int, tuple[int, int | None]] = {}
     inside: list[int | None] = [None]
+    params: set[int] = set()
+
+    def gathered() -> None:  # the parameters whole now: FSDP2 swaps them in for a module's forward only
+        params.clear()  # and frees them after it: an activation may take a freed one's address
+        params.update(p.untyped_storage().data_ptr() for p in hf.parameters() if not isinstance(p, DTensor))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if not params:
+            gathered()
         if t.layout == torch.strided and (ptr := t.untyped_storage().data_ptr()) not in params:
             seen.setdefault(ptr, (t.untyped_storage().nbytes(), inside[0]))
         return t
 
     def enter(i: int) -> Callable:
-        return lambda *_: inside.__setitem__(0, i)
+        def hook(*_) -> None:
+            inside[0] = i
+            gathered()
+
+        return hook
 
     hooks = [m.register_forward_pre_hook(enter(i)) for i, m in enumerate(layers)]
     hooks += [m.register_forward_hook(lambda *_: inside.__setitem__(0, None)) for m in layers]

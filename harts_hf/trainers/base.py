@@ -8,7 +8,7 @@ models its passes run.
 from __future__ import annotations
 
 import torch
-from accelerate.utils import DistributedType, is_peft_model
+from accelerate.utils import DistributedType, broadcast_object_list, is_peft_model
 
 from ..engine import memory_model
 from ..forest import RolloutForest
@@ -85,7 +85,7 @@ class HARTSTrainerMixin:
     def _memory_model(self, inside_forward: bool = False) -> MemoryModel:
         """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
         the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
-        without gradient sync. ``inside_forward``: the caller runs inside the wrapper's forward
+        without gradient sync; every rank takes rank 0's, as every rank must make the same plan. ``inside_forward``: the caller runs inside the wrapper's forward
         already (its autocast and gathered root hold), so the probe calls the model directly:
         accelerate's mixed-precision forward enters ONE ``torch.autocast`` object per call, which
         is not re-entrant, and a nested call would leave autocast on for the rest of the process."""
@@ -100,4 +100,6 @@ class HARTSTrainerMixin:
             else:
                 with acc.no_sync(wrapped), acc.autocast():
                     self._memory = memory_model(base, forward=lambda run: wrapped(harts_call=run))
+            if acc.num_processes > 1:  # every rank plans alike: rank 0's figures (a probe's vary by process)
+                self._memory = broadcast_object_list([self._memory])[0]
         return self._memory

@@ -1,12 +1,14 @@
-"""``HARTSDPOTrainer``: TRL's ``DPOTrainer`` with each microbatch's chosen and rejected rows run as one forest.
+"""``HARTSDPOTrainer``: TRL's ``DPOTrainer`` with each optimizer step's chosen and rejected rows run as one forest.
 
 TRL's DPO batch is the chosen rows then the rejected rows of the same prompts; a pair shares its
 prompt (in multi-turn DPO the whole conversation so far), so the forest computes it once for
 both, and once more for the reference model. The seam is SFT's: TRL's ``_compute_loss`` (and
 ``compute_ref_log_probs``) call ``model(..., labels=labels, fused_lm_head=True)`` on the policy and
 on the reference model, and read per-token ``log_probs`` (and the policy's ``entropy``,
-``mean_logits``, ``is_top1``, WPO's ``log_sum_sq_probs``) from it; one tree pass answers each call
-(``fused.py``). Every DPO loss type, ``ld_alpha``, the f-divergences and the metrics run unchanged on
+``mean_logits``, ``is_top1``, WPO's ``log_sum_sq_probs``) from it. In training the policy's calls
+read the optimizer step's HARTS step (every microbatch of every rank, one plan) and the reference
+model's one no-grad step over the same forest, plan and schedule, made at its first call; in
+evaluation one tree pass answers each call (``fused.py``). Every DPO loss type, ``ld_alpha``, the f-divergences and the metrics run unchanged on
 those values.
 
 ``precompute_ref_log_probs`` runs inside TRL's ``__init__``, before the seam is installed: those

@@ -13,8 +13,12 @@ keeps them all) every rank's rows of every microbatch become one forest under on
 once; each loss pass finds its rows in it by their tokens and reads their values from leaf tensors,
 its backward fills their gradients (under ``no_sync``: no parameter is in that graph), and after the
 last microbatch the step backpropagates through its units once, syncing the gradients in its last
-backward pass. Other calls (evaluation, the reference model, FSDP2) run :func:`fused_outputs` on
-their own batch.
+backward pass (DDP, FSDP2: the loss passes still run as the wrapper's forward, in step on every
+rank, but their graphs hold no parameter). Calls without grad read no-grad steps, made inside the
+call on every rank at once: a model's first call on the training step's rows (DPO's reference
+model) makes its step over all of them, on the policy step's forest, plan and schedule; in
+evaluation each call is a step over its rows of every rank (the reference's on the policy's
+forest). A call with grad the training step does not hold runs :func:`fused_outputs` on its batch.
 
 Legend: B rows, S padded width.
 """
@@ -28,7 +32,6 @@ import time
 import numpy as np
 import torch
 from accelerate.utils import is_peft_model
-from torch.distributed.fsdp import FSDPModule
 from transformers.utils import logging
 
 from ..engine import TreeEngine
@@ -133,6 +136,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         self._passes: list[tuple[int, int, int]] = []  # this step's (trajectory tokens, compact, slots) per pass
         self._block: list[dict] = []  # the optimizer step's microbatches on this rank (get_batch_samples)
         self._step: HARTSStep | None = None  # the HARTS step over them, while their loss passes run
+        self._no_grad_steps: dict[torch.nn.Module | None, HARTSStep] = {}  # per model its step over them; None: eval's
         self._statistics = models.get(self.model, ())  # what the policy's head computes
         if not self._harts_enabled:
             return
@@ -191,13 +195,13 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
     def _step_of(self, model: torch.nn.Module, inputs: dict) -> HARTSStep | None:
         """The HARTS step serving training microbatch ``inputs`` (made at its optimizer step's first
         microbatch, over all of them), None where the microbatches take the per-microbatch path
-        (inputs a forest cannot serve; FSDP2, whose loss forwards must use parameters)."""
+        (inputs a forest cannot serve)."""
         block = self._block
         if not (self._harts_enabled and block and inputs is block[0]):
             return self._step if any(inputs is b for b in block) else None
-        self._step = None
+        self._step, self._no_grad_steps = None, {}
         servable = all(set(b) <= self._batch_keys and {"input_ids", "attention_mask"} <= set(b) for b in block)
-        if not servable or isinstance(self.accelerator.unwrap_model(model), FSDPModule):
+        if not servable:
             return None
         entropy, others = _split_entropy(self._statistics)
         self._step = HARTSStep(
@@ -214,13 +218,18 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
     def _from_step(
         self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
     ) -> FusedCausalLMOutput | None:
-        """A loss pass's outputs from the HARTS step's values (its rows looked up by their tokens), or
+        """A pass's outputs from a HARTS step's values (its rows looked up by their tokens): a loss
+        pass's from the training step, a pass without grad from a no-grad step (:meth:`_no_grad_step`);
         None when the step does not hold them."""
-        step = self._step
-        if step is None or not torch.is_grad_enabled() or not set(statistics) <= set(self._statistics):
-            return None
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        rows = step.row_index(row_sequences(input_ids, attention_mask))
+        sequences = row_sequences(input_ids, attention_mask)
+        if not torch.is_grad_enabled():
+            step = self._no_grad_step(model, inputs, sequences, statistics)
+        elif set(statistics) <= set(self._statistics):
+            step = self._step
+        else:
+            return None
+        rows = None if step is None else step.row_index(sequences)
         if rows is None:
             return None
         values = {"log_probs": step.logprobs[rows]}
@@ -228,6 +237,36 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
         aux_loss = step.rows_aux_loss(rows) if inputs.get("output_router_logits") else None
         label_mask = scored_labels(input_ids, attention_mask, inputs["labels"])
         return fused_result(model, values, aux_loss, label_mask, attention_mask)
+
+    def _no_grad_step(
+        self, model: torch.nn.Module, inputs: dict, sequences: list[np.ndarray], statistics: tuple[str, ...]
+    ) -> HARTSStep:
+        """The no-grad step answering a call of ``model`` without grad, made inside that call on every
+        rank at once (TRL makes such calls in step on every rank: DDP's reference model, FSDP2's
+        gathers, the evaluation loop's gathers). Within a training step whose rows hold the call's
+        (DPO's reference model, LoRA's policy without its adapter), ``model``'s step over all of them,
+        made at its first call; otherwise (evaluation) a step over the call's rows of every rank. Each
+        reuses the forest, plan and schedule of the step before it over the same rows (the training
+        step's; in evaluation, the policy's pass before the reference's)."""
+        training = self._step is not None and self._step.row_index(sequences) is not None
+        if training and (made := self._no_grad_steps.get(model)) is not None:
+            return made
+        entropy, others = _split_entropy(statistics)
+        batches = self._block if training else [{key: inputs[key] for key in ("input_ids", "attention_mask")}]
+        made = HARTSStep(
+            self,
+            model,
+            batches,
+            self._plan_options(inside_forward=True),
+            entropy=entropy,
+            statistics=others,
+            router=bool(inputs.get("output_router_logits")),
+            previous=self._step if training else self._no_grad_steps.get(None),
+            inside_forward=True,
+        )
+        self._no_grad_steps[model if training else None] = made  # None: the last step outside training
+        self._passes.append((*made.stats()[:2], made.plan.num_slots))
+        return made
 
     def _fused_on_forest(
         self, model: torch.nn.Module, inputs: dict, statistics: tuple[str, ...]
@@ -279,7 +318,7 @@ class HARTSFusedHeadMixin(HARTSTrainerMixin):
             output = super().training_step(model, inputs, num_items_in_batch)
         if step is not None and inputs is self._block[-1]:
             step.backward()
-            self._step = None
+            self._step, self._no_grad_steps = None, {}
             tokens, compact, *_ = step.stats()
             self._passes.append((tokens, compact, step.plan.num_slots))
         if self._passes:

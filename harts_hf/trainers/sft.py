@@ -9,8 +9,9 @@ them in. TRL's loss, its normalisation (``num_items_in_batch``, ``average_tokens
 the label masks (``completion_only_loss``, ``assistant_only_loss``) and the metrics run unchanged
 on what it returns.
 
+Evaluation runs each eval batch, from every rank, as one no-grad step. DDP and FSDP2 alike.
 Batches without an attention mask (``padding_free`` / packing) and multimodal inputs take TRL's
-own path; under FSDP2 and in evaluation each microbatch is its own forest (``fused.py``).
+own path.
 """
 
 from __future__ import annotations

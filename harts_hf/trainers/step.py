@@ -88,6 +88,8 @@ class HARTSStep:
         temperature: divides the logits (the rollout trainers' sampling temperature).
         previous: an earlier step; where its rows and plan options are this one's (the reference
             pass after the old-policy pass), its forest, plan and schedule are reused.
+        inside_forward: the step is made inside the forward of ``model`` (a no-grad pass answering a
+            fused-head call: the wrapper's forward has begun), so its calls run the model directly.
 
     Attributes:
         sequences: every rank's rows of the block (their real tokens), in the forest's order.
@@ -106,6 +108,7 @@ class HARTSStep:
         statistics: tuple[str, ...] = (),
         temperature: float = 1.0,
         previous: HARTSStep | None = None,
+        inside_forward: bool = False,
     ):
         began = time.perf_counter()
         acc = self.accelerator = trainer.accelerator
@@ -127,17 +130,19 @@ class HARTSStep:
         self.plan = previous.plan if same else plan(self.forest, world_size=acc.num_processes, **plan_options)
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
-        # the parameters in every call, so every rank needs as many: the engine pads with empty calls.
+        # the parameters in every call (of each sharded module), so every rank needs as many: the
+        # engine pads with empty calls.
         unwrapped = acc.unwrap_model(model)
-        needed = int(calls.max()) if isinstance(unwrapped, FSDPModule) else 1
+        sharded = any(isinstance(m, FSDPModule) for m in unwrapped.modules())
+        needed = int(calls.max()) if sharded else 1
         self.engine = TreeEngine(
             unwrapped,
             self.forest,
             self.plan,
             rank=acc.process_index,
             temperature=temperature,
-            forward=lambda run: model(harts_call=run),
-            no_sync=lambda: acc.no_sync(model),
+            forward=None if inside_forward else lambda run: model(harts_call=run),
+            no_sync=None if inside_forward else lambda: acc.no_sync(model),
             calls=needed if acc.num_processes > 1 else 0,
             schedule=previous.engine.schedule if same else None,
         )
