@@ -33,6 +33,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from ..trees import by_level
 from .geometry import Geometry
 
 __all__ = [
@@ -111,13 +112,6 @@ class RankIntervals:
     atomic: np.ndarray
 
 
-def _levels_down(geo: Geometry) -> list[np.ndarray]:
-    """Nodes grouped by level, root level first."""
-    order = np.argsort(geo.level, kind="stable")
-    bounds = np.searchsorted(geo.level[order], np.arange(geo.level.max() + 2))
-    return [order[bounds[k] : bounds[k + 1]] for k in range(bounds.size - 1)]
-
-
 def find_branches(
     geo: Geometry, world_size: int, max_tokens: int, rule: BranchRule = BRANCH_RULES[0]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,7 +127,7 @@ def find_branches(
     m = geo.num_nodes
     sub = geo.prefix(geo.end) - geo.cum[:-1]  # [M] subtree cost
     own = geo.node_cost
-    levels = _levels_down(geo)
+    levels = by_level(geo.level)  # root level first
     h = sub.copy()
     child_h = np.zeros(m)  # largest h among each node's children
     for ch in levels[:0:-1]:
