@@ -406,11 +406,19 @@ def _refine(
     return rank
 
 
-def assign_ranks(geo: Geometry, world_size: int, branches: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Assignment:
+def assign_ranks(
+    geo: Geometry,
+    world_size: int,
+    branches: tuple[np.ndarray, np.ndarray, np.ndarray],
+    node_extra: np.ndarray | None = None,
+) -> Assignment:
     """The rank of every branch of ``branches`` (what :func:`find_branches` returns): binary search on the
-    rank capacity, then local search."""
+    rank capacity, then local search. ``node_extra`` [M]: a cost charged to a branch rooted at each
+    node besides its tokens (``plan``'s round-charged candidate: its linear-attention rounds)."""
     branch_node, branch_group, group_node = branches
     branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
+    if node_extra is not None:
+        branch_cost = branch_cost + node_extra[branch_node]
     table = _path_table(geo, group_node)
     node_cost = geo.node_cost
     if world_size == 1:
