@@ -104,7 +104,7 @@ def main() -> None:
             rows.append(row)
             cells = [shape, str(world), str(row["slots"]), *(_cell(row.get(n), ".4f") for n in names)]
             print(
-                "| " + " | ".join([*cells, _cell(row["ratio"], ".3f"), f"{row['plan_seconds']:.2f}"]) + " |", flush=True
+                "| " + " | ".join([*cells, _cell(row["ratio"], ".4f"), f"{row['plan_seconds']:.2f}"]) + " |", flush=True
             )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -210,7 +210,8 @@ def _replay(
 
 ROUNDS_WORTH_TRYING = 0.01
 """The share of the predicted step the slowest ranks' linear-attention rounds must reach before ``plan``
-tries the round-charged assignment: below it, balancing them cannot pay for another assignment."""
+tries the round-charged assignment with every rank busy: below it, evening them out cannot pay for
+another assignment."""
 
 
 def _rounds_share(p: Plan) -> float:
@@ -296,11 +297,12 @@ def plan(
         made = candidate(branches)
         if best is None or made.step_seconds < best.step_seconds:
             best, best_branches = made, branches
-    if world_size > 1 and _rounds_share(best) >= ROUNDS_WORTH_TRYING:
+    idle = (best.tokens.sum(axis=1) == 0).any()
+    if world_size > 1 and cost.round > 0 and (idle or _rounds_share(best) >= ROUNDS_WORTH_TRYING):
         # Ranks run their branches' rounds side by side, so the balance on tokens alone fills ranks with
         # several branchy subtrees, each a round deeper than one path; charging every branch its rounds
-        # spreads them where ranks are idle. Tried on the best rule's branches where rounds weigh in the
-        # step at all (an assignment is most of a plan's time); kept where it is faster.
+        # spreads them over idle ranks or evens them out. Tried on the best rule's branches where a rank
+        # idles or rounds weigh in the step (an assignment is most of a plan's time); kept if faster.
         node_rounds, _ = min_rounds(geo.parent)
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
