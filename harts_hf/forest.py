@@ -18,7 +18,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-from .trees import chains, tree_levels
+from .trees import by_level, chains, tree_levels
 
 __all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 
@@ -154,41 +154,42 @@ class RolloutForest:
         else:
             order = np.arange(len(arrays))
 
-        sorted_len = lengths[order]
-        new_count = sorted_len - lcp  # compact tokens each sorted trajectory adds
+        new_count = lengths[order] - lcp  # compact tokens each sorted trajectory adds
         new_offset = np.concatenate(([0], np.cumsum(new_count)))
         num_compact = int(new_offset[-1])
+        traj_offsets = np.concatenate(([0], np.cumsum(lengths)))
 
-        # Sorted row r adds compact tokens new_offset[r]:new_offset[r + 1] (its depths from
-        # lcp[r] on); its first lcp[r] tokens are those of row r - 1. Slice copies per row.
-        flat_off = np.concatenate(([0], np.cumsum(sorted_len)))
-        compact = np.empty(int(flat_off[-1]), dtype=np.int64)  # [T] sorted-row layout
+        # Sorted row r is trajectory order[r]; it adds compact tokens new_offset[r]:new_offset[r + 1]
+        # (its depths from lcp[r] on) and its first lcp[r] tokens are those of row r - 1: the restore
+        # index is written in the caller's order, a slice copy and a ramp per row.
+        restore = np.empty(int(traj_offsets[-1]), dtype=np.int64)  # [T]
         tokens = np.empty(num_compact, dtype=np.int64)
-        for r, i in enumerate(order):
-            f, k, lo, hi = flat_off[r], lcp[r], new_offset[r], new_offset[r + 1]
-            compact[f : f + k] = compact[flat_off[r - 1] : flat_off[r - 1] + k]
-            compact[f + k : flat_off[r + 1]] = np.arange(lo, hi)
-            tokens[lo:hi] = arrays[i][k:]
-        first_row = np.repeat(np.arange(len(order)), new_count)
-        position = np.arange(num_compact) - np.repeat(new_offset[:-1] - lcp, new_count)
+        ramp = np.arange(int(lengths.max()), dtype=np.int64)
+        src = 0
+        for i, k, lo, n in zip(order.tolist(), lcp.tolist(), new_offset.tolist(), lengths[order].tolist()):
+            dst = int(traj_offsets[i])
+            restore[dst : dst + k] = restore[src : src + k]
+            np.add(ramp[: n - k], lo, out=restore[dst + k : dst + n])
+            tokens[lo : lo + n - k] = arrays[i][k:]
+            src = dst
+        position = np.arange(num_compact)
+        position -= np.repeat(new_offset[:-1] - lcp, new_count)
         # A new token's parent is the compact token before it, except at a row's first new
         # token: its parent is the row's last shared token (none at depth 0).
-        prev = np.arange(num_compact) - 1
+        prev = np.arange(-1, num_compact - 1)
         adds = np.flatnonzero(new_count > 0)
-        last_shared = compact[flat_off[adds] + np.maximum(lcp[adds] - 1, 0)]
+        last_shared = restore[traj_offsets[order[adds]] + np.maximum(lcp[adds] - 1, 0)]
         prev[new_offset[adds]] = np.where(lcp[adds] > 0, last_shared, -1)
-        multiplicity = np.bincount(compact, minlength=num_compact)
-        # Trajectories through a token are contiguous in sorted order, so its subtree ends
-        # where the last of them stops adding tokens.
-        subtree_end = new_offset[first_row + multiplicity]
 
-        node_of, node_arrays = cls._nodes(prev, subtree_end)
-
-        # Restore index in the caller's trajectory order.
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
-        traj_offsets = np.concatenate(([0], np.cumsum(lengths)))
-        restore = np.concatenate([compact[flat_off[r] : flat_off[r + 1]] for r in inv])
+        node_of, node_arrays = cls._nodes(prev)
+        # A chain's tokens share their subtree; a trajectory passes through a token iff it ends in
+        # the token's subtree: both from the nodes, never from a pass over the T restore entries.
+        node_end = np.append(node_arrays["node_start"], num_compact)[node_arrays["node_tout"]]
+        subtree_end = node_end[node_of]
+        through = np.zeros(num_compact + 1, dtype=np.int64)  # trajectories ending before each token
+        np.cumsum(np.bincount(restore[traj_offsets[1:] - 1], minlength=num_compact), out=through[1:])
+        multiplicity = through[subtree_end]
+        multiplicity -= through[:-1]
         loss_mask = np.concatenate(masks) if masks is not None else None
         return cls(
             tokens=tokens,
@@ -204,13 +205,15 @@ class RolloutForest:
         )
 
     @staticmethod
-    def _nodes(prev: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _nodes(prev: np.ndarray) -> tuple[np.ndarray, dict]:
         """The trie's nodes (``trees.chains``, contiguous in DFS order) with their lengths, levels and
-        DFS intervals."""
+        DFS intervals (``node_tout``: one past the last node of the subtree, bottom-up by level)."""
         node_of, node_start, node_parent = chains(prev)
         node_len = np.diff(np.append(node_start, prev.size))
         level = tree_levels(node_parent)
-        node_tout = node_of[subtree_end[node_start] - 1] + 1
+        node_tout = np.arange(1, node_start.size + 1)
+        for ch in by_level(level)[:0:-1]:  # deepest first
+            np.maximum.at(node_tout, node_parent[ch], node_tout[ch])
         return node_of, dict(
             node_start=node_start,
             node_len=node_len,

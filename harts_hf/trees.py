@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chains", "min_rounds", "path_intervals", "replay_length", "tree_levels"]
+__all__ = ["by_level", "chains", "min_rounds", "path_intervals", "replay_length", "tree_levels"]
 
 
 def tree_levels(parent: np.ndarray) -> np.ndarray:
@@ -22,11 +22,21 @@ def tree_levels(parent: np.ndarray) -> np.ndarray:
     return level
 
 
+def by_level(level: np.ndarray) -> list[np.ndarray]:
+    """The elements of every level (``level``: each element's, e.g. ``tree_levels``), root level
+    first, each in index order: the steps of a walk down (or, reversed, up) a tree, one per level."""
+    order = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[order], np.arange(level.max(initial=-1) + 2))
+    return [order[bounds[k] : bounds[k + 1]] for k in range(bounds.size - 1)]
+
+
 def _chain_starts(prev: np.ndarray) -> np.ndarray:
     """[N] whether each token (``prev``: its parent, -1 at a root) starts a chain, the maximal
     unbranched runs the trie's nodes are: a root, or a child of a token without exactly one child."""
-    children = np.bincount(prev[prev >= 0], minlength=prev.size)
-    return (prev < 0) | (children[np.maximum(prev, 0)] != 1)
+    up = prev + 1  # one index array for the count and the gather (0: a root's, read by no child);
+    # at 50M tokens every [N] temporary is fresh memory the kernel faults in, as costly as the work
+    children = np.bincount(up, minlength=prev.size + 1)
+    return (children[up] != 1) | (prev < 0)
 
 
 def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -35,14 +45,15 @@ def chains(prev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     A chain's tokens need not be contiguous (in a piece, a subtree hanging under context may sit in
     between), so they are found by pointer jumping, unless they are (a forest in DFS order): then
     one cumulative sum."""
-    idx = np.arange(prev.size)
     starts = _chain_starts(prev)
     start = np.flatnonzero(starts)
-    node_id = np.cumsum(starts) - 1
-    if (starts | (prev == idx - 1)).all():  # every chain a contiguous run
+    node_id = np.cumsum(starts)
+    node_id -= 1
+    before = np.arange(-1, prev.size - 1)
+    if (starts | (prev == before)).all():  # every chain a contiguous run
         node_of = node_id
     else:  # link: the token before each in its chain, a start itself
-        node_of = node_id[_chain_heads(np.where(starts, idx, prev))]
+        node_of = node_id[_chain_heads(np.where(starts, before + 1, prev))]
     parent_tok = prev[start]
     node_parent = np.where(parent_tok >= 0, node_of[np.maximum(parent_tok, 0)], -1)
     return node_of, start, node_parent
@@ -104,13 +115,9 @@ def min_rounds(parent: np.ndarray, depth: np.ndarray | None = None) -> tuple[np.
     deep = np.zeros(q, dtype=np.int64) if depth is None else depth.astype(np.int64, copy=True)
     if not q:
         return r, deep
-    level = tree_levels(parent)
-    by_level = np.argsort(level, kind="stable")
-    bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
     best = np.zeros(q, dtype=np.int64)  # largest child round count
     ties = np.zeros(q, dtype=np.int64)  # children reaching it
-    for lvl in range(int(level.max()), 0, -1):
-        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
+    for ch in by_level(tree_levels(parent))[:0:-1]:
         par = parent[ch]
         np.maximum.at(best, par, r[ch])
         np.add.at(ties, par, r[ch] == best[par])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_planner_invariants import check_plan
 
+from harts_hf import RolloutForest
 from harts_hf.app.cli import main
 from harts_hf.lab import plan_record
 from harts_hf.lab.baselines import dfs_kcut, exact, per_trajectory, trie_packing
@@ -56,6 +57,20 @@ def test_trie_packing_shares_within_tries_only(forests):
     tight = trie_packing(forests, 2, _budget(forests), DEFAULT_COST_MODEL)
     unshared = per_trajectory(forests, 2, _budget(forests), DEFAULT_COST_MODEL)
     assert 0 < tight.redundancy < unshared.redundancy
+
+
+def test_a_trajectory_past_the_budget_runs_in_pieces_in_the_baselines():
+    """per_trajectory and trie_packing cut a trajectory the budget cannot hold into consecutive
+    microbatches, each within the budget beside its context (0-120, 120-210, 210-277, 277-300 at a
+    quarter of a token per context token), as every plan must; the short one is a microbatch of its own."""
+    forest = RolloutForest.from_sequences([list(range(1, 301)), [500, 501, 502]])
+    cm = DEFAULT_COST_MODEL
+    tokens = np.array([120, 90, 67, 23, 3], dtype=np.float64)
+    depth = np.array([0, 120, 210, 277, 0], dtype=np.float64)
+    want = cm.token * tokens + cm.pair * (tokens * (depth + 1) + tokens * (tokens - 1) / 2) + cm.round + cm.microbatch
+    for run in (per_trajectory, trie_packing):
+        b = run([forest], 1, Budget(120, context_weight=0.25), cm)
+        assert np.allclose(np.sort(b.cost[0]), np.sort(want)), run.__name__
 
 
 @pytest.mark.parametrize("world", [1, 3])

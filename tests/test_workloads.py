@@ -113,6 +113,19 @@ def test_caterpillar_shape(trunk):
     assert [int(m.sum()) for m in w.loss_masks] == [1, 2, 3, 4]
 
 
+def test_many_groups_and_caterpillars_are_one_tree_each():
+    """The scale study's batches: ``groups`` GRPO prompts x G completions, ``trees`` caterpillars; each
+    its own tree, one advantage group per tree, the same per-tree shape as one alone."""
+    w = grpo_group(prompt_len=6, G=3, groups=4, max_completion=5)
+    f = w.forest()
+    assert f.roots.size == 4 and f.num_trajectories == 12 and f.num_leaves == 12
+    assert w.groups.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    one, many = caterpillar(turns=5), caterpillar(turns=5, trees=3)
+    assert many.forest().roots.size == 3 and many.groups.tolist() == [0] * 5 + [1] * 5 + [2] * 5
+    assert [s.size for s in many.sequences] == [s.size for s in one.sequences] * 3
+    assert many.forest().num_nodes == 3 * one.forest().num_nodes
+
+
 def test_deep_chain_levels():
     w = deep_chain(levels=45, fanout=3)
     f = w.forest()

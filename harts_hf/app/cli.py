@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from ..lab import plan_record, plot_plan, record_table
+from ..lab.plan_report import bench_memory_model
 from ..planner import DEFAULT_MAX_TOKENS, CostModel, plan
 from ..sources import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 from .train import add_parser as add_train_parsers
@@ -215,7 +216,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kwargs = ({} if args.scale is None else {"scale": args.scale}) | dict(args.set)
     try:
         cost = None if args.cost_model is None else CostModel(**json.loads(args.cost_model.read_text()))
-        memory = None if args.model is None else _bench_memory_model(args.model, args.size)
+        memory = None if args.model is None else bench_memory_model(args.model, args.size)
         forest = get_workload(args.workload, **kwargs).forest()
         result = plan(
             forest,
@@ -231,15 +232,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _write_json(args.json, record)
     _write_plot(args.plot, lambda path: plot_plan(result, forest, path, record=record, workload=args.workload))
     return 0
-
-
-def _bench_memory_model(family: str, size: str):
-    """The memory model of a freshly built bench model (``harts_hf.lab.models``), patched."""
-    from ..engine import memory_model
-    from ..lab.models import build_model
-    from ..modeling import patch_model
-
-    return memory_model(patch_model(build_model(family, size).model))
 
 
 def _calibrate_parser(sub: argparse._SubParsersAction) -> None:

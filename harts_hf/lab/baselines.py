@@ -1,10 +1,13 @@
 """Baseline partitioners, measured side by side with :func:`plan` on the same cost model and budget.
 
 - ``per_trajectory``: no sharing (trajectory-wise training): trajectories spread over ranks by
-  LPT on their cost, then packed first-fit-decreasing into microbatches of the budget per rank.
+  LPT on their cost, then packed first-fit-decreasing into microbatches of the budget per rank; a
+  trajectory longer than the budget runs in consecutive microbatches, each as long as the budget
+  allows beside its context (what any trainer must do to stay within memory).
 - ``trie_packing`` (AReaL tree training): trajectories, longest first, first-fit into prefix tries
   of at most the budget; every trie is one microbatch computed from scratch, so a prefix shared by
-  two tries is computed twice; tries spread over ranks by LPT.
+  two tries is computed twice; tries spread over ranks by LPT (a trajectory longer than the budget, a
+  trie alone, in consecutive microbatches as above).
 - ``dfs_kcut`` (AReaL-DTA): the DFS order cut into ``world_size`` contiguous ranges by binary
   search on the cost model (each rank recomputes its range's ancestors), each range then cut
   greedily into microbatches of the budget.
@@ -105,16 +108,42 @@ def _ends(geo: Geometry, forests: Sequence[RolloutForest]) -> np.ndarray:
     return np.concatenate([f.restore[f.traj_offsets[1:] - 1] + geo.forest_tokens[i] for i, f in enumerate(forests)])
 
 
+def _path_cost(cost: CostModel, depth: np.ndarray) -> np.ndarray:
+    """Token cost of the first ``depth`` tokens of one path (a token at depth p reads p + 1 keys)."""
+    d = np.asarray(depth, dtype=np.float64)
+    return cost.token * d + cost.pair * d * (d + 1) / 2
+
+
+def _over_budget(length: np.ndarray, budget: Budget, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """Paths longer than the budget (a trajectory; a trie of one) as consecutive microbatches, each
+    as long as the budget allows beside its context (``Budget.room``), as ``plan`` and the DFS K-cut
+    must: ``(index of its path, microbatch seconds)`` of every microbatch, path by path in order."""
+    item, lo, hi = [], [], []
+    start = np.zeros(length.size, dtype=np.int64)
+    while (live := np.flatnonzero(start < length)).size:
+        end = np.minimum(start[live] + np.maximum(budget.room(start[live]), 1), length[live])
+        item.append(live)
+        lo.append(start[live])
+        hi.append(end)
+        start[live] = end
+    item, lo, hi = (np.concatenate(x + [np.zeros(0, dtype=np.int64)]) for x in (item, lo, hi))
+    order = np.lexsort((lo, item))
+    seconds = _path_cost(cost, hi) - _path_cost(cost, lo) + cost.round + cost.microbatch
+    return item[order], seconds[order]
+
+
 def per_trajectory(forests: Sequence[RolloutForest], world_size: int, budget: Budget, cost: CostModel) -> Baseline:
     began = time.perf_counter()
-    length = np.concatenate([f.lengths for f in forests]).astype(np.float64)
-    traj_cost = cost.token * length + cost.pair * length * (length + 1) / 2
+    length = np.concatenate([f.lengths for f in forests]).astype(np.int64)
+    traj_cost = _path_cost(cost, length)
     rank = _lpt(traj_cost, world_size)
-    mb_rank, mb_cost = [], []
+    long = np.flatnonzero(length > budget.tokens)  # computed in pieces, each its own microbatch
+    part, part_cost = _over_budget(length[long], budget, cost)
+    mb_rank, mb_cost = [rank[long[part]]], [part_cost]
     for r in range(world_size):
-        mine = np.flatnonzero(rank == r)
+        mine = np.flatnonzero((rank == r) & (length <= budget.tokens))
         mine = mine[np.argsort(-length[mine], kind="stable")]
-        bins = _first_fit(length[mine].astype(np.int64), budget.tokens)
+        bins = _first_fit(length[mine], budget.tokens)
         n = int(bins.max()) + 1 if bins.size else 0
         mb_rank.append(np.full(n, r))
         mb_cost.append(np.bincount(bins, weights=traj_cost[mine], minlength=n) + cost.round + cost.microbatch)
@@ -162,7 +191,15 @@ def trie_packing(forests: Sequence[RolloutForest], world_size: int, budget: Budg
     rounds = node_parts_of(geo, t_id, t_lo, top, used).rounds
     token_cost = np.bincount(t_id, weights=geo.prefix(top) - geo.prefix(t_lo), minlength=used)
     trie_cost = token_cost + cost.round * rounds + cost.microbatch
-    table = _table(_lpt(trie_cost, world_size), trie_cost, world_size)
+    trie_rank = _lpt(trie_cost, world_size)
+    long = np.flatnonzero(size[:used] > budget.tokens)  # a trajectory past the budget alone: in pieces
+    part, part_cost = _over_budget(size[long], budget, cost)
+    fits = np.flatnonzero(size[:used] <= budget.tokens)
+    table = _table(
+        np.concatenate((trie_rank[fits], trie_rank[long[part]])),
+        np.concatenate((trie_cost[fits], part_cost)),
+        world_size,
+    )
     return Baseline(table, float(size[:used].sum() / geo.num_tokens - 1), time.perf_counter() - began)
 
 

@@ -8,7 +8,7 @@ from ..forest import RolloutForest
 from ..planner.plan import Plan
 from .baselines import EXACT_SECONDS, run_baselines
 
-__all__ = ["PLANNERS", "legend", "plan_record", "planner_entries", "record_table"]
+__all__ = ["PLANNERS", "bench_memory_model", "legend", "plan_record", "planner_entries", "record_table"]
 
 PLANNERS = {
     "harts": "ours: subtrees to ranks on the cost model, shared chains recomputed, lockstep slots",
@@ -77,3 +77,13 @@ def record_table(record: dict) -> str:
         notes.append(f"gap to the exact solver's bound on the largest rank cost: {gap:.4%}")
     meanings = COLUMNS | PLANNERS | (GAP if gap is not None else {})
     return "\n".join([head, *lines, *notes, "", legend(meanings)])
+
+
+def bench_memory_model(family: str, size: str = "default"):
+    """The memory model of a freshly built bench model (``harts_hf.lab.models``), patched: what prices
+    the context of ``harts-hf plan --model`` and the planner grid (``scripts/planner_grid.py``)."""
+    from ..engine import memory_model
+    from ..modeling import patch_model
+    from .models import build_model
+
+    return memory_model(patch_model(build_model(family, size).model))

@@ -33,6 +33,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from ..trees import by_level
 from .geometry import Geometry
 
 __all__ = [
@@ -111,13 +112,6 @@ class RankIntervals:
     atomic: np.ndarray
 
 
-def _levels_down(geo: Geometry) -> list[np.ndarray]:
-    """Nodes grouped by level, root level first."""
-    order = np.argsort(geo.level, kind="stable")
-    bounds = np.searchsorted(geo.level[order], np.arange(geo.level.max() + 2))
-    return [order[bounds[k] : bounds[k + 1]] for k in range(bounds.size - 1)]
-
-
 def find_branches(
     geo: Geometry, world_size: int, max_tokens: int, rule: BranchRule = BRANCH_RULES[0]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,7 +127,7 @@ def find_branches(
     m = geo.num_nodes
     sub = geo.prefix(geo.end) - geo.cum[:-1]  # [M] subtree cost
     own = geo.node_cost
-    levels = _levels_down(geo)
+    levels = by_level(geo.level)  # root level first
     h = sub.copy()
     child_h = np.zeros(m)  # largest h among each node's children
     for ch in levels[:0:-1]:
@@ -412,11 +406,19 @@ def _refine(
     return rank
 
 
-def assign_ranks(geo: Geometry, world_size: int, branches: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Assignment:
+def assign_ranks(
+    geo: Geometry,
+    world_size: int,
+    branches: tuple[np.ndarray, np.ndarray, np.ndarray],
+    node_extra: np.ndarray | None = None,
+) -> Assignment:
     """The rank of every branch of ``branches`` (what :func:`find_branches` returns): binary search on the
-    rank capacity, then local search."""
+    rank capacity, then local search. ``node_extra`` [M]: a cost charged to a branch rooted at each
+    node besides its tokens (``plan``'s round-charged candidate: its linear-attention rounds)."""
     branch_node, branch_group, group_node = branches
     branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
+    if node_extra is not None:
+        branch_cost = branch_cost + node_extra[branch_node]
     table = _path_table(geo, group_node)
     node_cost = geo.node_cost
     if world_size == 1:

@@ -35,7 +35,7 @@ import numpy as np
 from ..checks import require_positive_ints
 from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
-from ..trees import replay_length
+from ..trees import min_rounds, replay_length
 from .assign import BRANCH_RULES, assign_ranks, find_branches, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
@@ -207,6 +207,17 @@ def _replay(
     return int(replay_length(geo.token_depth(pt[lonely]) + 1, chunk).sum())
 
 
+ROUNDS_WORTH_TRYING = 0.01
+"""The share of the predicted step the slowest ranks' linear-attention rounds must reach before ``plan``
+tries the round-charged assignment with every rank busy: below it, evening them out cannot pay for
+another assignment."""
+
+
+def _rounds_share(p: Plan) -> float:
+    """What the slowest rank's rounds cost, summed over slots (replays counted), per predicted step."""
+    return step_seconds(p.cost_model.round * p.rounds) / p.step_seconds if p.step_seconds > 0 else 0.0
+
+
 def _traj_rank(geo: Geometry, forests: list[RolloutForest], pieces: Pieces) -> list[np.ndarray]:
     owned = np.flatnonzero(~pieces.replica)
     order = owned[np.argsort(pieces.lo[owned], kind="stable")]
@@ -269,17 +280,32 @@ def plan(
                 else ", or pass the model's memory_model (harts_hf.engine.memory_model(model): context at its K/V)"
             )
         )
+
+    def candidate(branches, node_extra=None) -> Plan:
+        asg = assign_ranks(geo, world_size, branches, node_extra)
+        iv = rank_intervals(geo, asg, world_size, budget.tokens)
+        pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost)
+        return build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
+
     best, tried = None, []
     for rule in BRANCH_RULES if world_size > 1 else BRANCH_RULES[:1]:
         branches = find_branches(geo, world_size, budget.tokens, rule)
         if any(np.array_equal(branches[0], seen) for seen in tried):
             continue
         tried.append(branches[0])
-        iv = rank_intervals(geo, assign_ranks(geo, world_size, branches), world_size, budget.tokens)
-        pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost)
-        candidate = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
-        if best is None or candidate.step_seconds < best.step_seconds:
-            best = candidate
+        made = candidate(branches)
+        if best is None or made.step_seconds < best.step_seconds:
+            best, best_branches = made, branches
+    idle = (best.tokens.sum(axis=1) == 0).any()
+    if world_size > 1 and cost.round > 0 and (idle or _rounds_share(best) >= ROUNDS_WORTH_TRYING):
+        # Ranks run their branches' rounds side by side, so the balance on tokens alone fills ranks with
+        # several branchy subtrees, each a round deeper than one path; charging every branch its rounds
+        # spreads them over idle ranks or evens them out. Tried on the best rule's branches where a rank
+        # idles or rounds weigh in the step (an assignment is most of a plan's time); kept if faster.
+        node_rounds, _ = min_rounds(geo.parent)
+        made = candidate(best_branches, cost.round * node_rounds)
+        if made.step_seconds < best.step_seconds:
+            best = made
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
 

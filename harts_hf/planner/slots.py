@@ -40,34 +40,37 @@ LAST_SLOT_FILLS = (0.95, 0.85, 0.7)
 def slot_pieces(
     geo: Geometry, iv: RankIntervals, world_size: int, budget: Budget, chunk: int, cost: CostModel
 ) -> Pieces:
-    """The fewest equal-cost slots whose microbatches all fit the budget (from the greedy count,
-    the fewest that can fit, up to twice that), the cuts then tuned once with each microbatch's
-    rounds and launch overhead, and the last slot then filled towards the budget
-    (:func:`_fill_last_slot`) where that lowers the predicted step; when quantile cuts never fit,
-    budget-capped cuts in the greedy count of slots, or the greedy cuts themselves (they always fit)."""
+    """The cut with the lowest predicted step (``balance.step_seconds``) among the ones that fit the
+    budget: for every slot count from the greedy one (the fewest that can fit) up to the first whose
+    equal-cost cuts fit (at most twice the greedy count), the equal-cost cuts, those cuts tuned once
+    with each microbatch's rounds and launch overhead, and the cuts whose last slot is filled towards
+    the budget (:func:`_fill_last_slot`: a count whose equal cuts overflow, the context of a later
+    slot pushing it over, often fits with a full first slot and a last slot that carries the
+    context); then the greedy cuts themselves (they always fit) and, where no equal cut fits,
+    budget-capped cuts in the greedy count of slots."""
     greedy = budget_cuts(geo, iv, world_size, budget)
     fewest = greedy.num_slots
 
     def fits(pieces: Pieces) -> bool:
         return bool((footprint(geo, pieces, world_size, budget) <= budget.tokens).all())
 
+    found = []
     for slots in range(fewest, 2 * fewest + 1):
         pieces = _packed(geo, iv, world_size, slots, chunk, None)
-        if fits(pieces):
-            num_mb = world_size * slots
-            parts = node_parts_of(geo, pieces.microbatch, pieces.lo, pieces.hi, num_mb)
-            busy = np.bincount(pieces.microbatch, minlength=num_mb) > 0
-            overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
-            tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
-            pieces = tuned if fits(tuned) else pieces
-            filled = _fill_last_slot(geo, iv, world_size, budget, chunk, pieces, overhead, fits)
-            if filled is not None and _predicted(geo, filled, world_size, cost) < _predicted(
-                geo, pieces, world_size, cost
-            ):
-                pieces = filled  # the tokens it moves to the last slot are replayed no more
-            return _without_idle_slots(pieces)
-    capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
-    return _without_idle_slots(capped if fits(capped) else greedy)
+        _, _, parts = slot_costs(geo, pieces, world_size, cost)
+        busy = np.bincount(pieces.microbatch, minlength=world_size * slots) > 0
+        overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
+        tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
+        equal = [c for c in (pieces, tuned) if fits(c)]
+        found += equal + _fill_last_slot(geo, iv, world_size, budget, chunk, pieces, overhead, fits)
+        if equal:
+            break
+    else:
+        capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
+        found += [capped] if fits(capped) else []
+    found.append(greedy)
+    score = [_predicted(geo, c, world_size, cost) for c in found]
+    return _without_idle_slots(found[int(np.argmin(score))])  # ties: the earliest
 
 
 def _fill_last_slot(
@@ -79,16 +82,18 @@ def _fill_last_slot(
     pieces: Pieces,
     overhead: np.ndarray,
     fits: Callable[[Pieces], bool],
-) -> Pieces | None:
+) -> list[Pieces]:
     """``pieces``' slots with every rank's last one holding a :data:`LAST_SLOT_FILLS` share of the
-    budget's room beside its context (the largest that fits; None if none does, or with one slot),
-    the other slots sharing the rest equally. A step of several slots records every microbatch but
-    its last without grad and reruns it in the backward (``harts_hf.engine``): the tokens the last
-    slot takes are the tokens not run twice. Per slot, the ranks stay as even as before: every rank
-    fills its last."""
+    budget's room beside its context (the largest share that fits), the other slots sharing the rest
+    equally; none with one slot. A step of several slots records every microbatch but its last
+    without grad and reruns it in the backward (``harts_hf.engine``): the tokens the last slot takes
+    are the tokens not run twice. Two targets: each rank's own room, and the smallest room of any
+    rank on every rank (the last slot then costs the same on every rank: lockstep waits for the
+    slowest). The last slot may end up smaller than an equal share: where the context of the last
+    slot's start pushes equal cuts over the budget."""
     slots = pieces.num_slots
     if slots == 1:
-        return None
+        return []
     interval_cost = geo.prefix(iv.hi) - geo.prefix(iv.lo)  # [I]
     total = np.bincount(iv.rank, weights=interval_cost, minlength=world_size)  # [R]
     tokens = np.bincount(iv.rank, weights=iv.hi - iv.lo, minlength=world_size)
@@ -97,16 +102,20 @@ def _fill_last_slot(
     last_mb = np.arange(world_size) * slots + slots - 1
     own = np.bincount(pieces.microbatch, weights=pieces.hi - pieces.lo, minlength=world_size * slots)[last_mb]
     room = budget.tokens - (footprint(geo, pieces, world_size, budget)[last_mb] - own)
-    for fill in LAST_SLOT_FILLS:
-        last = np.minimum(fill * room * per_token, total)  # [R] the last slot's cost
-        # equal quantiles of (cost + overhead) with `lift` added to every slot but the last leave the
-        # last slot `last` and split the rest equally
-        lift = np.maximum(slots * last - total, 0.0) / (slots - 1)
-        extra = overhead + np.where(np.arange(slots) < slots - 1, lift[:, None], 0.0)
-        filled = _packed(geo, iv, world_size, slots, chunk, extra)
-        if fits(filled):
-            return filled
-    return None
+    out = []
+    for even in (False, True):
+        for fill in LAST_SLOT_FILLS:
+            want = fill * room * per_token  # [R] the last slot's cost
+            last = np.minimum(want.min(initial=np.inf, where=tokens > 0) if even else want, total)
+            # equal quantiles of (cost + overhead) with `lift` added to every slot but the last leave
+            # the last slot `last` and split the rest equally (a negative lift: a smaller last slot)
+            lift = (slots * last - total) / (slots - 1)
+            extra = overhead + np.where(np.arange(slots) < slots - 1, lift[:, None], 0.0)
+            filled = _packed(geo, iv, world_size, slots, chunk, extra)
+            if fits(filled):
+                out.append(filled)
+                break
+    return out
 
 
 def slot_costs(geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel):

@@ -53,24 +53,30 @@ def grpo_group(
     completion_lens: Sequence[int] | None = None,
     G: int = 4,
     *,
+    groups: int = 1,
     max_completion: int = 50,
     seed: int = 0,
     vocab: int = 32000,
 ) -> Workload:
-    """One prompt (not trained) and G completions (trained) of random lengths in
-    [1, max_completion], or of ``completion_lens`` when given (then G = their number)."""
-    require_positive_ints("grpo_group", prompt_len=prompt_len, G=G, max_completion=max_completion, vocab=vocab)
+    """``groups`` prompts (not trained; one tree each) with G completions (trained) each, of random
+    lengths in [1, max_completion], or of ``completion_lens`` when given (then G = their number, the
+    same lengths in every group): a GRPO batch of ``groups`` x G rows."""
+    require_positive_ints(
+        "grpo_group", prompt_len=prompt_len, G=G, groups=groups, max_completion=max_completion, vocab=vocab
+    )
     rng = np.random.default_rng(seed)
     if completion_lens is None:
-        completion_lens = rng.integers(1, max_completion + 1, G)
-    require_positive_ints("grpo_group", **{"len(completion_lens)": len(completion_lens)})
-    require_positive_ints("grpo_group", **{f"completion_lens[{i}]": n for i, n in enumerate(completion_lens)})
-    lens = np.asarray(completion_lens, dtype=np.int64)
-    g = lens.size
-    parent = np.r_[-1, np.zeros(g, dtype=np.int64)]
-    node_len = np.r_[prompt_len, lens]
-    trained = np.r_[False, np.ones(g, dtype=bool)]
-    return _tree_workload("grpo-group", rng, parent, node_len, trained, np.arange(1, g + 1), vocab)
+        completion_lens = rng.integers(1, max_completion + 1, (groups, G))
+    else:
+        require_positive_ints("grpo_group", **{"len(completion_lens)": len(completion_lens)})
+        require_positive_ints("grpo_group", **{f"completion_lens[{i}]": n for i, n in enumerate(completion_lens)})
+    lens = np.broadcast_to(np.asarray(completion_lens, dtype=np.int64), (groups, np.shape(completion_lens)[-1]))
+    g = lens.shape[1]
+    # nodes: the prompts, then every group's completions
+    parent = np.r_[np.full(groups, -1), np.repeat(np.arange(groups), g)]
+    node_len = np.r_[np.full(groups, prompt_len), lens.ravel()]
+    trained = np.r_[np.zeros(groups, dtype=bool), np.ones(groups * g, dtype=bool)]
+    return _tree_workload("grpo-group", rng, parent, node_len, trained, np.arange(groups, groups * (g + 1)), vocab)
 
 
 def caterpillar(
@@ -78,20 +84,23 @@ def caterpillar(
     trunk_len: int | Sequence[int] = 23,
     leaf_len: int | Sequence[int] = 9,
     *,
+    trees: int = 1,
     seed: int = 0,
     vocab: int = 32000,
 ) -> Workload:
-    """The agentic shape: a trunk of ``turns`` segments with a side leaf (trained) per turn.
+    """The agentic shape: a trunk of ``turns`` segments with a side leaf (trained) per turn; ``trees``
+    of them (the same lengths, their own tokens).
 
-    Trajectory k = trunk segments 0..k + leaf k. Lengths are one int or one per turn.
+    Trajectory k of a tree = trunk segments 0..k + leaf k. Lengths are one int or one per turn.
     """
-    require_positive_ints("caterpillar", turns=turns, vocab=vocab)
+    require_positive_ints("caterpillar", turns=turns, trees=trees, vocab=vocab)
     rng = np.random.default_rng(seed)
-    trunk = _per_node(trunk_len, turns, "trunk_len")
-    leaf = _per_node(leaf_len, turns, "leaf_len")
-    parent = np.r_[np.arange(-1, turns - 1), np.arange(turns)]
-    trained = np.r_[np.zeros(turns, dtype=bool), np.ones(turns, dtype=bool)]
-    ends = np.arange(turns, 2 * turns)
+    trunk = np.tile(_per_node(trunk_len, turns, "trunk_len"), trees)
+    leaf = np.tile(_per_node(leaf_len, turns, "leaf_len"), trees)
+    segment = np.arange(trees * turns)  # [trees * turns] trunk nodes, then the leaves in the same order
+    parent = np.r_[np.where(segment % turns == 0, -1, segment - 1), segment]
+    trained = np.r_[np.zeros(segment.size, dtype=bool), np.ones(segment.size, dtype=bool)]
+    ends = segment.size + segment
     return _tree_workload("caterpillar", rng, parent, np.r_[trunk, leaf], trained, ends, vocab)
 
 
