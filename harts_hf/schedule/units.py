@@ -371,9 +371,7 @@ def compile_rank(
     # Context rows, per subset a layer reads: all (attention), a conv's halo, the replayed tokens.
     for key in [None, *context_subsets(tables)]:
         gathers[key] = {}
-        subset = lambda c, key=key: (
-            c.context if key is None else c.batch.global_index[c.batch.cached(key)].numpy()
-        )
+        subset = lambda c, key=key: c.context if key is None else c.batch.global_index[c.batch.cached(key)].numpy()
         kept = hand_off(key, subset)
         for g, i in local.items():
             exports[i][key] = kept[g]
