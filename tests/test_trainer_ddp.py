@@ -57,7 +57,7 @@ CASES: dict[str, dict] = {
         per_device_train_batch_size=4,
         harts_max_tokens_per_microbatch=24,
     ),
-    "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=64, num_iterations=2, beta=0.1),
+    "dapo-pieces-one-tree": dict(loss_type="dapo", harts_max_tokens_per_microbatch=48, num_iterations=2, beta=0.1),
     "dapo-checkpointing-pieces-one-tree": dict(
         loss_type="dapo",
         gradient_checkpointing=True,

@@ -287,7 +287,7 @@ def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path, monkeypatch):
     serves = Schedule.serves
     monkeypatch.setattr(Schedule, "serves", lambda self, *a: served.append(serves(self, *a)) or served[-1])
     harts, harts_losses = train(
-        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=48, **overrides
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=40, **overrides
     )
     both = overrides.get("num_iterations", 1) > 1 and overrides.get("beta", 0) > 0  # an old-policy and a reference pass
     assert any(served) == both, served
@@ -303,7 +303,7 @@ def test_entropy_bonus_on_pieces_same_as_trl(model_dir, tmp_path):
     overrides = dict(loss_type="grpo", entropy_coef=0.1, gradient_accumulation_steps=2, per_device_train_batch_size=4)
     stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
     harts, harts_losses = train(
-        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=48, **overrides
+        HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=40, **overrides
     )
     microbatches = [h["harts/microbatches"] for h in harts.state.log_history if "harts/microbatches" in h]
     assert microbatches and min(microbatches) >= 3
