@@ -428,7 +428,10 @@ class TreeEngine:
         for i, unit in enumerate(calls):
             grad = i >= len(calls) - keep
             padding = unit is self.schedule.padding
-            with torch.set_grad_enabled(grad), self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext():
+            with (
+                torch.set_grad_enabled(grad),
+                self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext(),
+            ):
                 handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True)
                 wanted = () if padding else statistics
                 lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
