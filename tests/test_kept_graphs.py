@@ -12,10 +12,19 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_engine import _forest, assert_same, dfs_cut_plan, oracle, per_token_loss, sequence_loss
-from tiny_models import tiny_model, trainable
+from test_engine import (
+    _forest,
+    assert_same,
+    dfs_cut_plan,
+    engine_step,
+    oracle,
+    per_token_loss,
+    prompt_groups,
+    sequence_loss,
+)
+from tiny_models import tiny_model
 
-from harts_hf import RolloutForest, patch_model, plan
+from harts_hf import patch_model, plan
 from harts_hf.engine import TreeEngine
 from harts_hf.planner.memory import Budget
 
@@ -36,35 +45,6 @@ def _plan(forest, tokens: int):
     return dataclasses.replace(dfs_cut_plan(forest, CUTS), budget=Budget(tokens))
 
 
-def _grads(model) -> list[torch.Tensor]:
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in trainable(model)]
-
-
-def _step(model, forest, the_plan, loss_fn, *, attached: bool = False, **engine_kwargs):
-    """One engine step on rank 0: (log-probs, grads), the model calls it made (whether grad was on
-    in each) and the engine."""
-    for p in trainable(model):
-        p.grad = None
-    calls = []
-    forward = engine_kwargs.pop("forward", lambda run: run())
-    engine = TreeEngine(
-        model,
-        forest,
-        the_plan,
-        forward=lambda run: calls.append(torch.is_grad_enabled()) or forward(run),
-        **engine_kwargs,
-    )
-    calls.clear()  # the construction's probe call
-    seen = []
-    if attached:
-        lps = engine.attached_logprobs()
-        loss_fn(lps).backward()
-        seen.append(lps[0].detach())
-    else:
-        engine.backward(lambda lps: seen.append(lps[0].detach()) or loss_fn(lps))
-    return (seen[0], _grads(model)), calls, engine
-
-
 @pytest.mark.parametrize("tokens", list(KEPT), ids=lambda t: f"keeps-{KEPT[t]}-of-4")
 @pytest.mark.parametrize("objective", ["token", "sequence"])
 def test_kept_graphs_equal_the_oracle_and_the_replay(model, tokens, objective):
@@ -77,9 +57,9 @@ def test_kept_graphs_equal_the_oracle_and_the_replay(model, tokens, objective):
     else:
         loss_fn = sequence_loss(forest)
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
-    rerun, _, _ = _step(model, forest, _plan(forest, min(KEPT)), loss_fn)
+    rerun, _, _ = engine_step(model, forest, _plan(forest, min(KEPT)), loss_fn)
     for attached in (False, True):
-        got, calls, engine = _step(model, forest, _plan(forest, tokens), loss_fn, attached=attached)
+        got, calls, engine = engine_step(model, forest, _plan(forest, tokens), loss_fn, attached=attached)
         units, kept = len(engine.units), KEPT[tokens]
         assert units == 4 and engine.schedule.graph_calls() == kept
         assert len(calls) == 2 * units - kept
@@ -97,7 +77,7 @@ def test_kept_graphs_under_gradient_checkpointing():
     model.train()
     seqs, forest = _forest(1)
     loss_fn = sequence_loss(forest)
-    got, calls, engine = _step(model, forest, _plan(forest, max(KEPT)), loss_fn)
+    got, calls, engine = engine_step(model, forest, _plan(forest, max(KEPT)), loss_fn)
     assert len(calls) == len(engine.units) == 4
     assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), got)
 
@@ -126,7 +106,9 @@ def test_call_zero_runs_its_forward_in_the_sync_context(model):
     # Every backward pass goes through the LM head: record whether it ran inside no_sync.
     hook = model.get_output_embeddings().weight.register_hook(lambda g: backwards.append(inside[0]))
     try:
-        got, calls, engine = _step(model, forest, _plan(forest, max(KEPT)), loss_fn, forward=forward, no_sync=no_sync)
+        got, calls, engine = engine_step(
+            model, forest, _plan(forest, max(KEPT)), loss_fn, forward=forward, no_sync=no_sync
+        )
     finally:
         hook.remove()
     forwards = forwards[-len(calls) :]  # the construction's probe call went first
@@ -170,12 +152,7 @@ def test_measured_memory_of_kept_graphs_within_the_prediction():
 
     model = patch_model(build_model("qwen3_5", "quick").model)
     memory = memory_model(model)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(4):
-        prompt = list(rng.integers(3, 1000, 300))
-        seqs += [prompt + list(rng.integers(3, 1000, 200)) for _ in range(4)]
-    forest = RolloutForest.from_sequences(seqs)
+    forest = prompt_groups(4)
     one = plan(forest, world_size=1, max_tokens_per_microbatch=forest.num_compact_tokens // 5, memory_model=memory)
     assert one.num_slots == 6
     n, c = one.tokens[0].astype(float), one.context[0].astype(float)
