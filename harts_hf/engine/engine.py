@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..forest import RolloutForest
 from ..modeling.logprobs import (
@@ -269,10 +270,12 @@ class TreeEngine:
         wrapper (``no_sync``) call 0, whose backward is the last and syncs, runs its forward in that
         sync context right before its backward (a forward outside ``no_sync`` would make the next
         backward sync): it is rerun, unless it is the rank's only call and ``keep_graph`` says the
-        caller's context is the sync context."""
+        caller's context is the sync context. Under FSDP2 only the last call keeps its graph: its
+        parameter groups allow one pending forward with grad before a backward (a second trips
+        their ``pre_backward`` state check)."""
         if not torch.is_grad_enabled():
             return 0
-        keep = self.schedule.graph_calls()
+        keep = min(self.schedule.graph_calls(), 1) if isinstance(self.hf, FSDPModule) else self.schedule.graph_calls()
         if keep == self.calls and self._no_sync is not None and not (keep_graph and self.calls == 1):
             keep -= 1
         return keep
