@@ -125,29 +125,43 @@ def test_random_cuts_sequence_level_objective():
         assert_same(ref, engine_run(model, forest, dfs_cut_plan(forest, cuts), loss_fn))
 
 
+def engine_step(model, forest, the_plan, loss_fn, *, attached: bool = False, **engine_kwargs):
+    """One engine step on rank 0, through its backward or (``attached``) a caller's own: (log-probs,
+    grads), whether grad was on in each model call it made, and the engine."""
+    for p in trainable(model):
+        p.grad = None
+    calls = []
+    forward = engine_kwargs.pop("forward", lambda run: run())
+    counted = lambda run: calls.append(torch.is_grad_enabled()) or forward(run)
+    engine = TreeEngine(model, forest, the_plan, forward=counted, **engine_kwargs)
+    calls.clear()  # the construction's probe call
+    seen = []
+    if attached:
+        lps = engine.attached_logprobs()
+        loss_fn(lps).backward()
+        seen.append(lps[0].detach())
+    else:
+        engine.backward(lambda lps: seen.append(lps[0].detach()) or loss_fn(lps))
+    return (
+        (seen[0], [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in trainable(model)]),
+        calls,
+        engine,
+    )
+
+
 def test_the_last_piece_keeps_its_graph_and_runs_once():
-    """The recording's last unit keeps its graph for the backward: U units make 2U - 1 model calls
-    (every unit but the last recorded and rerun), through the replay and through a caller's own
-    backward, with the oracle's gradients."""
+    """The recording's last unit keeps its graph for the backward: U units under a budget that holds
+    one graph make 2U - 1 model calls (every unit but the last recorded and rerun), through the
+    replay and through a caller's own backward, with the oracle's gradients."""
     model = patch_model(tiny_model("qwen3_5"))
     seqs, forest = _forest(1)
     loss_fn = sequence_loss(forest)
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
     cuts = dfs_cut_plan(forest, np.array([9, 40, 70]))
     for attached in (False, True):
-        for p in trainable(model):
-            p.grad = None
-        calls, seen = [], []
-        engine = TreeEngine(model, forest, cuts, forward=lambda run: calls.append(1) or run())
-        calls.clear()  # the construction's probe call
-        if attached:
-            lps = engine.attached_logprobs()
-            loss_fn(lps).backward()
-            seen.append(lps[0].detach())
-        else:
-            engine.backward(lambda lps: seen.append(lps[0].detach()) or loss_fn(lps))
+        got, calls, engine = engine_step(model, forest, cuts, loss_fn, attached=attached)
         assert len(engine.units) == 4 and len(calls) == 2 * 4 - 1
-        assert_same(ref, (seen[0], [torch.zeros_like(p) if p.grad is None else p.grad for p in trainable(model)]))
+        assert_same(ref, got)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -248,6 +262,16 @@ def test_refuses_foreign_plan_dropout_and_empty_head_chunks():
         TreeEngine(model, forest, head_chunk_tokens=0)
 
 
+def prompt_groups(prompts: int) -> RolloutForest:
+    """``prompts`` 300-token prompts, each with 4 completions of 200 tokens (a 1000-token vocabulary)."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(prompts):
+        prompt = list(rng.integers(3, 1000, 300))
+        seqs += [prompt + list(rng.integers(3, 1000, 200)) for _ in range(4)]
+    return RolloutForest.from_sequences(seqs)
+
+
 @pytest.mark.slow
 def test_peak_memory_follows_the_budget():
     """Peak memory of a step scales with the microbatch budget, not with the forest: a budget of
@@ -257,12 +281,7 @@ def test_peak_memory_follows_the_budget():
     from harts_hf.lab.models import build_model
 
     model = patch_model(build_model("qwen3_5", "quick").model)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(8):
-        prompt = list(rng.integers(3, 1000, 300))
-        seqs += [prompt + list(rng.integers(3, 1000, 200)) for _ in range(4)]
-    forest = RolloutForest.from_sequences(seqs)
+    forest = prompt_groups(8)
     peaks = {}
     for budget in (forest.num_compact_tokens, forest.num_compact_tokens // 7):
         engine = TreeEngine(model, forest, max_tokens_per_microbatch=budget)

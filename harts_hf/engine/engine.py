@@ -8,15 +8,16 @@ inputs) come through its :class:`~.handoff.Handoff`, passed down on a per-run vi
 tree kwarg. The model run makes no host transfer (``tests/test_host_transfers.py``).
 
 Backward (one path, bounded, exact for every objective): a recording pass computes every model
-call once without grad, keeping its boundary values (inputs at the rows later units read, states
-at their chunk-aligned restarts), except the last, which runs with grad and keeps its graph. The
-loss is applied to the complete per-trajectory log-probs (so sequence-level objectives such as
-GSPO's see whole trajectories); its gradients w.r.t. them then flow back through the calls in
-reverse call order: the kept call first, from its graph, then every other unit rerun with grad,
-each backpropagating its log-prob gradients plus the boundary gradients its consumers sent and
-sending its own context gradients to its producers. Every unit is backpropagated once; at most one
-graph is alive, so peak activation memory is one microbatch's (plus the boundary values), at the
-price of one extra forward per token of every unit but the last (none for a plan of one unit).
+call once, keeping its boundary values (inputs at the rows later units read, states at their
+chunk-aligned restarts); the last calls run with grad and keep their graphs, as many as the plan's
+byte budget holds alive together (``Schedule.graph_calls``; the last always), the others run
+without grad. The loss is applied to the complete per-trajectory log-probs (so sequence-level
+objectives such as GSPO's see whole trajectories); its gradients w.r.t. them then flow back
+through the calls in reverse call order: the kept calls first, from their graphs, then every
+other unit rerun with grad, each backpropagating its log-prob gradients plus the boundary
+gradients its consumers sent and sending its own context gradients to its producers. Every unit is
+backpropagated once; the graphs alive at once fit the budget (one microbatch's where it holds no
+more), at the price of one extra forward per token of every unit that did not keep its graph.
 :meth:`TreeEngine.backward` (a loss function), :meth:`Recording.backward` (gradients a caller
 gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd graph) are three
 doors to that one path.
@@ -34,7 +35,9 @@ gradients, through the wrapper.
 Data parallel: each unit's model call can run as the forward of the wrapper the caller trains
 (``forward``), so DDP / FSDP2 see ordinary forward and backward passes, and every backward pass but
 the last runs inside ``no_sync`` (accelerate's ``accelerator.no_sync(model)``): the step's
-gradients are synchronised once, by the wrapper, in its last backward pass.
+gradients are synchronised once, by the wrapper, in its last backward pass. A kept call runs its
+forward in its backward's context; call 0, whose backward syncs, is then rerun right before it
+(a forward outside ``no_sync`` would make the next backward pass sync).
 
 Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 """
@@ -49,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..forest import RolloutForest
 from ..modeling.logprobs import (
@@ -213,11 +217,11 @@ class TreeEngine:
         """The recording pass alone: the :class:`Recording` of every unit, whose values are
         :meth:`logprobs`' and whose :meth:`Recording.backward` backpropagates gradients w.r.t. them
         through the units later (a caller that owns the loss and gathers its gradients first: the
-        trainer's HARTS step). Made with grad enabled, the last model call runs with grad and keeps
-        its graph for that backward, whose first pass it is, instead of being replayed (one graph
-        alive, as in the replay; it runs in that pass's sync context, ``no_sync`` unless it is the
-        rank's only call). ``keep_graph``: the caller's context is the gradient-sync context of the
-        backward, so a rank's only call keeps its graph too.
+        trainer's HARTS step). Made with grad enabled, the last model calls (as many as the plan's
+        budget holds, the last always) run with grad and keep their graphs for that backward instead
+        of being replayed, each in its backward pass's sync context; with ``no_sync``, call 0 is
+        rerun (its backward syncs). ``keep_graph``: the caller's context is the gradient-sync
+        context of the backward, so a rank's only call keeps its graph under ``no_sync`` too.
         ``return_router_logits``: also the MoE layers' router logits of every compact token this
         rank computes (for the router loss), differentiable through the same backward.
         ``statistics``: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other
@@ -226,9 +230,8 @@ class TreeEngine:
         if return_router_logits:
             validate_router_logits(self.adapter)
         store = Store()
-        keep = torch.is_grad_enabled() and (self.calls > 1 or keep_graph)
         values, ents, routers, stats, kept = self._record(
-            store, return_entropy, return_router_logits, statistics, keep_last=keep
+            store, return_entropy, return_router_logits, statistics, keep=self._graph_calls(keep_graph)
         )
         return Recording(self, store, values, ents, routers, stats, kept)
 
@@ -261,6 +264,22 @@ class TreeEngine:
             recording.backward([torch.zeros_like(v) if g is None else g for g, v in zip(grads, lp)])
         return loss.detach()
 
+    def _graph_calls(self, keep_graph: bool) -> int:
+        """How many of the last calls keep their graphs in a recording made now: as many as the
+        plan's budget holds (``Schedule.graph_calls``), none without grad. Under a data-parallel
+        wrapper (``no_sync``) call 0, whose backward is the last and syncs, runs its forward in that
+        sync context right before its backward (a forward outside ``no_sync`` would make the next
+        backward sync): it is rerun, unless it is the rank's only call and ``keep_graph`` says the
+        caller's context is the sync context. Under FSDP2 only the last call keeps its graph: its
+        parameter groups allow one pending forward with grad before a backward (a second trips
+        their ``pre_backward`` state check)."""
+        if not torch.is_grad_enabled():
+            return 0
+        keep = min(self.schedule.graph_calls(), 1) if isinstance(self.hf, FSDPModule) else self.schedule.graph_calls()
+        if keep == self.calls and self._no_sync is not None and not (keep_graph and self.calls == 1):
+            keep -= 1
+        return keep
+
     def _replay_units(
         self,
         store: Store,
@@ -268,18 +287,19 @@ class TreeEngine:
         entropy_grads: list[torch.Tensor] | None = None,
         router_grads: list[torch.Tensor] | None = None,
         *,
-        kept: _GradRun | None = None,
+        kept: dict[int, _GradRun] | None = None,
     ) -> None:
         """Every model call with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and,
         given, ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per
-        forest [layers, N_f, E], w.r.t. the router logits); the ``kept`` call first, from its graph."""
+        forest [layers, N_f, E], w.r.t. the router logits); the ``kept`` calls (by call index) from
+        their graphs, the others rerun."""
         entropy, router = entropy_grads is not None, router_grads is not None
         exchanger = self._exchanger()
-        calls = self.schedule.call_order()
+        calls, kept = self.schedule.call_order(), kept or {}
         for done, unit in enumerate(reversed(calls)):  # the exact reverse of the recording's order
             with self._sync_last(done):
-                if done == 0 and kept is not None:
-                    run = kept
+                if len(calls) - 1 - done in kept:
+                    run = kept.pop(len(calls) - 1 - done)  # its graph goes with its backward
                 elif unit is self.schedule.padding:
                     run = _GradRun(Handoff(Store(), unit, grad=True), self._run_padding(grad=True)[:3])
                 else:
@@ -394,31 +414,34 @@ class TreeEngine:
         router: bool = False,
         statistics: tuple[str, ...] = (),
         *,
-        keep_last: bool = False,
+        keep: int = 0,
     ) -> tuple[
         list[torch.Tensor],
         list[torch.Tensor] | None,
         list[torch.Tensor] | None,
         dict[str, list[torch.Tensor]],
-        _GradRun | None,
+        dict[int, _GradRun],
     ]:
-        """Every model call of the rank (its units, then its padding calls) without grad, but, with
-        ``keep_last``, the last, which runs with grad in the sync context of the replay's first
-        backward pass and is returned with its graph; the values come detached."""
+        """Every model call of the rank (its units, then its padding calls) without grad, but the last
+        ``keep``, which run with grad, each in the sync context of its backward pass in the replay,
+        and are returned with their graphs, by call index; the values come detached."""
         calls = self.schedule.call_order()
         exchanger = self._exchanger()
-        lps, ents, routers, stats, kept, like = [], [], [], [], None, None
+        lps, ents, routers, stats, kept, like = [], [], [], [], {}, None
         for i, unit in enumerate(calls):
-            keep = keep_last and i == len(calls) - 1
+            grad = i >= len(calls) - keep
             padding = unit is self.schedule.padding
-            with torch.set_grad_enabled(keep), self._sync_last(0) if keep else contextlib.nullcontext():
-                handoff = Handoff(Store() if padding else store, unit, grad=keep)
+            with (
+                torch.set_grad_enabled(grad),
+                self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext(),
+            ):
+                handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True)
                 wanted = () if padding else statistics
                 lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
             if exchanger is not None:
                 exchanger.after_record(i, store)
-            if keep:
-                kept = _GradRun(handoff, (lp, ent, logits))
+            if grad:
+                kept[i] = _GradRun(handoff, (lp, ent, logits))
             like = like if like is not None or logits is None else logits.detach()  # any call's: the shape only
             if padding:
                 continue
@@ -467,8 +490,8 @@ class Recording:
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
     does not own are 0), ``router_logits`` (None unless asked) per forest [layers, N_f, E] (0 for the
     tokens other ranks compute), ``statistics`` (the head statistics asked for, by name, in the
-    log-probs' layout), the boundary values the replay reads (``store``) and the run of the last
-    call that kept its graph (``kept``, None if none did)."""
+    log-probs' layout), the boundary values the replay reads (``store``) and the runs of the last
+    calls that kept their graphs (``kept``, by call index; empty if none did)."""
 
     def __init__(
         self,
@@ -478,7 +501,7 @@ class Recording:
         ents: list[torch.Tensor] | None,
         router_logits: list[torch.Tensor] | None = None,
         statistics: dict[str, list[torch.Tensor]] | None = None,
-        kept: _GradRun | None = None,
+        kept: dict[int, _GradRun] | None = None,
     ):
         self.engine, self._store, self._kept, self._pending = engine, store, kept, True
         self._autocast = AutocastState.current(engine.device)  # the replay runs the units under it again

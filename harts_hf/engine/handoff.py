@@ -15,7 +15,9 @@ step-wide number; a unit of another rank reaches them through the block its rank
 context the same way whichever rank kept it. In the backward pass a unit reruns with grad: the
 context it reads are fresh leaves over the stored values, whose gradients go back to their
 producers (through the exchange for another rank's); its own exports are kept live so the engine
-can backpropagate the gradients its consumers sent.
+can backpropagate the gradients its consumers sent. A unit that keeps its graph from the recording
+(``grad`` and ``recording``) does both at once: it stores its exports for later units and keeps
+them live, and reads its context as leaves.
 
 Legend: Nc context tokens, X export rows, E external states, S state exports, C chunk size.
 """
@@ -69,10 +71,11 @@ class Handoff(LayerHandoff):
     """One run of one unit: its layer calls' context in, boundary values out (module docstring).
     Every address comes compiled with the unit (``harts_hf.schedule.units``)."""
 
-    def __init__(self, store: Store, unit: Unit, *, grad: bool):
+    def __init__(self, store: Store, unit: Unit, *, grad: bool, recording: bool = False):
         self.store = store
         self.unit = unit
         self.grad = grad
+        self.recording = recording or not grad  # stores its boundary values for later units
         self.module: nn.Module | None = None
         self.leaves: dict[Key, torch.Tensor] = {}
         self.live: dict[Key, torch.Tensor] = {}
@@ -118,7 +121,9 @@ class Handoff(LayerHandoff):
             self._keep((self.unit.number, call, "state"), states, RoundsTable(chunk_size))
 
     def _keep(self, key: Key, value: torch.Tensor, subset: Hashable) -> None:
-        if not self.grad:
+        if self.grad and key in self.live:  # a checkpoint recomputation must not replace the first
+            return
+        if self.recording:
             if key in self.store.values:
                 module, kind, _ = key[1]
                 raise RuntimeError(
@@ -128,7 +133,7 @@ class Handoff(LayerHandoff):
                 )
             self.store.values[key] = value.detach()
             self.store.subsets[key] = subset
-        elif key not in self.live:  # a checkpoint recomputation must not replace the first
+        if self.grad:
             self.live[key] = value
 
     def _leaf(self, key: Key) -> torch.Tensor:

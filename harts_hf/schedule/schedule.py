@@ -163,6 +163,33 @@ class Schedule:
             and on in (None, device)
         )
 
+    def graph_calls(self) -> int:
+        """How many of the last model calls can keep their graphs from the recording to their backward
+        (the engine then does not rerun them): the longest run of last calls whose graphs, alive
+        together, fit the plan's budget in bytes (``plan.memory_model`` at ``plan.budget.tokens``).
+        Alive together they hold the activations their microbatches save (a slot's once: its units
+        share it; a padding call's two tokens) plus the largest of their transient phases (the
+        head's chunk, one layer's backward: one call at a time). The last call keeps its graph
+        whatever the budget (one microbatch, as in the replay); a whole forest's schedule: 1."""
+        if self.plan is None:
+            return min(self.calls, 1)
+        memory, tokens, context = self.plan.memory_model, self.plan.tokens[self.rank], self.plan.context[self.rank]
+        budget = float(memory(self.plan.budget.tokens))
+        slots, saved, phases = set(), 0.0, 0.0
+        for kept, index in enumerate(reversed(self.order)):
+            slot = None if index < 0 else self.units[index].slot
+            if slot in slots:
+                continue
+            n, c = (2, 0) if slot is None else (int(tokens[slot]), int(context[slot]))
+            own = memory.token * n + memory.context * c  # what the graph saves until its backward
+            phase = float(memory(n, c)) - own
+            if kept and saved + own + max(phases, phase) > budget:
+                return kept
+            saved, phases = saved + own, max(phases, phase)
+            if slot is not None:
+                slots.add(slot)
+        return self.calls
+
     def call_order(self) -> list[Unit]:
         """Every model call of a pass, in order: units and padding calls."""
         return [self.padding if i < 0 else self.units[i] for i in self.order]
