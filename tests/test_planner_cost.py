@@ -103,3 +103,19 @@ def test_predicted_seconds_say_where_they_come_from():
         == plan(forest, world_size=1, max_tokens_per_microbatch=64, cost_model=mine).summary()["step_seconds_from"]
     )
     assert "built-in" not in cost_origin(mine)
+
+
+def test_calibration_forests_separate_rounds_and_pairs_from_tokens():
+    """The fit can tell the features apart only where they vary independently: forests of 1 to 6
+    rounds (not all 2-3, which is the per-microbatch intercept again) and forests whose tokens read
+    hundreds of ancestors each (trained rollout trees do: the 24-row quick GRPO step reads ~380 a
+    token; without such forests the pair coefficient is an extrapolation, 10x off)."""
+    from harts_hf.lab.calibrate import binary_tree
+
+    features = np.stack([forest_features(f) for f in calibration_forests(1024)])
+    tokens, pairs, rounds, _ = features.T
+    assert set(range(1, 7)) <= set(rounds.astype(int).tolist())
+    assert (pairs / tokens).max() > 250 and pairs.max() > 4e5
+    tree = binary_tree(3, 5, vocab=1024)
+    assert tree.num_trajectories == 8 and tree.num_compact_tokens == 5 * (1 + 2 + 4 + 8)
+    assert forest_features(tree)[2] == 4 == build_rounds(TreeBatch.from_forest(tree), 64).num_rounds
