@@ -119,3 +119,15 @@ def test_calibration_forests_separate_rounds_and_pairs_from_tokens():
     tree = binary_tree(3, 5, vocab=1024)
     assert tree.num_trajectories == 8 and tree.num_compact_tokens == 5 * (1 + 2 + 4 + 8)
     assert forest_features(tree)[2] == 4 == build_rounds(TreeBatch.from_forest(tree), 64).num_rounds
+
+
+def test_rank_seconds_count_the_replays_step_seconds_counts():
+    """A rank's predicted seconds (what ``harts/predicted_step_seconds`` logs against the engine's
+    measured forward + backward) include the FORWARD_SHARE replay of every slot but the last; with
+    one rank they are the plan's step."""
+    from harts_hf.planner.balance import FORWARD_SHARE, rank_seconds, step_seconds
+
+    cost = np.array([[0.6, 0.7], [0.5, 0.2]])
+    np.testing.assert_allclose(rank_seconds(cost), [1.3 + FORWARD_SHARE * 0.6, 0.7 + FORWARD_SHARE * 0.5])
+    np.testing.assert_allclose(rank_seconds(cost[:1]), [step_seconds(cost[:1])])
+    np.testing.assert_allclose(rank_seconds(np.array([[0.4]])), [0.4])
