@@ -131,3 +131,29 @@ def test_rank_seconds_count_the_replays_step_seconds_counts():
     np.testing.assert_allclose(rank_seconds(cost), [1.3 + FORWARD_SHARE * 0.6, 0.7 + FORWARD_SHARE * 0.5])
     np.testing.assert_allclose(rank_seconds(cost[:1]), [step_seconds(cost[:1])])
     np.testing.assert_allclose(rank_seconds(np.array([[0.4]])), [0.4])
+
+
+def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
+    """On a CPU with one torch thread, calibrate reads the process's CPU time, which other jobs on a
+    shared machine do not inflate (their wall time made the fit up to 2.7x the quiet machine's)."""
+    import time
+
+    import torch
+
+    calls = []
+
+    def fake_clock():
+        calls.append(None)
+        return 0.01 * len(calls) ** 1.5
+
+    monkeypatch.setattr(time, "process_time", fake_clock)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model("qwen3_5")
+        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:3]
+        fitted = calibrate(model, forests, repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 * 2 * len(forests)  # a warm-up and a timed run per forest, two clock reads each
+    assert max(fitted.token, fitted.pair) > 0
