@@ -103,3 +103,57 @@ def test_predicted_seconds_say_where_they_come_from():
         == plan(forest, world_size=1, max_tokens_per_microbatch=64, cost_model=mine).summary()["step_seconds_from"]
     )
     assert "built-in" not in cost_origin(mine)
+
+
+def test_calibration_forests_separate_rounds_and_pairs_from_tokens():
+    """The fit can tell the features apart only where they vary independently: forests of 1 to 6
+    rounds (not all 2-3, which is the per-microbatch intercept again) and forests whose tokens read
+    hundreds of ancestors each (trained rollout trees do: the 24-row quick GRPO step reads ~380 a
+    token; without such forests the pair coefficient is an extrapolation, 10x off)."""
+    from harts_hf.lab.calibrate import binary_tree
+
+    features = np.stack([forest_features(f) for f in calibration_forests(1024)])
+    tokens, pairs, rounds, _ = features.T
+    assert set(range(1, 7)) <= set(rounds.astype(int).tolist())
+    assert (pairs / tokens).max() > 250 and pairs.max() > 4e5
+    tree = binary_tree(3, 5, vocab=1024)
+    assert tree.num_trajectories == 8 and tree.num_compact_tokens == 5 * (1 + 2 + 4 + 8)
+    assert forest_features(tree)[2] == 4 == build_rounds(TreeBatch.from_forest(tree), 64).num_rounds
+
+
+def test_rank_seconds_count_the_replays_step_seconds_counts():
+    """A rank's predicted seconds (what ``harts/predicted_step_seconds`` logs against the engine's
+    measured forward + backward) include the FORWARD_SHARE replay of every slot but the last; with
+    one rank they are the plan's step."""
+    from harts_hf.planner.balance import FORWARD_SHARE, rank_seconds, step_seconds
+
+    cost = np.array([[0.6, 0.7], [0.5, 0.2]])
+    np.testing.assert_allclose(rank_seconds(cost), [1.3 + FORWARD_SHARE * 0.6, 0.7 + FORWARD_SHARE * 0.5])
+    np.testing.assert_allclose(rank_seconds(cost[:1]), [step_seconds(cost[:1])])
+    np.testing.assert_allclose(rank_seconds(np.array([[0.4]])), [0.4])
+
+
+def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
+    """On a CPU with one torch thread, calibrate reads the process's CPU time, which other jobs on a
+    shared machine do not inflate (their wall time made the fit up to 2.7x the quiet machine's)."""
+    import time
+
+    import torch
+
+    calls = []
+
+    def fake_clock():
+        calls.append(None)
+        return 0.01 * len(calls) ** 1.5
+
+    monkeypatch.setattr(time, "process_time", fake_clock)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model("qwen3_5")
+        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:3]
+        fitted = calibrate(model, forests, repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 * 2 * len(forests)  # a warm-up and a timed run per forest, two clock reads each
+    assert max(fitted.token, fitted.pair) > 0

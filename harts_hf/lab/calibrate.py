@@ -21,7 +21,7 @@ from ..sources import caterpillar, deep_chain, grpo_group, random_tree
 from ..trees import min_rounds
 from .plan_report import legend
 
-__all__ = ["calibrate", "calibration_forests", "forest_features", "format_cost_model"]
+__all__ = ["binary_tree", "calibrate", "calibration_forests", "forest_features", "format_cost_model"]
 
 FEATURE_MEANINGS = {
     "token": "per compact token: projections, MLP/MoE, norms, LM head",
@@ -39,11 +39,24 @@ def forest_features(forest: RolloutForest) -> np.ndarray:
     return np.array([forest.num_compact_tokens, pairs, rounds, 1.0])
 
 
+def binary_tree(depth: int, node_len: int, *, seed: int = 0, vocab: int = 32000) -> RolloutForest:
+    """A complete binary tree ``depth`` node levels below its root, ``node_len`` tokens a node: 2 **
+    depth trajectories and ``depth + 1`` rounds (every node's two children tie), few tokens a round."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(3, vocab, node_len).tolist()]
+    for _ in range(depth):
+        seqs = [s + rng.integers(3, vocab, node_len).tolist() for s in seqs for _ in range(2)]
+    return RolloutForest.from_sequences(seqs)
+
+
 def calibration_forests(vocab: int, *, sizes: Sequence[float] = (0.5, 1.0, 2.0), seed: int = 0) -> list[RolloutForest]:
     """Forests that separate the features: flat groups (tokens), long prompts (pairs), deep
-    branchings, caterpillars and random trees (rounds), at every size in ``sizes`` (trajectories
-    stay under 512 tokens at size 2, within tiny models' position range; a few hundred compact
-    tokens each, so the torch fallbacks time them in seconds on a CPU)."""
+    branchings, caterpillars and random trees, at every size in ``sizes`` (trajectories stay under
+    512 tokens at size 2, within tiny models' position range; a few hundred compact tokens each, so
+    the torch fallbacks time them in seconds on a CPU); then long shared prompts under a few short
+    completions (hundreds of attended pairs a token, as deep as trained rollout trees: without them
+    pairs ride on tokens and the fit prices a pair 10x) and complete binary trees of 1-6 rounds (the
+    shapes above all run in 2-3 rounds, which the fit cannot tell from a microbatch's overhead)."""
     out = []
     for k, s in enumerate(sizes):
 
@@ -58,6 +71,10 @@ def calibration_forests(vocab: int, *, sizes: Sequence[float] = (0.5, 1.0, 2.0),
             random_tree(num_nodes=n(40), max_node_len=n(24), seed=seed + k, vocab=vocab),
         ]
         out += [w.forest() for w in shapes]
+    for k, prompt_len in enumerate((96, 224, 448)):
+        group = grpo_group(prompt_len=prompt_len, G=4, groups=k + 1, max_completion=48, seed=seed + k, vocab=vocab)
+        out.append(group.forest())
+    out += [binary_tree(depth, 8, seed=seed + depth, vocab=vocab) for depth in range(6)]
     return out
 
 
@@ -69,25 +86,30 @@ def calibrate(
 ) -> CostModel:
     """Fit a :class:`CostModel` (seconds) to ``model``'s forward + backward on ``forests`` (default
     :func:`calibration_forests` within the model's vocabulary): the fastest of ``repeats`` timed
-    runs per forest after one warm-up run."""
+    runs per forest (``repeats`` sweeps over the forests) after one warm-up run each."""
     patch_model(model)
     vocab = model.get_input_embeddings().num_embeddings
     forests = list(forests) if forests is not None else calibration_forests(vocab)
     device = next(model.parameters()).device
 
+    # One CPU thread: its CPU time, which a machine shared with other jobs does not inflate (wall
+    # time there came out up to 2.7x the quiet machine's, and the fit with it); else wall time.
+    clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
     def run(forest: RolloutForest) -> float:
-        began = time.perf_counter()
+        began = clock()
         tree_forward(model, forest).logprobs.sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - began
+        return clock() - began
 
-    seconds = []
     for forest in forests:
         run(forest)
-        seconds.append(min(run(forest) for _ in range(repeats)))
-    return fit_cost_model(np.stack([forest_features(f) for f in forests]), np.array(seconds))
+    seconds = np.full(len(forests), np.inf)
+    for _ in range(repeats):  # sweeps, not runs back to back: a busy spell on a shared machine hits one try of each
+        seconds = np.minimum(seconds, [run(forest) for forest in forests])
+    return fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds)
 
 
 def format_cost_model(cost: CostModel, title: str) -> str:

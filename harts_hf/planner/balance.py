@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FORWARD_SHARE", "rank_imbalance", "slot_imbalance", "step_seconds"]
+__all__ = ["FORWARD_SHARE", "rank_imbalance", "rank_seconds", "slot_imbalance", "step_seconds"]
 
 FORWARD_SHARE = 1 / 3
 """A microbatch's forward as a share of its forward + backward (the backward costs about twice the
@@ -32,3 +32,10 @@ def step_seconds(cost: np.ndarray) -> float:
     but the last once more at :data:`FORWARD_SHARE` (its replay)."""
     slowest = cost.max(axis=0)  # [S]
     return float(slowest.sum() + FORWARD_SHARE * slowest[:-1].sum())
+
+
+def rank_seconds(cost: np.ndarray) -> np.ndarray:
+    """[R] predicted forward + backward seconds of each rank on its own (no lockstep waits): its
+    slots, every slot but the last once more at :data:`FORWARD_SHARE` (its replay), as
+    :func:`step_seconds` counts them. What a rank's measured engine step compares with."""
+    return cost.sum(axis=1) + FORWARD_SHARE * cost[:, :-1].sum(axis=1)

@@ -39,6 +39,7 @@ from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling.moe import router_aux_loss
 from ..planner import plan
+from ..planner.balance import rank_seconds
 from .rows import row_sequences, to_completion_layout
 
 __all__ = ["HARTSStep", "batch_rows", "block_length"]
@@ -248,5 +249,5 @@ class HARTSStep:
             float(self.forest.lengths[rows].sum()),
             float(self.plan.tokens[rank].sum()),
             self.forward_seconds + self.backward_seconds,
-            float(self.plan.cost[rank].sum()),
+            float(rank_seconds(self.plan.cost)[rank]),  # the replays of its slots but the last included
         )
