@@ -22,6 +22,7 @@ passes over short synthetic chains.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -107,9 +108,11 @@ def _saved_bytes(
     inside: list[int | None] = [None]
     params: set[int] = set()
 
+    model = weakref.ref(hf)  # autograd keeps ``pack`` with every tensor it saved: no path back to the model
+
     def gathered() -> None:  # the parameters whole now: FSDP2 swaps them in for a module's forward only
         params.clear()  # and frees them after it: an activation may take a freed one's address
-        params.update(p.untyped_storage().data_ptr() for p in hf.parameters() if not isinstance(p, DTensor))
+        params.update(p.untyped_storage().data_ptr() for p in model().parameters() if not isinstance(p, DTensor))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not params:
