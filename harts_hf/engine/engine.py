@@ -297,20 +297,20 @@ class TreeEngine:
         exchanger = self._exchanger()
         calls, kept = self.schedule.call_order(), kept or {}
         for done, unit in enumerate(reversed(calls)):  # the exact reverse of the recording's order
+            index, padding = len(calls) - 1 - done, unit is self.schedule.padding
             with self._sync_last(done):
-                if len(calls) - 1 - done in kept:
-                    run = kept.pop(len(calls) - 1 - done)  # its graph goes with its backward
-                elif unit is self.schedule.padding:
-                    run = _GradRun(Handoff(Store(), unit, grad=True), self._run_padding(grad=True)[:3])
-                else:
-                    handoff = Handoff(store, unit, grad=True)
-                    run = _GradRun(handoff, self._run(unit, handoff, entropy, router)[:3])
-                if unit is self.schedule.padding:
+                if index in kept:
+                    run = kept.pop(index)  # its graph goes with its backward
+                else:  # a padding call records nothing any unit reads
+                    handoff = Handoff(Store() if padding else store, unit, grad=True)
+                    outputs = self._run(unit, handoff, entropy and not padding, router and not padding)
+                    run = _GradRun(handoff, outputs[:3])
+                if padding:
                     torch.autograd.backward(run.outputs[0], torch.zeros_like(run.outputs[0]))
                 else:
                     self._send_unit(store, run, grads, entropy_grads, router_grads)
             if exchanger is not None:
-                exchanger.after_replay(len(calls) - 1 - done, store)
+                exchanger.after_replay(index, store)
 
     def _exchanger(self) -> Exchanger | None:
         """What moves this pass's cross-rank handoffs (None: the plan has none). Every rank of a plan
@@ -452,11 +452,6 @@ class TreeEngine:
         values, ents = self._share(self._scatter(lps)), self._share(self._scatter(ents)) if entropy else None
         per_name = {name: self._share(self._scatter([v[name] for v in stats])) for name in statistics}
         return values, ents, self._scatter_tokens(routers, like) if router else None, per_name, kept
-
-    def _run_padding(self, *, grad: bool, router: bool = False):
-        """A padding call (``Schedule.padding``): records nothing any unit reads."""
-        padding = self.schedule.padding
-        return self._run(padding, Handoff(Store(), padding, grad=grad), False, router)
 
     def _run(
         self, unit: Unit, handoff: Handoff, entropy: bool, router: bool = False, statistics: tuple[str, ...] = ()
