@@ -85,8 +85,9 @@ class HARTSTrainerMixin:
     def _memory_model(self, inside_forward: bool = False) -> MemoryModel:
         """``harts_memory_model`` if given, else the policy's, probed through its training wrapper in
         the first pass that plans (every rank at once: under FSDP2 the probe gathers parameters),
-        without gradient sync; every rank takes rank 0's, as every rank must make the same plan. ``inside_forward``: the caller runs inside the wrapper's forward
-        already (its autocast and gathered root hold), so the probe calls the model directly:
+        without gradient sync; every rank takes rank 0's, as every rank must make the same plan.
+        ``inside_forward``: the caller runs inside the wrapper's forward already (its autocast and
+        gathered root hold), so the probe calls the model directly:
         accelerate's mixed-precision forward enters ONE ``torch.autocast`` object per call, which
         is not re-entrant, and a nested call would leave autocast on for the rest of the process."""
         if self._memory is None and self.args.harts_memory_model is not None:
