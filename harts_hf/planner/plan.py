@@ -19,6 +19,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    context (counted against the budget at the weight the memory model gives it: ``memory.py``).
    The handoff addresses themselves (which unit keeps each context row and boundary state) are
    compiled from the plan by ``harts_hf.schedule``.
+4. Handoffs (``handoffs.py``, with ``handoffs=True``): the best assignment's top chains run once,
+   in a first slot, and are handed to the ranks reading them, where that is cheaper than
+   recomputing them (communication priced by the cost model); kept if the predicted step is lower.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -40,6 +43,7 @@ from .assign import BRANCH_RULES, assign_ranks, find_branches, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
+from .handoffs import handoff_pieces, with_transfers
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
@@ -72,8 +76,10 @@ class Plan:
 
     A microbatch's context lies in pieces of earlier slots: of its own rank, or of another rank,
     whose unit then sends it (a cross-rank handoff: ``harts_hf.engine.exchange``; never from the
-    same slot of another rank, which would need context parallelism). ``plan()`` itself still
-    places a rank's context on the rank (replica pieces); hand-built plans may hand it over. Which
+    same slot of another rank, which would need context parallelism). ``plan()`` places a rank's
+    context on the rank (replica pieces) unless called with ``handoffs=True``: then ``handoffs``
+    (messages between ranks), ``handoff_bytes`` (values and gradients) and ``handoff_seconds`` (the
+    most a rank spends on them, in ``cost``) count the chains it hands over. Which
     pieces, and where each context row and boundary state comes from (the handoff addresses), is
     compiled from these pieces by ``harts_hf.schedule``, the one place that derives them; the plan
     keeps only the context's size, which the budget decides on.
@@ -106,6 +112,9 @@ class Plan:
     replicated_tokens: int
     replay_tokens: int
     plan_seconds: float
+    handoffs: int = 0
+    handoff_bytes: float = 0.0
+    handoff_seconds: float = 0.0
 
     @property
     def num_pieces(self) -> int:
@@ -166,6 +175,7 @@ class Plan:
             "step_seconds": self.step_seconds,
             "step_seconds_from": cost_origin(self.cost_model),
             "plan_seconds": self.plan_seconds,
+            "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
         }
 
 
@@ -237,6 +247,7 @@ def plan(
     memory_model: MemoryModel | None = None,
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
+    handoffs: bool = False,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
     on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
@@ -246,7 +257,9 @@ def plan(
     prices the ancestor context a microbatch reads against its own tokens; the default,
     :data:`~.memory.TOKEN_MEMORY`, prices a context token as an own token (safe for any model:
     pass the model's, ``harts_hf.modeling.memory_model(model)``, to train trajectories longer
-    than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`.
+    than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``handoffs``: shared
+    chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
+    such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
     """
     began = time.perf_counter()
     forests = as_forests(forests)
@@ -295,7 +308,7 @@ def plan(
         tried.append(branches[0])
         made = candidate(branches)
         if best is None or made.step_seconds < best.step_seconds:
-            best, best_branches = made, branches
+            best, best_branches, best_extra = made, branches, None
     idle = (best.tokens.sum(axis=1) == 0).any()
     if world_size > 1 and cost.round > 0 and (idle or _rounds_share(best) >= ROUNDS_WORTH_TRYING):
         # Ranks run their branches' rounds side by side, so the balance on tokens alone fills ranks with
@@ -305,6 +318,15 @@ def plan(
         node_rounds, _ = min_rounds(geo.parent)
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
+            best, best_extra = made, cost.round * node_rounds
+    if (
+        handoffs
+        and world_size > 1
+        and (cut := handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost))
+    ):
+        made = build_plan(geo, forests, cut[0], cost, budget, memory, chunk_size, began, world_size)
+        made = with_transfers(made, geo, *cut)
+        if made is not None and made.step_seconds < best.step_seconds:
             best = made
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
