@@ -12,7 +12,8 @@ are assigned and cut into slots again with the handed chains free (no rank pays 
 :func:`with_transfers` then prices the exchange the engine runs (``harts_hf.engine.exchange``): per
 (producer rank, consumer rank) one message carrying the distinct context rows the consumer's units
 read and one state per path starting on a handed token, values there and gradients back, charged to
-both ranks in the first slot. ``plan`` keeps the plan with handoffs only when its predicted step is
+both ranks. The values move after slot 0's recording and the gradients in the backward, neither
+again in a replay: the seconds go to the last slot, the one ``balance.step_seconds`` counts once. ``plan`` keeps the plan with handoffs only when its predicted step is
 lower, and when every microbatch, received context included, stays within the budget.
 
 Legend: M nodes, H handed chains, G trees with handed chains, R ranks, S slots, E entries.
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .assign import assign_ranks, group_paths, rank_intervals
+from .assign import RankIntervals, assign_ranks, group_paths, rank_intervals
 from .cost import CostModel
 from .geometry import Geometry
 from .memory import Budget
@@ -69,6 +70,30 @@ def _top_subtrees(geo: Geometry, tops: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return cum_tokens[last] - cum_tokens[first], cum_cost[last] - cum_cost[first]
 
 
+def _pack(
+    geo: Geometry, roots: np.ndarray, tokens: np.ndarray, work: np.ndarray, world_size: int, budget: Budget
+) -> np.ndarray:
+    """[G] the rank each component (root node, tokens, cost) runs on in slot 0, -1 where none has
+    room: largest first onto the least loaded rank with room in the budget. A rank pays the top
+    chains above a component once: components under one parent share them (others sharing part of
+    the path pay it again, an overestimate)."""
+    which, lo, hi = geo.path_intervals(geo.start[roots])
+    above_cost = np.bincount(which, weights=geo.prefix(hi) - geo.prefix(lo), minlength=roots.size)
+    depth = geo.depth[roots]
+    holds: dict[int, np.ndarray] = {}  # parent node -> [R] ranks holding the path down to it
+    load, held = np.zeros(world_size), np.zeros(world_size)
+    out = np.full(roots.size, -1, dtype=np.int64)
+    for g in np.lexsort((roots, -work)).tolist():
+        has = holds.setdefault(int(geo.parent[roots[g]]), np.zeros(world_size, dtype=bool))
+        need = held + tokens[g] + np.where(has, 0, depth[g])
+        if (need <= budget.tokens).any():
+            r = int(np.argmin(np.where(need <= budget.tokens, load + np.where(has, 0.0, above_cost[g]), np.inf)))
+            out[g], held[r] = r, need[r]
+            load[r] += work[g] + (0.0 if has[r] else above_cost[g])
+            has[r] = True
+    return out
+
+
 def handed_chains(
     geo: Geometry, group_node: np.ndarray, world_size: int, budget: Budget, cost: CostModel
 ) -> Handed | None:
@@ -96,14 +121,7 @@ def handed_chains(
     roots = np.flatnonzero(highest & pays)  # [G] indices into tops
     if roots.size == 0:
         return None
-    need = tokens[roots] + geo.depth[tops[roots]]
-    load, held = np.zeros(world_size), np.zeros(world_size)
-    root_rank = np.full(roots.size, -1, dtype=np.int64)
-    for g in np.lexsort((roots, -work[roots])).tolist():
-        room = held + need[g] <= budget.tokens
-        if room.any():
-            r = int(np.argmin(np.where(room, load, np.inf)))
-            root_rank[g], load[r], held[r] = r, load[r] + work[roots[g]], held[r] + need[g]
+    root_rank = _pack(geo, tops[roots], tokens[roots], work[roots], world_size, budget)
     roots, root_rank = roots[root_rank >= 0], root_rank[root_rank >= 0]
     if roots.size == 0:
         return None
@@ -128,30 +146,50 @@ def handoff_pieces(
     budget: Budget,
     chunk: int,
     cost: CostModel,
-) -> tuple[Pieces, Handed] | None:
+) -> list[tuple[Pieces, Handed]]:
     """The pieces of ``branches`` (as ``plan`` tries them) with the chains :func:`handed_chains` picks
-    run once in slot 0 and everything else assigned and cut anew one slot later; None if no chain is
-    worth handing. A top chain a rank recomputes in slot 0 leaves its later sequence; of the copies
-    of a recomputed chain the lowest rank's owns its tokens (as ``assign.rank_intervals``)."""
+    run once in slot 0 and everything else assigned and cut anew one slot later (none if no chain is
+    worth handing). A top chain a rank recomputes in slot 0 leaves its later sequence; of the copies
+    of a recomputed chain the lowest rank's owns its tokens (as ``assign.rank_intervals``).
+
+    Two cuts of the rest: the handed chains and slot 0's tops dropped before cutting (the fewest
+    slots, but ``slot_pieces`` counts only the first token's root path as context, not the handed
+    chains a microbatch of several subtrees reads: ``with_transfers`` checks the budget), and
+    dropped after (their tokens, counted as own while cutting, bound the context they leave
+    behind; handed chains cost nothing there, so they do not move the cuts)."""
     handed = handed_chains(geo, branches[2], world_size, budget, cost)
     if handed is None:
-        return None
+        return []
     free = np.where(handed.producer >= 0, 0.0, geo.node_cost)
     geo_free = dataclasses.replace(geo, cum=np.concatenate(([0.0], np.cumsum(free))))
     asg = assign_ranks(geo_free, world_size, branches, node_extra)
     iv = rank_intervals(geo_free, asg, world_size, budget.tokens)
-    # cut with the handed chains and slot 0's tops still in the sequences (handed ones free), then
-    # drop them: their tokens, counted as own while cutting, bound the context they leave behind
-    rest = slot_pieces(geo_free, iv, world_size, budget, chunk, cost)
-    node = geo.node_of(rest.lo)
     above = handed.above[:, 0] * geo.num_nodes + handed.above[:, 1]
-    gone = (rest.branch < 0) & ((handed.producer[node] >= 0) | np.isin(rest.rank * geo.num_nodes + node, above))
-    rest = Pieces(*(getattr(rest, f)[~gone] for f in _PIECE_FIELDS), num_slots=rest.num_slots)
-    rest = dataclasses.replace(rest, slot=rest.slot + 1, num_slots=rest.num_slots + 1)
+
+    def gone(rank: np.ndarray, lo: np.ndarray, branch: np.ndarray) -> np.ndarray:
+        node = geo.node_of(lo)
+        return (branch < 0) & ((handed.producer[node] >= 0) | np.isin(rank * geo.num_nodes + node, above))
+
+    kept = ~gone(iv.rank, iv.lo, iv.branch)
+    sparse = RankIntervals(*(getattr(iv, f.name)[kept] for f in dataclasses.fields(iv)))
+    out = []
+    for cut in (
+        slot_pieces(geo_free, sparse, world_size, budget, chunk, cost),
+        slot_pieces(geo_free, iv, world_size, budget, chunk, cost),
+    ):
+        live = ~gone(cut.rank, cut.lo, cut.branch)
+        rest = Pieces(*(getattr(cut, f)[live] for f in _PIECE_FIELDS), num_slots=cut.num_slots + 1)
+        rest = dataclasses.replace(rest, slot=rest.slot + 1)
+        out.append((_with_slot0(geo, handed, rest, world_size), handed))
+    return out
+
+
+def _with_slot0(geo: Geometry, handed: Handed, rest: Pieces, world_size: int) -> Pieces:
+    """``rest`` (slots 1..) and slot 0's handed chains and the tops above them, the recomputed tops
+    owned by the lowest rank holding a copy."""
     node0 = np.concatenate((handed.above[:, 1], handed.node))
-    rank0 = np.concatenate((handed.above[:, 0], handed.rank))
     first = Pieces(
-        rank=rank0,
+        rank=np.concatenate((handed.above[:, 0], handed.rank)),
         slot=np.zeros(node0.size, dtype=np.int64),
         lo=geo.start[node0],
         hi=geo.start[node0] + geo.length[node0],
@@ -160,16 +198,15 @@ def handoff_pieces(
         num_slots=rest.num_slots,
     )
     pieces = merge(first, rest)
-    # ownership of the recomputed tops: the lowest rank holding a copy
     top = geo.node_of(pieces.lo)
     copy = (pieces.branch < 0) & (handed.producer[top] < 0)
     owner = np.full(geo.num_nodes, world_size, dtype=np.int64)
     np.minimum.at(owner, top[copy], pieces.rank[copy])
-    return dataclasses.replace(pieces, replica=copy & (pieces.rank != owner[top])), handed
+    return dataclasses.replace(pieces, replica=copy & (pieces.rank != owner[top]))
 
 
 def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Plan | None:
-    """``p`` (built from ``pieces``) with its cross-rank handoffs priced into slot 0's costs and
+    """``p`` (built from ``pieces``) with its cross-rank handoffs priced into the last slot's costs and
     counted (``handoffs``: messages, ``handoff_bytes``: values and gradients, ``handoff_seconds``:
     the most any rank spends); None if a microbatch's footprint, received context included, exceeds
     the budget."""
@@ -203,7 +240,7 @@ def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Pl
     pair_seconds = p.cost_model.transfer(ctx, states, used).reshape(world, world)
     per_rank = pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)  # sent and received
     cost = p.cost.copy()
-    cost[:, 0] += per_rank
+    cost[:, -1] += per_rank  # sent once, not replayed: the last slot is the one the step counts once
     moved = 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * states.sum())
     return dataclasses.replace(
         p, cost=cost, handoffs=int(used.sum()), handoff_bytes=float(moved), handoff_seconds=float(per_rank.max())

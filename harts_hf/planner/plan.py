@@ -319,15 +319,12 @@ def plan(
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
             best, best_extra = made, cost.round * node_rounds
-    if (
-        handoffs
-        and world_size > 1
-        and (cut := handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost))
-    ):
-        made = build_plan(geo, forests, cut[0], cost, budget, memory, chunk_size, began, world_size)
-        made = with_transfers(made, geo, *cut)
-        if made is not None and made.step_seconds < best.step_seconds:
-            best = made
+    if handoffs and world_size > 1:
+        for pieces, handed in handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost):
+            made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
+            made = with_transfers(made, geo, pieces, handed)
+            if made is not None and made.step_seconds < best.step_seconds:
+                best = made
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
 
