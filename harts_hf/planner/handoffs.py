@@ -22,12 +22,14 @@ Legend: M nodes, H handed chains, G trees with handed chains, R ranks, S slots, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .assign import RankIntervals, assign_ranks, group_paths, rank_intervals
+from .balance import FORWARD_SHARE
 from .cost import CostModel
 from .geometry import Geometry
 from .memory import Budget
@@ -52,12 +54,14 @@ class Handed:
         producer: [M] that rank per node, -1 for a node not handed.
         above: [A] (rank, node) of the top chains above the handed ones that each slot-0 unit
             recomputes as its context (its own tokens: a unit reads nothing of the same slot).
+        load: [R] the cost of each rank's slot 0 (tokens and attended pairs).
     """
 
     node: np.ndarray
     rank: np.ndarray
     producer: np.ndarray
     above: np.ndarray
+    load: np.ndarray
 
 
 def _top_subtrees(geo: Geometry, tops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,9 +76,10 @@ def _top_subtrees(geo: Geometry, tops: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def _pack(
     geo: Geometry, roots: np.ndarray, tokens: np.ndarray, work: np.ndarray, world_size: int, budget: Budget
-) -> np.ndarray:
-    """[G] the rank each component (root node, tokens, cost) runs on in slot 0, -1 where none has
-    room: largest first onto the least loaded rank with room in the budget. A rank pays the top
+) -> tuple[np.ndarray, np.ndarray]:
+    """([G] the rank each component (root node, tokens, cost) runs on in slot 0, -1 where none has
+    room; [R] each rank's slot-0 cost): largest first onto the least loaded rank with room in the
+    budget. A rank pays the top
     chains above a component once: components under one parent share them (others sharing part of
     the path pay it again, an overestimate)."""
     which, lo, hi = geo.path_intervals(geo.start[roots])
@@ -91,7 +96,7 @@ def _pack(
             out[g], held[r] = r, need[r]
             load[r] += work[g] + (0.0 if has[r] else above_cost[g])
             has[r] = True
-    return out
+    return out, load
 
 
 def handed_chains(
@@ -121,7 +126,7 @@ def handed_chains(
     roots = np.flatnonzero(highest & pays)  # [G] indices into tops
     if roots.size == 0:
         return None
-    root_rank = _pack(geo, tops[roots], tokens[roots], work[roots], world_size, budget)
+    root_rank, load = _pack(geo, tops[roots], tokens[roots], work[roots], world_size, budget)
     roots, root_rank = roots[root_rank >= 0], root_rank[root_rank >= 0]
     if roots.size == 0:
         return None
@@ -135,7 +140,7 @@ def handed_chains(
     producer[node] = rank
     which, lo, _ = geo.path_intervals(geo.start[tops[roots]])
     above = np.unique(np.stack((root_rank[which], geo.node_of(lo)), axis=1), axis=0).reshape(-1, 2)
-    return Handed(node, rank, producer, above)
+    return Handed(node, rank, producer, above, load)
 
 
 def handoff_pieces(
@@ -146,22 +151,27 @@ def handoff_pieces(
     budget: Budget,
     chunk: int,
     cost: CostModel,
-) -> list[tuple[Pieces, Handed]]:
+    beat: float,
+) -> Iterator[tuple[Pieces, Handed]]:
     """The pieces of ``branches`` (as ``plan`` tries them) with the chains :func:`handed_chains` picks
-    run once in slot 0 and everything else assigned and cut anew one slot later (none if no chain is
-    worth handing). A top chain a rank recomputes in slot 0 leaves its later sequence; of the copies
-    of a recomputed chain the lowest rank's owns its tokens (as ``assign.rank_intervals``).
+    run once in slot 0 and everything else assigned and cut anew one slot later. None if no chain is
+    worth handing, or if a lower bound of their step (slot 0 with its replay, then the rest's work
+    spread evenly) does not beat the step ``beat``. A top chain a rank recomputes in slot 0 leaves
+    its later sequence; of the copies of a recomputed chain the lowest rank's owns its tokens (as
+    ``assign.rank_intervals``).
 
-    Two cuts of the rest: the handed chains and slot 0's tops dropped before cutting (the fewest
-    slots, but ``slot_pieces`` counts only the first token's root path as context, not the handed
-    chains a microbatch of several subtrees reads: ``with_transfers`` checks the budget), and
-    dropped after (their tokens, counted as own while cutting, bound the context they leave
-    behind; handed chains cost nothing there, so they do not move the cuts)."""
+    Two cuts of the rest, the second made only when asked for: the handed chains and slot 0's tops
+    dropped before cutting (the fewest slots, but ``slot_pieces`` counts only the first token's root
+    path as context, not the handed chains a microbatch of several subtrees reads: ``with_transfers``
+    checks the budget), and dropped after (their tokens, counted as own while cutting, bound the
+    context they leave behind; handed chains cost nothing there, so they do not move the cuts)."""
     handed = handed_chains(geo, branches[2], world_size, budget, cost)
     if handed is None:
-        return []
+        return
     free = np.where(handed.producer >= 0, 0.0, geo.node_cost)
     geo_free = dataclasses.replace(geo, cum=np.concatenate(([0.0], np.cumsum(free))))
+    if (1 + FORWARD_SHARE) * (handed.load.max() + cost.microbatch) + geo_free.total_cost / world_size >= beat:
+        return
     asg = assign_ranks(geo_free, world_size, branches, node_extra)
     iv = rank_intervals(geo_free, asg, world_size, budget.tokens)
     above = handed.above[:, 0] * geo.num_nodes + handed.above[:, 1]
@@ -171,17 +181,11 @@ def handoff_pieces(
         return (branch < 0) & ((handed.producer[node] >= 0) | np.isin(rank * geo.num_nodes + node, above))
 
     kept = ~gone(iv.rank, iv.lo, iv.branch)
-    sparse = RankIntervals(*(getattr(iv, f.name)[kept] for f in dataclasses.fields(iv)))
-    out = []
-    for cut in (
-        slot_pieces(geo_free, sparse, world_size, budget, chunk, cost),
-        slot_pieces(geo_free, iv, world_size, budget, chunk, cost),
-    ):
+    for cut_of in (RankIntervals(*(getattr(iv, f.name)[kept] for f in dataclasses.fields(iv))), iv):
+        cut = slot_pieces(geo_free, cut_of, world_size, budget, chunk, cost)
         live = ~gone(cut.rank, cut.lo, cut.branch)
         rest = Pieces(*(getattr(cut, f)[live] for f in _PIECE_FIELDS), num_slots=cut.num_slots + 1)
-        rest = dataclasses.replace(rest, slot=rest.slot + 1)
-        out.append((_with_slot0(geo, handed, rest, world_size), handed))
-    return out
+        yield _with_slot0(geo, handed, dataclasses.replace(rest, slot=rest.slot + 1), world_size), handed
 
 
 def _with_slot0(geo: Geometry, handed: Handed, rest: Pieces, world_size: int) -> Pieces:

@@ -320,11 +320,12 @@ def plan(
         if made.step_seconds < best.step_seconds:
             best, best_extra = made, cost.round * node_rounds
     if handoffs and world_size > 1:
-        for pieces, handed in handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost):
+        cuts = handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost, best.step_seconds)
+        for pieces, handed in cuts:  # the fewest slots first; the next cut only if that one overflows
             made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
-            made = with_transfers(made, geo, pieces, handed)
-            if made is not None and made.step_seconds < best.step_seconds:
-                best = made
+            if (made := with_transfers(made, geo, pieces, handed)) is not None:
+                best = made if made.step_seconds < best.step_seconds else best
+                break
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
 
