@@ -31,6 +31,14 @@ FEATURE_MEANINGS = {
 }
 """What each coefficient of :class:`CostModel` prices (``planner/cost.py`` says more)."""
 
+COMM_MEANINGS = {
+    "byte": "per byte moved between ranks (a cross-rank handoff's values, and gradients back)",
+    "message": "per message between ranks: its latency",
+    "context_bytes": "bytes per handed context token: its K/V in every attention layer",
+    "state_bytes": "bytes per handed path start: conv halos, replay rows, linear-attention states",
+}
+"""The communication terms (``harts-hf calibrate --comm`` measures them: ``calibrate_comm.py``)."""
+
 
 def forest_features(forest: RolloutForest) -> np.ndarray:
     """[4] the cost model's features of ``forest`` run whole as one microbatch."""
@@ -116,9 +124,11 @@ def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
     values = cost.as_dict()
-    lines = [title, legend({name: f"{value:.3e} s  {FEATURE_MEANINGS[name]}" for name, value in values.items()})]
+    unit = {"context_bytes": "B", "state_bytes": "B"}
+    meanings = FEATURE_MEANINGS | COMM_MEANINGS
+    lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in values.items()})]
     lines.append("predicted seconds of a microbatch = sum of coefficient x feature; the planner balances on it")
-    dropped = [name for name, value in values.items() if value == 0]
+    dropped = [name for name in FEATURE_MEANINGS if values[name] == 0]
     if dropped:
         lines.append(
             f"0 ({', '.join(dropped)}): dropped by the non-negative least-squares fit, as not explaining the "

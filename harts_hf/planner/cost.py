@@ -93,7 +93,7 @@ def cost_origin(cost_model: CostModel) -> str:
         return "the built-in H100 estimate, not this machine (harts-hf calibrate --json F fits one here)"
     comm = {k: getattr(cost_model, k) for k in COMM_DEFAULTS}
     if comm == COMM_DEFAULTS:
-        return "the given cost model; its communication terms are COMM_DEFAULTS' estimate (set byte, message, context_bytes, state_bytes in it)"
+        return "the given cost model; its communication terms are COMM_DEFAULTS' estimate (harts-hf calibrate --comm measures them)"
     return "the given cost model"
 
 
