@@ -110,3 +110,32 @@ def test_planned_handoffs_train_exactly(tmp_path, capsys):
     torchrun("handoff_plan_worker.py", 2, str(tmp_path), *CASES, timeout=600)
     with capsys.disabled():
         print("\n" + "\n".join(_check(tmp_path, CASES)))
+
+
+def test_report_shows_handoffs_and_no_exchange(forest, tmp_path, monkeypatch):
+    """``harts-hf plan``'s record, table and plot: the handoffs, the planner without them beside it
+    (slower here, recomputing the task prompt) and the lower bound."""
+    import matplotlib.pyplot as plt
+
+    from harts_hf.lab import plan_record, record_table
+    from harts_hf.lab.plan_plot import plot_plan
+    from harts_hf.lab.plan_report import NO_EXCHANGE
+
+    p = planned(forest)
+    record = plan_record([forest], p, exact_seconds=1)
+    off = record["no_exchange"]
+    assert off["handoffs"]["messages"] == 0 and off["step_seconds"] > record["step_seconds"]
+    assert record["handoffs"] == {"messages": p.handoffs, "bytes": p.handoff_bytes, "seconds": p.handoff_seconds}
+    bound = record["lower_bound"]
+    assert bound["seconds"] == max(bound["unique_work_per_rank"], bound["longest_path"]) <= record["step_seconds"]
+    lines = record_table(record).splitlines()
+    harts, no_exchange = (next(row for row in lines if row.startswith(name)) for name in ("harts ", "no_exchange "))
+    assert harts.split()[6] == str(p.handoffs) and no_exchange.split()[6] == "0"
+    assert lines.index(no_exchange) == lines.index(harts) + 1
+    assert any(row.split()[:1] == ["no_exchange"] and NO_EXCHANGE["no_exchange"][:20] in row for row in lines)
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    plot_plan(p, forest, tmp_path / "plan.png", record=record, workload="tasks")
+    title = kept[0].axes[0].get_title()
+    assert f"{p.handoffs} handoffs moving" in title and "no exchange: step" in title and "lower bound" in title
+    plt.close(kept[0])
