@@ -19,7 +19,7 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    context (counted against the budget at the weight the memory model gives it: ``memory.py``).
    The handoff addresses themselves (which unit keeps each context row and boundary state) are
    compiled from the plan by ``harts_hf.schedule``.
-4. Handoffs (``handoffs.py``, with ``handoffs=True``): the best assignment's top chains run once,
+4. Handoffs (``handoffs.py``, with ``handoffs=True``): each rule's top chains run once,
    in a first slot, and are handed to the ranks reading them, where that is cheaper than
    recomputing them (communication priced by the cost model); kept if the predicted step is lower.
 
@@ -303,9 +303,9 @@ def plan(
     best, tried = None, []
     for rule in BRANCH_RULES if world_size > 1 else BRANCH_RULES[:1]:
         branches = find_branches(geo, world_size, budget.tokens, rule)
-        if any(np.array_equal(branches[0], seen) for seen in tried):
+        if any(np.array_equal(branches[0], seen[0]) for seen in tried):
             continue
-        tried.append(branches[0])
+        tried.append(branches)
         made = candidate(branches)
         if best is None or made.step_seconds < best.step_seconds:
             best, best_branches, best_extra = made, branches, None
@@ -319,8 +319,9 @@ def plan(
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
             best, best_extra = made, cost.round * node_rounds
-    if handoffs and world_size > 1:
-        cuts = handoff_pieces(geo, best_branches, best_extra, world_size, budget, chunk_size, cost, best.step_seconds)
+    for branches in tried if handoffs and world_size > 1 else []:  # the best rule may differ with handoffs
+        extra = best_extra if branches is best_branches else None
+        cuts = handoff_pieces(geo, branches, extra, world_size, budget, chunk_size, cost, best.step_seconds)
         for pieces, handed in cuts:  # the fewest slots first; the next cut only if that one overflows
             made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
             if (made := with_transfers(made, geo, pieces, handed)) is not None:
