@@ -17,7 +17,7 @@ import time
 
 from harts_hf.lab.plan_report import bench_memory_model, lower_bound
 from harts_hf.planner import DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, plan
-from harts_hf.planner.assign import find_branches
+from harts_hf.planner.assign import BRANCH_RULES, find_branches
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.handoffs import handoff_pieces, with_transfers
 from harts_hf.planner.memory import TOKEN_MEMORY
@@ -40,23 +40,16 @@ NVLINK = {"byte": 2.5e-12, "message": 5e-6}
 
 
 def candidate(forest, ours, cost):
-    """The best handoff candidate's plan (priced), whether or not ``plan`` kept it; None if none."""
+    """The best handoff candidate's plan (priced) over every rule's branches, whether or not ``plan``
+    kept it; None if none."""
     geo = Geometry.of([forest], cost)
     best = None
-    for rule_branches in _rules(geo, ours):
-        for pieces, handed in handoff_pieces(
-            geo, rule_branches, None, ours.world_size, ours.budget, ours.chunk_size, cost, float("inf")
-        ):
+    for rule in BRANCH_RULES:
+        options = [(find_branches(geo, ours.world_size, ours.budget.tokens, rule), None)]
+        cuts = handoff_pieces(geo, options, ours.world_size, ours.budget, ours.chunk_size, cost, float("inf"))
+        for pieces, handed in cuts:
             made = build_plan(
-                geo,
-                [forest],
-                pieces,
-                cost,
-                ours.budget,
-                ours.memory_model,
-                ours.chunk_size,
-                time.perf_counter(),
-                ours.world_size,
+                geo, [forest], pieces, cost, ours.budget, ours.memory_model, ours.chunk_size, 0.0, ours.world_size
             )
             made = with_transfers(made, geo, pieces, handed)
             if made is not None:
@@ -64,12 +57,6 @@ def candidate(forest, ours, cost):
                     best = made
                 break
     return best
-
-
-def _rules(geo, ours):
-    from harts_hf.planner.assign import BRANCH_RULES
-
-    return [find_branches(geo, ours.world_size, ours.budget.tokens, rule) for rule in BRANCH_RULES]
 
 
 def main() -> None:

@@ -1,22 +1,25 @@
 """Cross-rank handoffs of shared chains: a chain runs once, on one rank, before every reader.
 
 Without them a rank recomputes every top chain above its branches (``assign.py``: replicas, the
-plan's redundancy). Here, per top chain, the cost model decides between that and a handoff: a
-chain whose recompute on one more rank costs more than moving it there (:meth:`CostModel.transfer`
-of its tokens and one path start, there and back) is *handed*, with every top chain above it (it
-reads them). Handed chains run in a first slot of their own, a tree's handed chains together in one
-unit, the trees packed over the ranks largest first within the budget; every other piece moves one
-slot later, so every reader of a handed chain (on its rank or another) comes after it. The branches
-are assigned and cut into slots again with the handed chains free (no rank pays for them).
+plan's redundancy). Here the cost model decides, per *component* (a top chain with every top below
+it, :func:`handed_chains`), between that and a handoff: a component whose root chain costs more to
+recompute on one more rank than to move there (:meth:`CostModel.transfer` of its tokens and one
+path start, there and back) is *handed*. Handed components run in a first slot of their own, each
+in one unit with the chains above it recomputed there, packed over the ranks largest first within
+the budget; every other piece moves one slot later, so every reader of a handed chain (on its rank
+or another) comes after it. The branches are assigned and cut into slots again with the handed
+chains free (no rank pays for them).
 
 :func:`with_transfers` then prices the exchange the engine runs (``harts_hf.engine.exchange``): per
 (producer rank, consumer rank) one message carrying the distinct context rows the consumer's units
 read and one state per path starting on a handed token, values there and gradients back, charged to
 both ranks. The values move after slot 0's recording and the gradients in the backward, neither
-again in a replay: the seconds go to the last slot, the one ``balance.step_seconds`` counts once. ``plan`` keeps the plan with handoffs only when its predicted step is
-lower, and when every microbatch, received context included, stays within the budget.
+again in a replay: the seconds go to the last slot, the one ``balance.step_seconds`` counts once.
+``plan`` keeps the plan with handoffs only when its predicted step is lower, and when every
+microbatch, received context included, stays within the budget.
 
-Legend: M nodes, H handed chains, G trees with handed chains, R ranks, S slots, E entries.
+Legend: M nodes, K top chains, H handed chains, G components, A recomputed (rank, top) pairs in slot
+0, R ranks, S slots, E entries.
 """
 
 from __future__ import annotations
@@ -52,16 +55,14 @@ class Handed:
     Args:
         node: [H] top nodes run once (DFS order). rank: [H] the rank running each, in slot 0.
         producer: [M] that rank per node, -1 for a node not handed.
-        above: [A] (rank, node) of the top chains above the handed ones that each slot-0 unit
+        above: [A, 2] (rank, node) of the top chains above the handed ones that each slot-0 unit
             recomputes as its context (its own tokens: a unit reads nothing of the same slot).
-        load: [R] the cost of each rank's slot 0 (tokens and attended pairs).
     """
 
     node: np.ndarray
     rank: np.ndarray
     producer: np.ndarray
     above: np.ndarray
-    load: np.ndarray
 
 
 def _top_subtrees(geo: Geometry, tops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -76,10 +77,9 @@ def _top_subtrees(geo: Geometry, tops: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def _pack(
     geo: Geometry, roots: np.ndarray, tokens: np.ndarray, work: np.ndarray, world_size: int, budget: Budget
-) -> tuple[np.ndarray, np.ndarray]:
-    """([G] the rank each component (root node, tokens, cost) runs on in slot 0, -1 where none has
-    room; [R] each rank's slot-0 cost): largest first onto the least loaded rank with room in the
-    budget. A rank pays the top
+) -> np.ndarray:
+    """[G] the rank each component (root node, tokens, cost) runs on in slot 0, -1 where none has
+    room: largest first onto the least loaded rank with room in the budget. A rank pays the top
     chains above a component once: components under one parent share them (others sharing part of
     the path pay it again, an overestimate)."""
     which, lo, hi = geo.path_intervals(geo.start[roots])
@@ -96,7 +96,7 @@ def _pack(
             out[g], held[r] = r, need[r]
             load[r] += work[g] + (0.0 if has[r] else above_cost[g])
             has[r] = True
-    return out, load
+    return out
 
 
 def handed_chains(
@@ -110,8 +110,7 @@ def handed_chains(
     of all top chains (or has no top below it), and whose own chain costs more to recompute than to
     move (:meth:`CostModel.transfer` of its tokens and one path start). A shared root above the
     components (a system prompt) stays recomputed: handed, it would run on one rank while the
-    others wait for it. Components are packed over the ranks' slot 0,
-    largest first, onto the least loaded rank with room in the budget.
+    others wait for it. Components are packed over the ranks' slot 0 (:func:`_pack`).
     """
     tops = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *group_paths(geo, group_node)]))
     if tops.size == 0:
@@ -126,7 +125,7 @@ def handed_chains(
     roots = np.flatnonzero(highest & pays)  # [G] indices into tops
     if roots.size == 0:
         return None
-    root_rank, load = _pack(geo, tops[roots], tokens[roots], work[roots], world_size, budget)
+    root_rank = _pack(geo, tops[roots], tokens[roots], work[roots], world_size, budget)
     roots, root_rank = roots[root_rank >= 0], root_rank[root_rank >= 0]
     if roots.size == 0:
         return None
@@ -140,38 +139,55 @@ def handed_chains(
     producer[node] = rank
     which, lo, _ = geo.path_intervals(geo.start[tops[roots]])
     above = np.unique(np.stack((root_rank[which], geo.node_of(lo)), axis=1), axis=0).reshape(-1, 2)
-    return Handed(node, rank, producer, above, load)
+    return Handed(node, rank, producer, above)
+
+
+def _bound(geo: Geometry, handed: Handed, free: np.ndarray, world_size: int, cost: CostModel) -> float:
+    """A lower bound of the step with ``handed``: slot 0's busiest rank (its components and the chains
+    above them) with its replay, then the work left (``free``: node costs without the handed chains,
+    less the chains slot 0 recomputes) spread evenly."""
+    first = np.bincount(
+        np.concatenate((handed.rank, handed.above[:, 0])),
+        weights=geo.node_cost[np.concatenate((handed.node, handed.above[:, 1]))],
+        minlength=world_size,
+    ).max()
+    rest = free.sum() - geo.node_cost[np.unique(handed.above[:, 1])].sum()
+    return float((1 + FORWARD_SHARE) * (first + cost.microbatch) + rest / world_size)
 
 
 def handoff_pieces(
     geo: Geometry,
-    branches: tuple[np.ndarray, np.ndarray, np.ndarray],
-    node_extra: np.ndarray | None,
+    options: list[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]],
     world_size: int,
     budget: Budget,
     chunk: int,
     cost: CostModel,
     beat: float,
 ) -> Iterator[tuple[Pieces, Handed]]:
-    """The pieces of ``branches`` (as ``plan`` tries them) with the chains :func:`handed_chains` picks
-    run once in slot 0 and everything else assigned and cut anew one slot later. None if no chain is
-    worth handing, or if a lower bound of their step (slot 0 with its replay, then the rest's work
-    spread evenly) does not beat the step ``beat``. A top chain a rank recomputes in slot 0 leaves
-    its later sequence; of the copies of a recomputed chain the lowest rank's owns its tokens (as
-    ``assign.rank_intervals``).
+    """The pieces of one of ``options`` (branches and the extra cost per branch root node, as ``plan``
+    tries them) with the chains :func:`handed_chains` picks run once in slot 0 and everything else
+    assigned and cut anew one slot later: the option whose lower bound (:func:`_bound`) is lowest, if
+    that beats the step ``beat`` (one candidate: an assignment is most of a plan's time). A top chain
+    a rank recomputes in slot 0 leaves its later sequence; of the copies of a recomputed chain the
+    lowest rank's owns its tokens (as ``assign.rank_intervals``).
 
     Two cuts of the rest, the second made only when asked for: the handed chains and slot 0's tops
     dropped before cutting (the fewest slots, but ``slot_pieces`` counts only the first token's root
     path as context, not the handed chains a microbatch of several subtrees reads: ``with_transfers``
     checks the budget), and dropped after (their tokens, counted as own while cutting, bound the
     context they leave behind; handed chains cost nothing there, so they do not move the cuts)."""
-    handed = handed_chains(geo, branches[2], world_size, budget, cost)
-    if handed is None:
+    scored = []
+    for i, (branches, node_extra) in enumerate(options):
+        handed = handed_chains(geo, branches[2], world_size, budget, cost)
+        if handed is not None:
+            free = np.where(handed.producer >= 0, 0.0, geo.node_cost)
+            scored.append((_bound(geo, handed, free, world_size, cost), i, branches, node_extra, handed, free))
+    if not scored:
         return
-    free = np.where(handed.producer >= 0, 0.0, geo.node_cost)
+    bound, _, branches, node_extra, handed, free = min(scored, key=lambda x: x[:2])
+    if bound >= beat:
+        return
     geo_free = dataclasses.replace(geo, cum=np.concatenate(([0.0], np.cumsum(free))))
-    if (1 + FORWARD_SHARE) * (handed.load.max() + cost.microbatch) + geo_free.total_cost / world_size >= beat:
-        return
     asg = assign_ranks(geo_free, world_size, branches, node_extra)
     iv = rank_intervals(geo_free, asg, world_size, budget.tokens)
     above = handed.above[:, 0] * geo.num_nodes + handed.above[:, 1]

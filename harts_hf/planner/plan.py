@@ -207,9 +207,13 @@ def _replay(
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
     piece = pieces.locate(rank, pt)
+    lo, hi, stride = pieces.keys()  # once: ``locate`` sorts every piece per call
     for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
         missing = np.flatnonzero(piece < 0)
-        piece[missing] = pieces.locate(np.full(missing.size, other), pt[missing])
+        if missing.size == 0:
+            break
+        i = find_in(lo, hi, other * stride + pt[missing])
+        piece[missing] = np.where(i >= 0, pieces.by_token[np.maximum(i, 0)], -1)
     mb = pieces.microbatch[piece]
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
     has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0
@@ -319,9 +323,9 @@ def plan(
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
             best, best_extra = made, cost.round * node_rounds
-    for branches in tried if handoffs and world_size > 1 else []:  # the best rule may differ with handoffs
-        extra = best_extra if branches is best_branches else None
-        cuts = handoff_pieces(geo, branches, extra, world_size, budget, chunk_size, cost, best.step_seconds)
+    if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
+        options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
+        cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds)
         for pieces, handed in cuts:  # the fewest slots first; the next cut only if that one overflows
             made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
             if (made := with_transfers(made, geo, pieces, handed)) is not None:
