@@ -153,5 +153,5 @@ def test_report_shows_handoffs_and_no_exchange(forest, tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", kept.append)
     plot_plan(p, forest, tmp_path / "plan.png", record=record, workload="tasks")
     title = kept[0].axes[0].get_title()
-    assert f"{p.handoffs} handoffs moving" in title and "no exchange: step" in title and "lower bound" in title
+    assert f"{p.handoffs} handoffs between ranks moving" in title and "no exchange: step" in title and "lower bound" in title
     plt.close(kept[0])

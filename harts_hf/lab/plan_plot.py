@@ -43,11 +43,11 @@ def _piece_trees(plan: Plan, forests: Sequence[RolloutForest]) -> tuple[np.ndarr
 
 
 def _handed(plan: Plan) -> str:
-    """The title's words on cross-rank handoffs (nothing when the plan hands nothing over)."""
+    """The title's line on cross-rank handoffs (nothing when the plan hands nothing over)."""
     if not plan.handoffs:
         return ""
     return (
-        f"; {plan.handoffs} handoffs moving {plan.handoff_bytes / 1e9:.3g} GB "
+        f"\n{plan.handoffs} handoffs between ranks moving {plan.handoff_bytes / 1e9:.3g} GB "
         f"({plan.handoff_seconds:.3g} s on the busiest rank)"
     )
 
