@@ -19,9 +19,10 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    context (counted against the budget at the weight the memory model gives it: ``memory.py``).
    The handoff addresses themselves (which unit keeps each context row and boundary state) are
    compiled from the plan by ``harts_hf.schedule``.
-4. Handoffs (``handoffs.py``, with ``handoffs=True``): each rule's top chains run once,
-   in a first slot, and are handed to the ranks reading them, where that is cheaper than
-   recomputing them (communication priced by the cost model); kept if the predicted step is lower.
+4. Handoffs (``handoffs.py``, with ``handoffs=True``): the top chains of one rule's branches (the
+   rule whose handoffs promise the lowest step) run once, in a first slot, and are handed to the
+   ranks reading them where that is cheaper than recomputing them (communication priced by the
+   cost model); the plan is kept if its predicted step is lower.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -207,12 +208,12 @@ def _replay(
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
     piece = pieces.locate(rank, pt)
-    lo, hi, stride = pieces.keys()  # once: ``locate`` sorts every piece per call
+    held_lo, held_hi, held_stride = pieces.keys()  # once: ``locate`` sorts every piece per call
     for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
         missing = np.flatnonzero(piece < 0)
         if missing.size == 0:
             break
-        i = find_in(lo, hi, other * stride + pt[missing])
+        i = find_in(held_lo, held_hi, other * held_stride + pt[missing])
         piece[missing] = np.where(i >= 0, pieces.by_token[np.maximum(i, 0)], -1)
     mb = pieces.microbatch[piece]
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
