@@ -29,7 +29,8 @@ Legend: M nodes, U branches, G groups, R ranks, I intervals.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, pairwise
 
 import numpy as np
 
@@ -186,6 +187,28 @@ def _path_costs(table: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class _Branches:
+    """The branches of a group not taken yet, largest first, with what ``_take`` searches instead of
+    walking them: ``acc`` their running sums (left to right, as a rank adds them up), ``neg`` their
+    negated costs (ascending, for ``bisect``)."""
+
+    ids: list[int]
+    sizes: list[float]
+    acc: list[float]
+    neg: list[float]
+
+    @classmethod
+    def of(cls, ids: list[int], sizes: list[float]) -> _Branches:
+        return cls(ids, sizes, list(accumulate(sizes)), [-s for s in sizes])
+
+    def without(self, taken: list[int]) -> _Branches:
+        """The leftovers once ``taken`` (positions, increasing) are gone."""
+        gone = set(taken)
+        keep = [i for i in range(len(self.ids)) if i not in gone]
+        return _Branches.of([self.ids[i] for i in keep], [self.sizes[i] for i in keep])
+
+
+@dataclass(frozen=True)
 class _Groups:
     """What every fill of the capacity search reads, built once per assignment. Python lists: the
     fill walks them one group at a time (each rank starts from the leftovers of the ranks before
@@ -193,7 +216,7 @@ class _Groups:
     branches.
 
     Args:
-        members: [G] branches of each group, largest first. sizes: [G] their costs.
+        members: [G] branches of each group (ids and costs, largest first).
         depth: [G] top chains above each group's branches.
         need: [G][d] cost of the group's top chains below its first d (root first): what a rank
             holding those d pays to take a branch of it.
@@ -202,8 +225,8 @@ class _Groups:
             group it took from: the smallest ``shared`` on the way.
     """
 
-    members: list[list[int]]
-    sizes: list[list[float]]
+    members: list[_Branches | None]
+    num_branches: int
     depth: list[int]
     need: list[list[float]]
     shared: list[int]
@@ -214,7 +237,6 @@ def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, b
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
     ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
-    spans = list(pairwise(bounds))
     # need[:, d]: the costs below d summed root first (left to right, as a rank adds them up)
     cost = np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0)  # [G, L]
     need = np.zeros((num_groups, depth + 1))
@@ -223,62 +245,59 @@ def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, b
     same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
     shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
     return _Groups(
-        members=[ids[a:b] for a, b in spans],
-        sizes=[sizes[a:b] for a, b in spans],
+        members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
+        num_branches=branch_cost.size,
         depth=(table >= 0).sum(axis=1).tolist(),
         need=need.tolist(),
         shared=shared.tolist(),
     )
 
 
-def _take(sizes: list[float], room: float) -> tuple[list[int], float]:
-    """Positions of the branches (costs ``sizes``, largest first) a rank with ``room`` left takes, and
-    the room left then: the longest prefix that fits, then each branch that still fits, in order."""
-    k, prefix = 0, 0.0
-    for s in sizes:
-        if prefix + s > room:
-            break
-        prefix += s
-        k += 1
-    room -= prefix if k < 8 else float(np.sum(sizes[:k]))  # numpy sums 8 terms and more pairwise
+def _take(branches: _Branches, room: float) -> tuple[list[int], float]:
+    """Positions of the branches a rank with ``room`` left takes, and the room left then: the longest
+    prefix that fits, then each branch that still fits, in order (found by bisection: the costs
+    decrease, so the next one that fits is the first not above the room)."""
+    acc, neg = branches.acc, branches.neg
+    k = bisect_right(acc, room)
+    if k:
+        room -= acc[k - 1] if k < 8 else float(np.sum(branches.sizes[:k]))  # numpy sums 8 terms and more pairwise
     taken = list(range(k))
-    for i in range(k, len(sizes)):
-        if sizes[i] <= room:
-            taken.append(i)
-            room -= sizes[i]
+    i = bisect_left(neg, -room, k)
+    while i < len(neg):
+        taken.append(i)
+        room -= branches.sizes[i]
+        i = bisect_left(neg, -room, i + 1)
     return taken, room
 
 
 def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
     """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
-    members, sizes = list(groups.members), list(groups.sizes)  # leftovers: entries replaced, never mutated
+    members = list(groups.members)  # leftovers: entries replaced, never mutated
     depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
-    rank = [-1] * sum(map(len, members))
+    rank = [-1] * groups.num_branches
     first = 0
     for r in range(world_size):
         load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
         for g in range(first, end):
             if g > first and shared[g - 1] < held:
                 held = shared[g - 1]
-            ids = members[g]
-            if not ids:
+            branches = members[g]
+            if branches is None:
                 continue
-            taken, room = _take(sizes[g], capacity - load - need[g][held])
-            if taken:
+            room = capacity - load - need[g][held]
+            if branches.sizes[-1] <= room:  # the smallest fits: something is taken
+                taken, room = _take(branches, room)
+                ids = branches.ids
                 for i in taken:
                     rank[ids[i]] = r
                 load = capacity - room
                 held = depth[g]
-                if len(taken) == len(ids):
-                    members[g] = sizes[g] = []
-                else:
-                    keep = sorted(set(range(len(ids))) - set(taken))
-                    members[g], sizes[g] = [ids[i] for i in keep], [sizes[g][i] for i in keep]
-            if members[g] and not last:
+                members[g] = branches = None if len(taken) == len(ids) else branches.without(taken)
+            if branches is not None and not last:
                 skipped += 1
                 if skipped > LOOKAHEAD:
                     break  # the next rank starts with this group's leftovers
-        while first < end and not members[first]:
+        while first < end and members[first] is None:
             first += 1
     return np.array(rank, dtype=np.int64) if first == end else None
 
