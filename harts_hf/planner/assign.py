@@ -285,7 +285,14 @@ def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | Non
             if branches is None:
                 continue
             room = capacity - load - need[g][held]
-            if branches.sizes[-1] <= room:  # the smallest fits: something is taken
+            whole = branches.acc[-1]
+            if whole <= room and len(branches.ids) < 8:  # the whole group fits (most hold one branch)
+                for i in branches.ids:
+                    rank[i] = r
+                load = capacity - (room - whole)  # as ``_take`` leaves it
+                held = depth[g]
+                members[g] = branches = None
+            elif branches.sizes[-1] <= room:  # the smallest fits: something is taken
                 taken, room = _take(branches, room)
                 ids = branches.ids
                 for i in taken:
