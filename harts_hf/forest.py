@@ -229,16 +229,15 @@ class RolloutForest:
         """The trie's nodes (chains: contiguous in DFS order) with their lengths, levels and DFS
         intervals (``node_tout``: one past the last node of the subtree, bottom-up by level).
 
-        ``first`` (increasing) are the tokens whose parent is not the token before them (roots and
-        the first new token of each sorted trajectory): every other token continues its parent, so
-        only the parents of ``first`` can branch, and the chains come from those few tokens
-        (``trees.chains`` does the same from every token, with [N] temporaries)."""
+        ``first`` (increasing): the roots and the first new token of each sorted trajectory. Every
+        other token's parent is the token before it, so only the parents of ``first`` can branch,
+        and the chains follow from those few tokens (``trees.chains`` reads every token, with [N]
+        temporaries)."""
         up = prev[first]
-        fork, hung = np.unique(up[up >= 0], return_counts=True)  # parents of ``first``, children there
-        # Such a parent also continues into the token after it unless that one starts a row.
-        runs_on = ~np.isin(fork + 1, first)
-        forks = hung + runs_on >= 2
-        node_start = np.union1d(first[(up < 0) | np.isin(up, fork[forks])], fork[forks & runs_on] + 1)
+        hub, hung = np.unique(up[up >= 0], return_counts=True)  # parents of ``first``, children there
+        runs_on = ~np.isin(hub + 1, first)  # the token after a hub is its child too, unless in ``first``
+        fork = hung + runs_on >= 2
+        node_start = np.union1d(first[(up < 0) | np.isin(up, hub[fork])], hub[fork & runs_on] + 1)
         node_len = np.diff(np.append(node_start, prev.size))
         parent_tok = prev[node_start]
         node_parent = np.searchsorted(node_start, parent_tok, side="right") - 1
