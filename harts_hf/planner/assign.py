@@ -359,6 +359,7 @@ class _Tops:
 def _trade(
     load: np.ndarray,
     count: np.ndarray,
+    held_cost: np.ndarray,
     cost: np.ndarray,
     tops: _Tops,
     a: int,
@@ -368,7 +369,8 @@ def _trade(
 ) -> tuple[np.ndarray, np.ndarray]:
     """New loads of rank ``a`` and of the other rank when ``a`` gives bundle ``give`` [X] and takes
     bundle ``take`` [Y] from rank ``to`` [Y] (``take`` may be empty: -1, -1): ([X, Y], [X, Y]).
-    Top chains are counted exactly: a rank pays one while any of its branches needs it."""
+    Top chains are counted exactly: a rank pays one while any of its branches needs it (``count``
+    [R, K]; ``held_cost`` [R]: what each rank pays for its tops now)."""
 
     def sums(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = np.where(first >= 0, cost[first], 0.0) + np.where(second >= 0, cost[second], 0.0)
@@ -376,7 +378,6 @@ def _trade(
 
     xc, xn = sums(*give)
     yc, yn = sums(*take)
-    held_cost = (count > 0) @ tops.cost  # [R]
     # a rank holds a top while its count stays positive; compared on [Y, K] sums, the only [X, Y, K]
     # arrays are the two masks
     held_a = (count[a] + yn)[None] > xn[:, None]  # [X, Y, K]
@@ -402,7 +403,8 @@ def _refine(
     rank = rank.copy()
     for _ in range(4 * rank.size):
         count = tops.count(rank, world_size)
-        load = np.bincount(rank, weights=cost, minlength=world_size) + (count > 0) @ tops.cost
+        held_cost = (count > 0) @ tops.cost  # [R], once a step: every trade of the step reads it
+        load = np.bincount(rank, weights=cost, minlength=world_size) + held_cost
         a = int(np.argmax(load))
         mine, other = np.flatnonzero(rank == a), np.flatnonzero(rank != a)
         others = np.delete(np.arange(world_size), a)
@@ -417,7 +419,7 @@ def _refine(
                 give = _bundles(mine, rank, give_size)
                 take = nothing if take_size == 0 else _bundles(other, rank, take_size)
                 to = others if take_size == 0 else rank[take[0]]
-                new_a, new_b = _trade(load, count, cost, tops, a, give, take, to)
+                new_a, new_b = _trade(load, count, held_cost, cost, tops, a, give, take, to)
                 score = np.maximum(new_a, new_b)
                 if score.size and (best is None or score.min() < best[0]):
                     i, j = np.unravel_index(np.argmin(score), score.shape)
