@@ -246,14 +246,14 @@ class RolloutForest:
         node_tout = np.arange(1, node_start.size + 1)
         for ch in by_level(level)[:0:-1]:  # deepest first
             np.maximum.at(node_tout, node_parent[ch], node_tout[ch])
-        return dict(
-            node_start=node_start,
-            node_len=node_len,
-            node_parent=node_parent,
-            node_level=level,
-            node_tin=np.arange(node_start.size),
-            node_tout=node_tout,
-        )
+        return {
+            "node_start": node_start,
+            "node_len": node_len,
+            "node_parent": node_parent,
+            "node_level": level,
+            "node_tin": np.arange(node_start.size),
+            "node_tout": node_tout,
+        }
 
     # ------------------------------------------------------------------ statistics
     @property

@@ -28,8 +28,8 @@ Legend: M nodes, U branches, G groups, R ranks, I intervals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from operator import neg
 
