@@ -51,7 +51,7 @@ class Pieces:
     @cached_property
     def keys(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * stride + token``, and stride
-        (kept: ``plan``'s replay count locates parents once per rank)."""
+        (kept: ``locate`` and ``plan``'s replay count read them more than once)."""
         stride = int(self.hi.max(initial=0)) + 1
         o = self.by_token
         return self.rank[o] * stride + self.lo[o], self.rank[o] * stride + self.hi[o], stride

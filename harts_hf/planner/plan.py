@@ -208,7 +208,7 @@ def _replay(
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
     piece = pieces.locate(rank, pt)
-    held_lo, held_hi, held_stride = pieces.keys()  # once: ``locate`` sorts every piece per call
+    held_lo, held_hi, held_stride = pieces.keys
     for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
         missing = np.flatnonzero(piece < 0)
         if missing.size == 0:
