@@ -68,7 +68,18 @@ def prompt_forest(rng: np.random.Generator) -> list[list[int]]:
     return [prompt + a, prompt + a[:5] + seg(4), prompt + b, prompt + b + seg(20), prompt + c, prompt + [a[0]], seg(7)]
 
 
-ONE_RANK = {"chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1)}
+def group_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], slots: list[int], world_size: int) -> Plan:
+    """The DFS order cut at ``cuts``, piece i on rank ``ranks[i]`` in slot ``slots[i]``: pieces of one
+    slot on several ranks form a context-parallel group."""
+    bounds = [0, *cuts, forest.num_compact_tokens]
+    pieces = [(r, s, a, b) for r, s, a, b in zip(ranks, slots, bounds, bounds[1:])]
+    return piece_plan(forest, pieces, world_size)
+
+
+ONE_RANK = {
+    "chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1),
+    "cpchain2": lambda f: chain_plan(f, [50], [0, 0], 1),
+}
 """The same units on one rank, where every slot holds one piece (the autocast case's reference)."""
 
 PLANS = {
@@ -77,6 +88,13 @@ PLANS = {
     "prompt3": (3, "prompt", lambda f: prompt_plan(f, 40, 3)),
     "zigzag2": (2, "family", lambda f: chain_plan(f, [20, 66, 90], [0, 1, 0, 1], 2)),
     "prompt2": (2, "prompt", lambda f: prompt_plan(f, 40, 2)),
+    # context-parallel groups: spans of one slot on several ranks (the family tree's 70-token trunk
+    # starts at DFS 20 and branches at depths 63-65; the chain is one 120-token trajectory)
+    "cp2": (2, "family", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
+    "cp3": (3, "family", lambda f: group_plan(f, [45, 80], [0, 1, 2], [0, 0, 0], 3)),
+    "cpchain2": (2, "chain", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
+    "cpchain3": (3, "chain", lambda f: group_plan(f, [40, 80], [0, 1, 2], [0, 0, 0], 3)),
+    "cp2slots": (2, "family", lambda f: group_plan(f, [50, 90, 100], [0, 1, 0, 1], [0, 0, 1, 1], 2)),
 }
 
 
@@ -84,7 +102,9 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
     from tiny_models import family_forest
 
     rng = np.random.default_rng(0)
-    seqs = family_forest(rng) if kind == "family" else prompt_forest(rng)
+    seqs = {"family": family_forest, "prompt": prompt_forest, "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]]}[
+        kind
+    ](rng)
     return seqs, RolloutForest.from_sequences(seqs)
 
 
