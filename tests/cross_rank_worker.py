@@ -25,15 +25,17 @@ from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan
 
 
-def piece_plan(forest: RolloutForest, pieces: list[tuple[int, int, int, int]], world_size: int) -> Plan:
+def piece_plan(
+    forest: RolloutForest, pieces: list[tuple[int, int, int, int]], world_size: int, budget: int | None = None
+) -> Plan:
     """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest``, one rank's owner of
-    each token (no replicas)."""
+    each token (no replicas), under a budget of ``budget`` tokens (default: the whole forest)."""
     pieces = sorted(pieces)
     rank, slot, lo, hi = (np.array([p[k] for p in pieces], dtype=np.int64) for k in range(4))
     zeros = np.zeros(len(pieces), dtype=np.int64)
     cut = Pieces(rank, slot, lo, hi, zeros, zeros.astype(bool), int(slot.max()) + 1)
     geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    budget = Budget(forest.num_compact_tokens)
+    budget = Budget(forest.num_compact_tokens if budget is None else budget)
     return build_plan(geo, [forest], cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
 
 
@@ -102,9 +104,11 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
     from tiny_models import family_forest
 
     rng = np.random.default_rng(0)
-    seqs = {"family": family_forest, "prompt": prompt_forest, "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]]}[
-        kind
-    ](rng)
+    seqs = {
+        "family": family_forest,
+        "prompt": prompt_forest,
+        "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
+    }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)
 
 
@@ -159,6 +163,9 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
             dist.all_reduce(g)
     sent = torch.tensor([float(engine.exchanged_bytes[k]) for k in ("values", "grads")])
     dist.all_reduce(sent)
+    exchange = engine.schedule.exchange
+    streams = torch.tensor(sum(len(e) for e in exchange.stream_send.values()))
+    dist.all_reduce(streams)  # blocks streamed inside a call (context-parallel groups)
     if rank != 0:
         return
     # References on rank 0: the unpatched model trajectory by trajectory, and the single-process engine.
@@ -177,6 +184,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
             "oracle": (oracle.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, ref)]),
             "single": (single_lp, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]),
             "transfers": len(engine.schedule.transfers),
+            "streams": int(streams),
             "bytes": sent.tolist(),
         },
         out / f"{family}-{plan_name}-{wrapper}.pt",

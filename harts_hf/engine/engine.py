@@ -23,7 +23,7 @@ gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd 
 doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
 
-Between ranks: a unit may read its context from a unit of another rank (an earlier slot): the
+Between ranks: a unit may read its context from a unit of another rank (an earlier slot; its own, below): the
 producer's rank sends the rows after its call and the reader's rank receives them at the same call
 index (calls align by slot), and the replay sends their gradients back after the reader's rerun
 (:mod:`.exchange`; point to point over the default process group, whose ranks are the plan's).

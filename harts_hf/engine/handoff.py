@@ -179,7 +179,11 @@ class Handoff(LayerHandoff):
             if producer == self.unit.number:
                 box = self.streams.inbox(self.unit, self.store)
             else:
-                box = None if self.streams.peer(self.unit, producer) is None else self.streams.outbox(producer, self.store, self.leaves)
+                box = (
+                    None
+                    if self.streams.peer(self.unit, producer) is None
+                    else self.streams.outbox(producer, self.store, self.leaves)
+                )
             self._boxes[producer] = box
         return self._boxes[producer]
 

@@ -71,9 +71,7 @@ class Streams:
             for q, p in entries:
                 self.readers[p] = (*self.readers.get(p, ()), q)
         # another rank's producer -> (its rank, the index of this rank's unit of its group)
-        self.peers = {
-            p: (r, schedule.order[k]) for k, entries in exchange.stream_receive.items() for r, p in entries
-        }
+        self.peers = {p: (r, schedule.order[k]) for k, entries in exchange.stream_receive.items() for r, p in entries}
         self.names = {m: name for name, m in model.named_modules()}
         self.modules = {name: m for m, name in self.names.items()}
         self.device, self.bytes = device, sent
@@ -94,7 +92,9 @@ class Streams:
             if rows is None:
                 continue
             module, kind, n = key[1]
-            sizes, message = encode([((self.names[module], kind, n, key[2]), value.detach().index_select(0, rows))], self.device)
+            sizes, message = encode(
+                [((self.names[module], kind, n, key[2]), value.detach().index_select(0, rows))], self.device
+            )
             self._post(q, sizes, message)
             store.sent.setdefault((p, q), []).append(key)
             self.bytes["values"] += message.numel()

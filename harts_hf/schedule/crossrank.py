@@ -9,7 +9,9 @@ rank's units get the blocks they send (:attr:`~.units.Unit.sends`). :class:`Tran
 typed table of every such handoff (producer rank/slot/unit -> consumer rank/slot/unit, subset,
 rows); :class:`Exchange` says, per call of this rank, which blocks it receives in the recording
 pass and which gradient blocks it sends and receives in the replay (``harts_hf.engine.exchange``
-moves them).
+moves them), and which blocks stream inside a call instead: those between the spans of a
+context-parallel group, units of one slot on several ranks (``harts_hf.engine.stream``; a group
+that would wait on itself is refused, :func:`check_groups`).
 
 Also here: whether a plan hands anything between ranks at all (:func:`crosses_ranks`: if not, a
 rank compiles its own units only, as before), the pairs a unit predicts for another rank's targets
@@ -86,7 +88,12 @@ class Exchange:
 
     @classmethod
     def of(
-        cls, receive: set, grad_send: set, grad_receive: set, stream_receive: set = frozenset(), stream_send: set = frozenset()
+        cls,
+        receive: set,
+        grad_send: set,
+        grad_receive: set,
+        stream_receive: set = frozenset(),
+        stream_send: set = frozenset(),
     ) -> Exchange:
         """From sets of (call, peer rank, unit number)."""
         by_call = lambda entries: {
