@@ -3,7 +3,8 @@ each): serial (its pieces in successive slots on rank 0, the other ranks idle: w
 today) vs context-parallel (the same pieces, the ranks taking turns in each slot: spans of one
 slot on several ranks, streamed layer by layer, ``harts_hf.engine.stream``). Prints each mode's
 step (best of ``--repeat``; wall and CPU seconds of the slowest rank) and the bytes the ranks sent,
-and checks that both modes give the same log-probs.
+and checks that both modes give the same log-probs. On a shared machine the wall times depend on
+the other processes' load (printed): the CP step needs a core per process.
 
     torchrun --nproc_per_node 2 scripts/cp_chain.py                       # qwen3_5, 8 layers, 4 x 256 tokens
     torchrun --nproc_per_node 2 scripts/cp_chain.py --budget 128 --pieces 4 --groups 3
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,7 +85,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"{args.family}, {size.layers} layers, hidden {size.hidden}; a {n}-token chain = {args.pieces} pieces of "
-            f"{args.budget} tokens; {world} processes (gloo, 1 thread each); best of {args.repeat}"
+            f"{args.budget} tokens; {world} processes (gloo, 1 thread each); best of {args.repeat}; load average "
+            f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
         )
         for mode, (best, sent, _) in results.items():
             print(

@@ -1,7 +1,8 @@
 """Worker of ``test_cross_rank.py`` under ``torchrun`` (gloo, CPU): every rank runs its row of
 hand-built plans whose units read context, conv halos, recurrent states and replay inputs from
-units of other ranks; rank 0 saves, per case, the log-probs and SGD parameter gradients summed
-over ranks, the single-process engine's and the unpatched model's (trajectory by trajectory).
+units of other ranks, in earlier slots or in their own (context-parallel groups, streamed); rank
+0 saves, per case, the log-probs and SGD parameter gradients summed over ranks, the
+single-process engine's and the unpatched model's (trajectory by trajectory).
 Under autocast (bf16) the single-process reference runs the same units on one rank.
 
 Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.

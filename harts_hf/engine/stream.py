@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,10 @@ from torch import nn
 from ..schedule import Schedule, Unit
 from .wire import decode, encode
 
-__all__ = ["Inbox", "Outbox", "Streams"]
+if TYPE_CHECKING:  # handoff imports this module
+    from .handoff import Key, Store
 
-Key = tuple[int, Hashable, str]  # (unit number, call name (module, kind, n), field): ``handoff.Key``
+__all__ = ["Inbox", "Outbox", "Streams"]
 
 
 class Streams:
@@ -83,7 +84,7 @@ class Streams:
         return at[0] if at is not None and at[1] == unit.index else None
 
     # ------------------------------------------------------------------ forward
-    def keep(self, key: Key, value: torch.Tensor, subset: Hashable, store) -> None:
+    def keep(self, key: Key, value: torch.Tensor, subset: Hashable, store: Store) -> None:
         """A producer kept ``value`` [X, ...] for ``subset``: post the rows each reading rank of its
         group reads, now (inside the call)."""
         p = key[0]
@@ -99,7 +100,7 @@ class Streams:
             store.sent.setdefault((p, q), []).append(key)
             self.bytes["values"] += message.numel()
 
-    def fetch(self, key: Key, store) -> None:
+    def fetch(self, key: Key, store: Store) -> None:
         """Receive the producer's messages in order until ``key``'s value is in ``store``."""
         while key not in store.values:
             if not self._receive(key[0], store):
@@ -109,7 +110,7 @@ class Streams:
                     f"{n}: the ranks of a context-parallel group ran different layers"
                 )
 
-    def end_call(self, k: int, store) -> None:
+    def end_call(self, k: int, store: Store) -> None:
         """After call k: mark the end of every stream its producer sent, drain the streams its reader
         read (the values later slots read), and wait for this rank's sends."""
         for q, _ in self.send_after.get(k, ()):
@@ -125,7 +126,7 @@ class Streams:
         for t in tensors:
             self._posted.append((dist.isend(t, to), t))
 
-    def _receive(self, p: int, store) -> bool:
+    def _receive(self, p: int, store: Store) -> bool:
         """One message of producer ``p`` into ``store``; False at its end mark."""
         rank = self.peers[p][0]
         sizes = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -142,12 +143,12 @@ class Streams:
         return True
 
     # ------------------------------------------------------------------ backward
-    def inbox(self, unit: Unit, store) -> Inbox | None:
+    def inbox(self, unit: Unit, store: Store) -> Inbox | None:
         """Where ``unit``'s backward receives its group readers' gradients (None: it has none)."""
         readers = self.readers.get(unit.number)
         return None if readers is None else Inbox(unit, readers, store)
 
-    def outbox(self, producer: int, store, leaves: dict) -> Outbox:
+    def outbox(self, producer: int, store: Store, leaves: dict[Key, torch.Tensor]) -> Outbox:
         """Where a group reader's backward sends ``producer``'s gradients (``leaves``: its run's)."""
         return Outbox(producer, self.peers[producer][0], store, leaves, self.bytes)
 
@@ -156,7 +157,7 @@ class Inbox:
     """A producer's gradients from the readers of its group, for one run with grad: per reading rank
     in the reverse order of the values sent (module docstring), received as its backward asks."""
 
-    def __init__(self, unit: Unit, readers: tuple[int, ...], store):
+    def __init__(self, unit: Unit, readers: tuple[int, ...], store: Store):
         self.unit, self.readers, self.store = unit, readers, store
         self.left: dict[int, deque] | None = None  # per reading rank: keys whose gradients are still to come
         self.got: dict[tuple[int, Key], torch.Tensor] = {}
@@ -221,7 +222,7 @@ class Outbox:
     """A group reader's gradients for one producer, for one run with grad: sent in the reverse order
     the values came, each as soon as it and every one before it are known (module docstring)."""
 
-    def __init__(self, producer: int, rank: int, store, leaves: dict, sent: dict[str, int]):
+    def __init__(self, producer: int, rank: int, store: Store, leaves: dict[Key, torch.Tensor], sent: dict[str, int]):
         self.producer, self.rank, self.store, self.leaves, self.bytes = producer, rank, store, leaves, sent
         self.left: deque | None = None
         self.ready: dict[Key, torch.Tensor] = {}
@@ -230,7 +231,10 @@ class Outbox:
 
     def arrived(self, key: Key, grad: torch.Tensor) -> None:
         """A leaf's hook: its gradient is known."""
-        if not self.queued:  # the rest at the end of this backward pass, before a wrapper's own callback
+        if not self.queued:
+            # The rest at the end of this backward pass, before DDP's callback waits for its
+            # gradient sync (which the producer's rank joins only once it received them all). The
+            # engine's callback queue is what DDP and FSDP use for the same purpose.
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self.queued = True
         self.ready[key] = grad
