@@ -27,17 +27,22 @@ from harts_hf.planner.plan import Plan, build_plan
 
 
 def piece_plan(
-    forest: RolloutForest, pieces: list[tuple[int, int, int, int]], world_size: int, budget: int | None = None
+    forest: RolloutForest | list[RolloutForest],
+    pieces: list[tuple[int, int, int, int]],
+    world_size: int,
+    budget: int | None = None,
 ) -> Plan:
-    """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest``, one rank's owner of
-    each token (no replicas), under a budget of ``budget`` tokens (default: the whole forest)."""
+    """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest`` (or of forests, their
+    DFS orders one after the other), one rank's owner of each token (no replicas), under a budget
+    of ``budget`` tokens (default: all of them)."""
+    forests = forest if isinstance(forest, list) else [forest]
     pieces = sorted(pieces)
     rank, slot, lo, hi = (np.array([p[k] for p in pieces], dtype=np.int64) for k in range(4))
     zeros = np.zeros(len(pieces), dtype=np.int64)
     cut = Pieces(rank, slot, lo, hi, zeros, zeros.astype(bool), int(slot.max()) + 1)
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    budget = Budget(forest.num_compact_tokens if budget is None else budget)
-    return build_plan(geo, [forest], cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
+    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
+    budget = Budget(sum(f.num_compact_tokens for f in forests) if budget is None else budget)
+    return build_plan(geo, forests, cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
 
 
 def chain_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], world_size: int) -> Plan:

@@ -101,9 +101,10 @@ def test_same_slot_spans_stream(tables):
 
 
 def test_refuses_groups_that_wait_on_themselves(tables):
-    """A reader of another rank's tokens in a later slot, or two ranks of one slot reading each
-    other's tokens (a cycle inside the call: rank 0 holds the top of the caterpillar and the bottom
-    of the trunk, rank 1 what lies between), is refused, by name."""
+    """A reader of another rank's tokens in a later slot, two ranks of one slot reading each other's
+    tokens (a cycle inside the call: rank 0 holds the top of the caterpillar and the bottom of the
+    trunk, rank 1 what lies between), or a group whose spans run at different calls (each would
+    wait inside its call for the other's), is refused, by name."""
     _, forest = forest_of("family")
     later = piece_plan(forest, [(1, 0, 50, 112), (0, 1, 0, 50)], 2)
     with pytest.raises(ValueError, match="later slot"):
@@ -111,6 +112,12 @@ def test_refuses_groups_that_wait_on_themselves(tables):
     cycle = piece_plan(forest, [(0, 0, 0, 10), (1, 0, 10, 60), (0, 0, 60, 112)], 2)
     with pytest.raises(ValueError, match="read each other's tokens"):
         Schedule.compile([forest], cycle, 0, tables, torch.device("cpu"))
+    # A group at different positions of its slot: rank 0 runs a small forest first, then its span.
+    _, small = forest_of("prompt")
+    n = small.num_compact_tokens
+    misaligned = piece_plan([small, forest], [(0, 0, 0, n), (0, 0, n, n + 50), (1, 0, n + 50, n + 112)], 2)
+    with pytest.raises(ValueError, match="another position in the slot"):
+        Schedule.compile([small, forest], misaligned, 1, tables, torch.device("cpu"))
 
 
 def test_refuses_groups_under_fsdp2():
