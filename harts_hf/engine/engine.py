@@ -23,12 +23,13 @@ gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd 
 doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
 
-Between ranks: a unit may read its context from a unit of another rank (an earlier slot; its own, below): the
+Between ranks: a unit may read its context from a unit of another rank in an earlier slot: the
 producer's rank sends the rows after its call and the reader's rank receives them at the same call
 index (calls align by slot), and the replay sends their gradients back after the reader's rerun
 (:mod:`.exchange`; point to point over the default process group, whose ranks are the plan's).
-Spans of one slot on several ranks (a context-parallel group) stream their handoffs layer call
-by layer call inside the call, and their gradients inside its backward (:mod:`.stream`).
+Spans of one slot on several ranks (a context-parallel group, at the same call) stream their
+handoffs layer call by layer call inside the call, and their gradients inside its backward
+(:mod:`.stream`).
 A pair whose predictor another rank computes is computed there, so the pair values, and their
 gradients, are then summed over ranks (each pair on one home rank) at the end of the recording and
 the start of the replay. Plans without cross-rank handoffs exchange nothing: ranks share only

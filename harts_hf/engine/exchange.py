@@ -71,7 +71,7 @@ class Exchanger:
         self.names = {m: name for name, m in model.named_modules()}
         self.modules = {name: m for m, name in self.names.items()}
         self.bytes = sent
-        self.streams = Streams(schedule, model, device, sent)
+        self.streams = Streams(schedule, self.names, device, sent)
         self.streamed = {(p, q) for entries in self.plan.stream_send.values() for q, p in entries}
 
     # ------------------------------------------------------------------ recording

@@ -88,7 +88,7 @@ class Handoff(LayerHandoff):
         self.leaves: dict[Key, torch.Tensor] = {}
         self.live: dict[Key, torch.Tensor] = {}
         self.markers: dict[Key, torch.Tensor] = {}  # roots of its backward that receive its group's gradients
-        self._boxes: dict[int, Inbox | Outbox] = {}  # by producer: its own (Inbox), its group's (Outbox)
+        self._boxes: dict[int, Inbox | Outbox | None] = {}  # by producer: its own (Inbox), its group's (Outbox)
         self._calls: Counter = Counter()
 
     def at(self, module: nn.Module) -> Handoff:

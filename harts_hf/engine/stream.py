@@ -58,12 +58,12 @@ class Streams:
 
     Args:
         schedule: the rank's compiled schedule (``exchange.stream_send`` / ``stream_receive``).
-        model: the patched model (its module names name the calls on the wire).
+        names: the patched model's modules' qualified names (they name the calls on the wire).
         device: where the values live.
         sent: bytes this rank sent, by "values" and "grads" (added to).
     """
 
-    def __init__(self, schedule: Schedule, model: nn.Module, device: torch.device, sent: dict[str, int]):
+    def __init__(self, schedule: Schedule, names: dict[nn.Module, str], device: torch.device, sent: dict[str, int]):
         exchange = schedule.exchange
         self.send_after, self.receive_after = exchange.stream_send, exchange.stream_receive
         self.units = {u.number: u for u in schedule.units}
@@ -73,8 +73,8 @@ class Streams:
                 self.readers[p] = (*self.readers.get(p, ()), q)
         # another rank's producer -> (its rank, the index of this rank's unit of its group)
         self.peers = {p: (r, schedule.order[k]) for k, entries in exchange.stream_receive.items() for r, p in entries}
-        self.names = {m: name for name, m in model.named_modules()}
-        self.modules = {name: m for m, name in self.names.items()}
+        self.names = names
+        self.modules = {name: m for m, name in names.items()}
         self.device, self.bytes = device, sent
         self._posted: list[tuple[Any, ...]] = []  # (work, tensors it sends): kept alive until waited
 
