@@ -4,7 +4,8 @@ today) vs context-parallel (the same pieces, the ranks taking turns in each slot
 slot on several ranks, streamed layer by layer, ``harts_hf.engine.stream``). Prints each mode's
 step (best of ``--repeat``; wall and CPU seconds of the slowest rank) and the bytes the ranks sent,
 and checks that both modes give the same log-probs. On a shared machine the wall times depend on
-the other processes' load (printed): the CP step needs a core per process.
+the other processes' load (printed, with the time a rank waited for a CPU): the CP step needs a
+core per process.
 
     torchrun --nproc_per_node 2 scripts/cp_chain.py                       # qwen3_5, 8 layers, 4 x 256 tokens
     torchrun --nproc_per_node 2 scripts/cp_chain.py --budget 128 --pieces 4 --groups 3
@@ -31,8 +32,17 @@ from harts_hf.engine import TreeEngine
 from harts_hf.lab.models import SIZES, build_model
 
 
-def step(engine: TreeEngine, weights: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-    """(wall s, CPU s, log-probs) of one engine step (record, loss, replay) on this rank."""
+def queued() -> float:
+    """Seconds the main thread has waited for a CPU (Linux schedstat; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def step(engine: TreeEngine, weights: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """([wall s, CPU s, s waiting for a CPU], log-probs) of one engine step (record, loss, replay)
+    on this rank."""
     seen = []
 
     def loss(lps: list[torch.Tensor]) -> torch.Tensor:
@@ -40,9 +50,9 @@ def step(engine: TreeEngine, weights: torch.Tensor) -> tuple[float, float, torch
         return (lps[0] * weights).sum()
 
     dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
+    start = (time.perf_counter(), time.process_time(), queued())
     engine.backward(loss)
-    return time.perf_counter() - wall, time.process_time() - cpu, seen[0]
+    return [end - begin for end, begin in zip((time.perf_counter(), time.process_time(), queued()), start)], seen[0]
 
 
 def main() -> None:
@@ -73,8 +83,8 @@ def main() -> None:
         best = None
         for _ in range(args.repeat):
             model.zero_grad(set_to_none=True)
-            wall, cpu, lp = step(engine, weights)
-            times = torch.tensor([wall, cpu])
+            times, lp = step(engine, weights)
+            times = torch.tensor(times)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             best = times if best is None or times[0] < best[0] else best
         sent = torch.tensor([float(engine.exchanged_bytes[k]) / args.repeat for k in ("values", "grads")])
@@ -90,7 +100,8 @@ def main() -> None:
         )
         for mode, (best, sent, _) in results.items():
             print(
-                f"  {mode:7s} step {best[0]:.2f} s wall, {best[1]:.2f} s CPU (slowest rank); sent "
+                f"  {mode:7s} step {best[0]:.2f} s wall, {best[1]:.2f} s CPU, {best[2]:.2f} s waiting for a CPU "
+                f"(the most of any rank); sent "
                 f"{sent[0] / 1e6:.2f} MB values + {sent[1] / 1e6:.2f} MB gradients per step"
             )
         speedup = float(results["serial"][0][0] / results["cp"][0][0])
