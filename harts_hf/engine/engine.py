@@ -175,9 +175,9 @@ class TreeEngine:
         self.schedule = schedule
         if isinstance(self.hf, FSDPModule) and (schedule.exchange.stream_send or schedule.exchange.stream_receive):
             raise ValueError(
-                "this plan runs a context-parallel group (spans of one slot on several ranks, streamed layer by layer), "
-                "which FSDP2's per-layer parameter gathers would serialise or deadlock: train it under DDP, or plan "
-                "the long trajectory's pieces in successive slots"
+                "this plan runs a context-parallel group (spans of one slot on several ranks, streamed layer by "
+                "layer), which FSDP2's per-layer parameter gathers would serialise or deadlock: train it under DDP, "
+                "or plan the long trajectory's pieces in successive slots"
             )
         self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
         self._joined = False  # whether this engine's ranks met once (_exchanger)

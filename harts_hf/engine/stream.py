@@ -106,8 +106,8 @@ class Streams:
             if not self._receive(key[0], store):
                 module, kind, n = key[1]
                 raise RuntimeError(
-                    f"unit {key[0]} ended its call without sending {key[2]!r} of {type(module).__name__}'s {kind!r} call "
-                    f"{n}: the ranks of a context-parallel group ran different layers"
+                    f"unit {key[0]} ended its call without sending {key[2]!r} of {type(module).__name__}'s {kind!r} "
+                    f"call {n}: the ranks of a context-parallel group ran different layers"
                 )
 
     def end_call(self, k: int, store: Store) -> None:

@@ -116,9 +116,9 @@ def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray
     for p, i in sorted(edges):
         if call[p] != call[i]:
             raise ValueError(
-                f"rank {ranks[i]} reads rank {ranks[p]}'s tokens in slot {slots[i]}, but runs its unit of them at another "
-                "position in the slot (the ranks hold different forests there): a context-parallel group's spans must be "
-                "the only piece, or the same forest's position, in their slot on every rank of the group"
+                f"rank {ranks[i]} reads rank {ranks[p]}'s tokens in slot {slots[i]}, but runs its unit of them at "
+                "another position in the slot (the ranks hold different forests there): a context-parallel group's "
+                "spans must be the only piece, or the same forest's position, in their slot on every rank of the group"
             )
     readers: dict[int, set[int]] = {}
     for p, i in edges:
@@ -130,8 +130,9 @@ def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray
         for v in readers.get(u, ()):
             if state.get(v) == 1:
                 raise ValueError(
-                    f"the units of slot {slots[u]} on ranks {ranks[u]} and {ranks[v]} read each other's tokens (a cycle): "
-                    "a context-parallel group's spans must each be a contiguous DFS range of the trajectories it splits"
+                    f"the units of slot {slots[u]} on ranks {ranks[u]} and {ranks[v]} read each other's tokens (a "
+                    "cycle): a context-parallel group's spans must each be a contiguous DFS range of the trajectories "
+                    "it splits"
                 )
             if v not in state:
                 visit(v)

@@ -12,11 +12,12 @@ Handoffs may cross ranks: a unit reads a context token from its own rank's unit 
 else from a unit of another rank in an earlier slot, or in its own slot: a context-parallel group,
 one long trajectory's contiguous spans run at once on several ranks, whose handoffs stream layer
 call by layer call (``harts_hf.engine.stream``; both units at the same call index, no cycle:
-``crossrank.check_groups``). The addresses are resolved over every rank's units (:func:`handoff_rows`: every rank
-compiles the same answer) and seen from this rank by ``crossrank.py``: the blocks its units send
-and receive, by call. Units are numbered over the step (:attr:`Unit.number`), the name their kept
-values go by on every rank. With cross-rank handoffs, calls align by slot across ranks, and a pair
-whose predictor another rank computes is computed there (the predictor's hidden state is there).
+``crossrank.check_groups``). The addresses are resolved over every rank's units
+(:func:`handoff_rows`: every rank compiles the same answer) and seen from this rank by
+``crossrank.py``: the blocks its units send and receive, by call. Units are numbered over the
+step (:attr:`Unit.number`), the name their kept values go by on every rank. With cross-rank
+handoffs, calls align by slot across ranks, and a pair whose predictor another rank computes is
+computed there (the predictor's hidden state is there).
 
 Legend: N a unit's own tokens, Nc its context tokens, P pairs (non-root compact tokens),
 X export rows, E external states, C a linear-attention chunk size.
@@ -145,10 +146,10 @@ def handoff_rows(
     rank's), ``ranks`` and ``slots`` [U] where each runs, ``reads`` the compact indices each reads
     from earlier slots (``producers``: their :func:`producer_index`, if built). A unit reads a token
     from the unit of its own rank that computes it, else from the first unit (by slot, then rank) of
-    another rank that computes it; either must run in an earlier slot (a producer on another rank in
-    the same slot forms a context-parallel group with it; a later slot is refused). Per unit: its own tokens
-    that some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads,
-    the unit holding it and its row there."""
+    another rank that computes it; either must run in an earlier slot, or, on another rank, in the
+    same slot (a context-parallel group; a later slot is refused). Per unit: its own tokens that
+    some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads, the
+    unit holding it and its row there."""
     producers = producer_index(forests, units, ranks, slots) if producers is None else producers
     source = [np.zeros(0, dtype=np.int64) for _ in units]
     for i, ((f, _), read) in enumerate(zip(units, reads)):
@@ -324,8 +325,9 @@ def compile_rank(
     """Compile ``rank``'s row of ``plan``. A unit reads its context from earlier slots: of its own
     rank, or of another rank (a cross-rank handoff, sent by ``harts_hf.engine.exchange``) in an
     earlier slot or, as a context-parallel group, in its own slot; a plan whose tokens no earlier
-    slot computes, or whose group would wait on itself (``crossrank.check_groups``), is refused. The handoff addresses are resolved over every rank's units on the host (numpy), the
-    device tables built for this rank's units only."""
+    slot computes, or whose group would wait on itself (``crossrank.check_groups``), is refused.
+    The handoff addresses are resolved over every rank's units on the host (numpy), the device
+    tables built for this rank's units only."""
     if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     device = torch.device(device)
