@@ -3,15 +3,18 @@ hand-built plans whose units read context, conv halos, recurrent states and repl
 units of other ranks, in earlier slots or in their own (context-parallel groups, streamed); rank
 0 saves, per case, the log-probs and SGD parameter gradients summed over ranks, the
 single-process engine's and the unpatched model's (trajectory by trajectory).
-Under autocast (bf16) the single-process reference runs the same units on one rank.
+Under autocast (bf16) the single-process reference runs the same units on one rank; "hostgroup"
+sends streamed headers on a group of their own (as beside NCCL).
 
 Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +121,23 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
     return seqs, RolloutForest.from_sequences(seqs)
 
 
+@contextlib.contextmanager
+def host_headers(separate: bool) -> Iterator[None]:
+    """With ``separate``, streamed headers travel on a gloo group of their own, as beside NCCL (a
+    second ordered channel per pair: ``harts_hf.engine.stream.host_group``)."""
+    from harts_hf.engine import stream
+
+    if not separate:
+        yield
+        return
+    group, made = dist.new_group(backend="gloo"), stream.host_group
+    stream.host_group = lambda default: group
+    try:
+        yield
+    finally:
+        stream.host_group = made
+
+
 def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
     """One case on every rank; rank 0 saves what the test compares."""
     from tiny_models import as_layout, tiny_model, trainable, trajectory_logprobs
@@ -157,7 +177,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         return loss_fn([torch.where(own[:, None], lps[0], others)])
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=wrapper == "autocast")
-    with autocast:
+    with autocast, host_headers(wrapper == "hostgroup"):
         engine.backward(loss)
     lp = torch.where(own[:, None], seen[0], 0.0)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]

@@ -188,6 +188,7 @@ CP_CASES_2 = [
     "qwen3_5:cp2slots:ddp",  # two groups, the first read by the second and replayed (the budget keeps one graph)
     "qwen3_5:cp2slots:checkpointing",  # the replay under checkpointing (a group's one call keeps its graph: cpchain3)
     "qwen3_5:cpchain2:autocast",
+    "qwen3_5:cp2slots:hostgroup",  # streamed headers on a gloo group of their own, as beside NCCL
     "minimax:cp2:plain",  # lightning
     "jamba:cp2:plain",  # Mamba1
     "lfm2:cp2:plain",  # conv only

@@ -18,13 +18,14 @@ them (the autograd engine runs these in reverse creation order: a later layer's 
 never wait for producers in the backward, producers never for readers in the forward: no cycle.
 
 Ordering (NCCL ignores tags): every (producer unit, reading rank) pair is one ordered channel.
-Forward: the producer's messages in the order it keeps values (``wire`` blocks of one value
-each), then an end mark (sizes 0, 0) after the call; the reader receives them in order, buffering
-the ones it reads later, and drains the rest after the call (values later slots read). Backward:
-one gradient message per value, in the reverse order; the producer receives them in that order,
-buffering. A checkpoint's recomputation finds its values and leaves already there (``Handoff``).
-The reader learns a value's shape from a header read on the host: on a GPU that is one
-device-to-host copy per value inside the layer (a sync), which a compiled shape table would remove.
+Forward: the producer's messages in the order it keeps values, three per value (its ``wire``
+header's size and the header on a host group, :func:`host_group`; then the value itself), then an
+end mark (size 0) after the call; the reader receives them in order, buffering the ones it
+reads later, and drains the rest after the call (values later slots read). Backward: one gradient
+message per value, in the reverse order; the producer receives them in that order, buffering. A
+checkpoint's recomputation finds its values and leaves already there (``Handoff``). Headers are
+host metadata on both sides (no device-to-host copy inside a layer: on a GPU the payloads go by
+NCCL, the headers by gloo).
 
 Collectives inside a model call that need every rank at the same layer (FSDP2's per-layer
 gathers) would serialise the wavefront or deadlock it: the engine refuses a group under FSDP2.
@@ -35,6 +36,7 @@ Legend: X a value's kept rows, r the rows one reading rank reads.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -44,12 +46,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Schedule, Unit
-from .wire import decode, encode
+from .wire import header, read_header
 
 if TYPE_CHECKING:  # handoff imports this module
     from .handoff import Key, Store
 
 __all__ = ["Inbox", "Outbox", "Streams"]
+
+
+@functools.cache
+def host_group(default: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """The group headers travel on, in host memory: None (the ``default`` group) where it carries
+    CPU tensors (gloo), else a gloo group over the same ranks, made once per default group (every
+    rank of a plan with cross-rank handoffs makes its first Exchanger at the same point)."""
+    return None if "gloo" in dist.get_backend(default) else dist.new_group(backend="gloo")
 
 
 class Streams:
@@ -76,7 +86,8 @@ class Streams:
         self.names = names
         self.modules = {name: m for m, name in names.items()}
         self.device, self.bytes = device, sent
-        self._posted: list[tuple[Any, ...]] = []  # (work, tensors it sends): kept alive until waited
+        self.host = host_group(dist.group.WORLD)
+        self._posted: list[tuple[Any, ...]] = []  # (work, tensor it sends): kept alive until waited
 
     def peer(self, unit: Unit, producer: int) -> int | None:
         """The rank of ``producer`` if ``unit`` reads it in its group (streamed), else None."""
@@ -93,12 +104,12 @@ class Streams:
             if rows is None:
                 continue
             module, kind, n = key[1]
-            sizes, message = encode(
-                [((self.names[module], kind, n, key[2]), value.detach().index_select(0, rows))], self.device
-            )
-            self._post(q, sizes, message)
+            block = value.detach().index_select(0, rows)
+            head = header([((self.names[module], kind, n, key[2]), block)])
+            self._post(q, self.host, torch.tensor([head.numel()]), head)
+            self._post(q, None, block)
             store.sent.setdefault((p, q), []).append(key)
-            self.bytes["values"] += message.numel()
+            self.bytes["values"] += head.numel() + block.nbytes
 
     def fetch(self, key: Key, store: Store) -> None:
         """Receive the producer's messages in order until ``key``'s value is in ``store``."""
@@ -114,7 +125,7 @@ class Streams:
         """After call k: mark the end of every stream its producer sent, drain the streams its reader
         read (the values later slots read), and wait for this rank's sends."""
         for q, _ in self.send_after.get(k, ()):
-            self._post(q, torch.zeros(2, dtype=torch.int64, device=self.device))
+            self._post(q, self.host, torch.zeros(1, dtype=torch.int64))
         for _, p in self.receive_after.get(k, ()):
             while self._receive(p, store):
                 pass
@@ -122,24 +133,26 @@ class Streams:
             work.wait()
         self._posted.clear()
 
-    def _post(self, to: int, *tensors: torch.Tensor) -> None:
+    def _post(self, to: int, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> None:
         for t in tensors:
-            self._posted.append((dist.isend(t, to), t))
+            self._posted.append((dist.isend(t.contiguous(), to, group=group), t))
 
     def _receive(self, p: int, store: Store) -> bool:
-        """One message of producer ``p`` into ``store``; False at its end mark."""
+        """One value of producer ``p`` into ``store``: its header on the host, then its payload
+        straight into a tensor of its dtype and shape; False at the producer's end mark."""
         rank = self.peers[p][0]
-        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(sizes, rank)
-        total = int(sizes.sum())
-        if total == 0:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, rank, group=self.host)
+        if int(size) == 0:
             return False
-        message = torch.empty(total, dtype=torch.uint8, device=self.device)
-        dist.recv(message, rank)
-        for (name, kind, n, field), value in decode(sizes, message):
-            key = (p, (self.modules[name], kind, n), field)
-            store.values[key] = value
-            store.received.setdefault(p, []).append(key)
+        head = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(head, rank, group=self.host)
+        (((name, kind, n, field), dtype, shape),) = read_header(head)
+        value = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(value, rank)
+        key = (p, (self.modules[name], kind, n), field)
+        store.values[key] = value
+        store.received.setdefault(p, []).append(key)
         return True
 
     # ------------------------------------------------------------------ backward

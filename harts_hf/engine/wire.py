@@ -4,8 +4,9 @@ A block of named values is two messages: int64 [2] (header bytes, payload bytes)
 [header + payload]; the header is the JSON list of (module qualified name, call kind, call n,
 field, dtype, shape) of each value, the payload the values' bytes in that order. Call names travel
 as qualified names: every rank runs the same model. The receiver reads the header on the host (a
-small device-to-host copy). Gradients travel without a header: their sender's peer knows their
-dtypes and shapes (those of the values it sent).
+small device-to-host copy). A streamed value (``stream``) sends its header on a host group instead
+(no device copy), its payload on its own. Gradients travel without a header: their sender's peer
+knows their dtypes and shapes (those of the values it sent).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 
 import torch
 
-__all__ = ["Name", "as_bytes", "decode", "encode", "from_bytes"]
+__all__ = ["Name", "as_bytes", "decode", "encode", "from_bytes", "header", "read_header"]
 
 Name = tuple[str, str, int, str]  # (module qualified name, call kind, call n, field)
 
@@ -35,10 +36,25 @@ def from_bytes(buffer: torch.Tensor, specs: list[tuple[torch.dtype, list[int]]])
     return out
 
 
+def header(values: list[tuple[Name, torch.Tensor]]) -> torch.Tensor:
+    """uint8 [h] on the host: the header of named values (their names, dtypes and shapes are host
+    metadata: building it reads nothing from the device)."""
+    entries = [[*name, str(v.dtype), list(v.shape)] for name, v in values]
+    return torch.tensor(list(json.dumps(entries).encode()), dtype=torch.uint8)
+
+
+def read_header(head: torch.Tensor) -> list[tuple[Name, torch.dtype, list[int]]]:
+    """:func:`header`'s inverse: (name, dtype, shape) of each value."""
+    entries = json.loads(bytes(head.cpu().tolist()).decode())
+    return [
+        ((name, kind, n, field), getattr(torch, dtype.removeprefix("torch.")), shape)
+        for name, kind, n, field, dtype, shape in entries
+    ]
+
+
 def encode(values: list[tuple[Name, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(sizes int64 [2], message uint8 [header + payload]) of named values (module docstring)."""
-    header = [[*name, str(v.dtype), list(v.shape)] for name, v in values]
-    head = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8, device=device)
+    head = header(values).to(device)
     payload = as_bytes([v for _, v in values], device)
     sizes = torch.tensor([head.numel(), payload.numel()], dtype=torch.int64, device=device)
     return sizes, torch.cat((head, payload))
@@ -47,7 +63,6 @@ def encode(values: list[tuple[Name, torch.Tensor]], device: torch.device) -> tup
 def decode(sizes: torch.Tensor, message: torch.Tensor) -> list[tuple[Name, torch.Tensor]]:
     """:func:`encode`'s inverse."""
     header_bytes = int(sizes[0])
-    header = json.loads(bytes(message[:header_bytes].cpu().tolist()).decode())
-    specs = [(getattr(torch, dtype.removeprefix("torch.")), shape) for *_, dtype, shape in header]
-    values = from_bytes(message[header_bytes:], specs)
-    return [((name, kind, n, field), v) for (name, kind, n, field, _, _), v in zip(header, values)]
+    entries = read_header(message[:header_bytes])
+    values = from_bytes(message[header_bytes:], [(dtype, shape) for _, dtype, shape in entries])
+    return [(name, v) for (name, _, _), v in zip(entries, values)]
