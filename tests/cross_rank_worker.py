@@ -1,16 +1,20 @@
 """Worker of ``test_cross_rank.py`` under ``torchrun`` (gloo, CPU): every rank runs its row of
 hand-built plans whose units read context, conv halos, recurrent states and replay inputs from
-units of other ranks; rank 0 saves, per case, the log-probs and SGD parameter gradients summed
-over ranks, the single-process engine's and the unpatched model's (trajectory by trajectory).
-Under autocast (bf16) the single-process reference runs the same units on one rank.
+units of other ranks, in earlier slots or in their own (context-parallel groups, streamed); rank
+0 saves, per case, the log-probs and SGD parameter gradients summed over ranks, the
+single-process engine's and the unpatched model's (trajectory by trajectory).
+Under autocast (bf16) the single-process reference runs the same units on one rank; "hostgroup"
+sends streamed headers on a group of their own (as beside NCCL).
 
 Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +29,23 @@ from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan
 
 
-def piece_plan(forest: RolloutForest, pieces: list[tuple[int, int, int, int]], world_size: int) -> Plan:
-    """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest``, one rank's owner of
-    each token (no replicas)."""
+def piece_plan(
+    forest: RolloutForest | list[RolloutForest],
+    pieces: list[tuple[int, int, int, int]],
+    world_size: int,
+    budget: int | None = None,
+) -> Plan:
+    """The plan of ``pieces`` (rank, slot, DFS start, DFS end) of ``forest`` (or of forests, their
+    DFS orders one after the other), one rank's owner of each token (no replicas), under a budget
+    of ``budget`` tokens (default: all of them)."""
+    forests = forest if isinstance(forest, list) else [forest]
     pieces = sorted(pieces)
     rank, slot, lo, hi = (np.array([p[k] for p in pieces], dtype=np.int64) for k in range(4))
     zeros = np.zeros(len(pieces), dtype=np.int64)
     cut = Pieces(rank, slot, lo, hi, zeros, zeros.astype(bool), int(slot.max()) + 1)
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    budget = Budget(forest.num_compact_tokens)
-    return build_plan(geo, [forest], cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
+    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
+    budget = Budget(sum(f.num_compact_tokens for f in forests) if budget is None else budget)
+    return build_plan(geo, forests, cut, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 64, time.perf_counter(), world_size)
 
 
 def chain_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], world_size: int) -> Plan:
@@ -68,7 +79,18 @@ def prompt_forest(rng: np.random.Generator) -> list[list[int]]:
     return [prompt + a, prompt + a[:5] + seg(4), prompt + b, prompt + b + seg(20), prompt + c, prompt + [a[0]], seg(7)]
 
 
-ONE_RANK = {"chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1)}
+def group_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], slots: list[int], world_size: int) -> Plan:
+    """The DFS order cut at ``cuts``, piece i on rank ``ranks[i]`` in slot ``slots[i]``: pieces of one
+    slot on several ranks form a context-parallel group."""
+    bounds = [0, *cuts, forest.num_compact_tokens]
+    pieces = [(r, s, a, b) for r, s, a, b in zip(ranks, slots, bounds, bounds[1:])]
+    return piece_plan(forest, pieces, world_size)
+
+
+ONE_RANK = {
+    "chain3": lambda f: chain_plan(f, [50, 85], [0, 0, 0], 1),
+    "cpchain2": lambda f: chain_plan(f, [50], [0, 0], 1),
+}
 """The same units on one rank, where every slot holds one piece (the autocast case's reference)."""
 
 PLANS = {
@@ -77,6 +99,13 @@ PLANS = {
     "prompt3": (3, "prompt", lambda f: prompt_plan(f, 40, 3)),
     "zigzag2": (2, "family", lambda f: chain_plan(f, [20, 66, 90], [0, 1, 0, 1], 2)),
     "prompt2": (2, "prompt", lambda f: prompt_plan(f, 40, 2)),
+    # context-parallel groups: spans of one slot on several ranks (the family tree's 70-token trunk
+    # starts at DFS 20 and branches at depths 63-65; the chain is one 120-token trajectory)
+    "cp2": (2, "family", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
+    "cp3": (3, "family", lambda f: group_plan(f, [45, 80], [0, 1, 2], [0, 0, 0], 3)),
+    "cpchain2": (2, "chain", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
+    "cpchain3": (3, "chain", lambda f: group_plan(f, [40, 80], [0, 1, 2], [0, 0, 0], 3)),
+    "cp2slots": (2, "family", lambda f: group_plan(f, [50, 90, 100], [0, 1, 0, 1], [0, 0, 1, 1], 2)),
 }
 
 
@@ -84,8 +113,29 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
     from tiny_models import family_forest
 
     rng = np.random.default_rng(0)
-    seqs = family_forest(rng) if kind == "family" else prompt_forest(rng)
+    seqs = {
+        "family": family_forest,
+        "prompt": prompt_forest,
+        "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
+    }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)
+
+
+@contextlib.contextmanager
+def host_headers(separate: bool) -> Iterator[None]:
+    """With ``separate``, streamed headers travel on a gloo group of their own, as beside NCCL (a
+    second ordered channel per pair: ``harts_hf.engine.stream.host_group``)."""
+    from harts_hf.engine import stream
+
+    if not separate:
+        yield
+        return
+    group, made = dist.new_group(backend="gloo"), stream.host_group
+    stream.host_group = lambda default: group
+    try:
+        yield
+    finally:
+        stream.host_group = made
 
 
 def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
@@ -127,7 +177,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         return loss_fn([torch.where(own[:, None], lps[0], others)])
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=wrapper == "autocast")
-    with autocast:
+    with autocast, host_headers(wrapper == "hostgroup"):
         engine.backward(loss)
     lp = torch.where(own[:, None], seen[0], 0.0)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
@@ -139,6 +189,9 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
             dist.all_reduce(g)
     sent = torch.tensor([float(engine.exchanged_bytes[k]) for k in ("values", "grads")])
     dist.all_reduce(sent)
+    exchange = engine.schedule.exchange
+    streams = torch.tensor(sum(len(e) for e in exchange.stream_send.values()))
+    dist.all_reduce(streams)  # blocks streamed inside a call (context-parallel groups)
     if rank != 0:
         return
     # References on rank 0: the unpatched model trajectory by trajectory, and the single-process engine.
@@ -157,6 +210,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
             "oracle": (oracle.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, ref)]),
             "single": (single_lp, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]),
             "transfers": len(engine.schedule.transfers),
+            "streams": int(streams),
             "bytes": sent.tolist(),
         },
         out / f"{family}-{plan_name}-{wrapper}.pt",

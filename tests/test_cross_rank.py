@@ -2,12 +2,14 @@
 replay inputs) from units of other ranks, sent point to point and their gradients sent back.
 
 The schedule names every handoff (producer rank/slot/unit -> consumer rank/slot/unit, subset,
-rows) and refuses a same-slot one; under ``torchrun`` (gloo, CPU; ``cross_rank_worker.py``),
-the log-probs and parameter gradients summed over ranks equal the single-process engine's and the
-unpatched model's run trajectory by trajectory, for hand-built plans (a chain in pieces over 2 and
-3 ranks, a shared prompt computed once and its subtrees on other ranks), under gradient
-checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in the last backward); under
-bf16 autocast they equal the same units run on one rank.
+rows); spans of one slot on several ranks form a context-parallel group, whose handoffs stream
+inside the call (refused where it would wait on itself, and under FSDP2). Under ``torchrun``
+(gloo, CPU; ``cross_rank_worker.py``), the log-probs and parameter gradients summed over ranks
+equal the single-process engine's and the unpatched model's run trajectory by trajectory, for
+hand-built plans (a chain in pieces over 2 and 3 ranks, a shared prompt computed once and its
+subtrees on other ranks, a chain and a tree's trunk split into same-slot spans over 2 and 3
+ranks), under gradient checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in
+the last backward); under bf16 autocast they equal the same units run on one rank.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cross_rank_worker import PLANS, chain_plan, forest_of, piece_plan
+from cross_rank_worker import PLANS, forest_of, piece_plan
 from launch import torchrun
 from tiny_models import tiny_model
 
@@ -85,15 +87,55 @@ def test_chain_handoff_table_has_states(tables):
     assert schedules[2].exchange.grad_send == {2: ((0, 0), (1, 1))}  # one message per producer rank
 
 
-def test_refuses_same_slot_remote_context(tables):
-    """A piece whose context another rank computes in the same slot needs context parallelism
-    inside the slot: refused, by name."""
+def test_same_slot_spans_stream(tables):
+    """Spans of one slot on ranks 0 and 1 (a context-parallel group) stream inside call 0: rank 1
+    reads rank 0's 30 trunk rows, by no exchange between calls; rank 2 (slot 1) reads both, as
+    before, between calls."""
     _, forest = forest_of("family")
-    the_plan = chain_plan(forest, [50, 85], [0, 1, 2], 3)
-    same_slot = piece_plan(forest, [(0, 0, 0, 50), (1, 0, 50, 85), (2, 1, 85, 112)], 3)
-    with pytest.raises(ValueError, match="same or a later slot.*context parallelism"):
-        Schedule.compile([forest], same_slot, 2, tables, torch.device("cpu"))
-    Schedule.compile([forest], the_plan, 2, tables, torch.device("cpu"))  # the slot-ordered plan runs
+    group = piece_plan(forest, [(0, 0, 0, 50), (1, 0, 50, 85), (2, 1, 85, 112)], 3)
+    s0, s1, s2 = (Schedule.compile([forest], group, r, tables, torch.device("cpu")) for r in range(3))
+    assert s0.exchange.stream_send == {0: ((1, 0),)} and s1.exchange.stream_receive == {0: ((0, 0),)}
+    assert _rows(s1.transfers, None)[0, 0, 1, 0] == 30
+    assert 0 not in s1.exchange.receive and not s0.exchange.grad_receive.get(0)
+    assert s2.exchange.receive == {0: ((0, 0), (1, 1))} and not s2.exchange.stream_receive
+    # The worker's two-group plan keeps one graph per rank: its first group runs again in the replay.
+    _, _, two_groups = _schedules("cp2slots", tables)
+    assert [(s.calls, s.graph_calls()) for s in two_groups] == [(2, 1), (2, 1)]
+    assert all(s.exchange.stream_send or s.exchange.stream_receive for s in two_groups)
+
+
+def test_refuses_groups_that_wait_on_themselves(tables):
+    """A reader of another rank's tokens in a later slot, two ranks of one slot reading each other's
+    tokens (a cycle inside the call: rank 0 holds the top of the caterpillar and the bottom of the
+    trunk, rank 1 what lies between), or a group whose spans run at different calls (each would
+    wait inside its call for the other's), is refused, by name."""
+    _, forest = forest_of("family")
+    later = piece_plan(forest, [(1, 0, 50, 112), (0, 1, 0, 50)], 2)
+    with pytest.raises(ValueError, match="later slot"):
+        Schedule.compile([forest], later, 1, tables, torch.device("cpu"))
+    cycle = piece_plan(forest, [(0, 0, 0, 10), (1, 0, 10, 60), (0, 0, 60, 112)], 2)
+    with pytest.raises(ValueError, match="read each other's tokens"):
+        Schedule.compile([forest], cycle, 0, tables, torch.device("cpu"))
+    # A group at different positions of its slot: rank 0 runs a small forest first, then its span.
+    _, small = forest_of("prompt")
+    n = small.num_compact_tokens
+    misaligned = piece_plan([small, forest], [(0, 0, 0, n), (0, 0, n, n + 50), (1, 0, n + 50, n + 112)], 2)
+    with pytest.raises(ValueError, match="another position in the slot"):
+        Schedule.compile([small, forest], misaligned, 1, tables, torch.device("cpu"))
+
+
+def test_refuses_groups_under_fsdp2():
+    """FSDP2 gathers each layer's parameters on every rank at once, which a group's wavefront (rank
+    1 a layer behind rank 0) would serialise or deadlock: refused with what to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from harts_hf.engine import TreeEngine
+
+    _, forest = forest_of("family")
+    model = patch_model(tiny_model("qwen3_5"))
+    model.__class__ = type("FSDPQwen", (FSDPModule, type(model)), {})  # what fully_shard makes, without a group
+    with pytest.raises(ValueError, match="context-parallel group.*FSDP2.*DDP"):
+        TreeEngine(model, forest, PLANS["cp2"][2](forest), rank=1)
 
 
 def _assert_same(ref, got, tol: float = TOL) -> None:
@@ -110,6 +152,7 @@ def _check(out, cases) -> list[str]:
         saved = torch.load(out / f"{family}-{plan_name}-{wrapper}.pt")
         got = (saved["logprobs"], saved["grads"])
         assert saved["transfers"] > 0 and saved["bytes"][0] > 0 and saved["bytes"][1] > 0
+        assert (saved["streams"] > 0) == plan_name.startswith("cp")  # a context-parallel group streams
         if wrapper == "autocast":  # bf16 K/V etc. on the wire: the same units on one rank, to fp32 summation order
             _assert_same(saved["single"], got, tol=1e-5)
         else:
@@ -132,6 +175,24 @@ CASES_2 = [
     "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
     "jamba:zigzag2:plain",  # Mamba1
     "falcon_h1:prompt2:plain",  # Mamba2 beside attention in one layer
+]
+
+
+CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
+    "qwen3_5:cp3:plain",  # a tree's trunk over 3 ranks: GDN + conv + attention
+    "kimi_linear:cpchain3:plain",  # KDA + MLA
+    "nemotron_h:cp3:plain",  # Mamba2
+    "qwen3_5:cpchain3:checkpointing",
+]
+CP_CASES_2 = [
+    "qwen3_5:cp2slots:ddp",  # two groups, the first read by the second and replayed (the budget keeps one graph)
+    "qwen3_5:cp2slots:checkpointing",  # the replay under checkpointing (a group's one call keeps its graph: cpchain3)
+    "qwen3_5:cpchain2:autocast",
+    "qwen3_5:cp2slots:hostgroup",  # streamed headers on a gloo group of their own, as beside NCCL
+    "minimax:cp2:plain",  # lightning
+    "jamba:cp2:plain",  # Mamba1
+    "lfm2:cp2:plain",  # conv only
+    "falcon_h1:cpchain2:plain",
 ]
 
 
@@ -184,3 +245,17 @@ def test_needs_the_plans_process_group():
     engine = TreeEngine(patch_model(tiny_model("qwen3_5")), forest, PLANS["prompt3"][2](forest), rank=1)
     with pytest.raises(RuntimeError, match="start torch.distributed"):
         engine.logprobs()
+
+
+@pytest.mark.slow
+def test_cp_groups_three_ranks(tmp_path, capsys):
+    torchrun("cross_rank_worker.py", 3, str(tmp_path), *CP_CASES_3, timeout=600)
+    with capsys.disabled():
+        print("\n" + "\n".join(_check(tmp_path, CP_CASES_3)))
+
+
+@pytest.mark.slow
+def test_cp_groups_two_ranks(tmp_path, capsys):
+    torchrun("cross_rank_worker.py", 2, str(tmp_path), *CP_CASES_2, timeout=600)
+    with capsys.disabled():
+        print("\n" + "\n".join(_check(tmp_path, CP_CASES_2)))

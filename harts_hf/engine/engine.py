@@ -23,10 +23,13 @@ gathered: the trainer's HARTS step) and :meth:`Recording.attached` (an autograd 
 doors to that one path.
 Dropout would make two passes over a unit differ: it must be off.
 
-Between ranks: a unit may read its context from a unit of another rank (an earlier slot): the
+Between ranks: a unit may read its context from a unit of another rank in an earlier slot: the
 producer's rank sends the rows after its call and the reader's rank receives them at the same call
 index (calls align by slot), and the replay sends their gradients back after the reader's rerun
 (:mod:`.exchange`; point to point over the default process group, whose ranks are the plan's).
+Spans of one slot on several ranks (a context-parallel group, at the same call) stream their
+handoffs layer call by layer call inside the call, and their gradients inside its backward
+(:mod:`.stream`).
 A pair whose predictor another rank computes is computed there, so the pair values, and their
 gradients, are then summed over ranks (each pair on one home rank) at the end of the recording and
 the start of the replay. Plans without cross-rank handoffs exchange nothing: ranks share only
@@ -170,6 +173,12 @@ class TreeEngine:
         if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule
+        if isinstance(self.hf, FSDPModule) and (schedule.exchange.stream_send or schedule.exchange.stream_receive):
+            raise ValueError(
+                "this plan runs a context-parallel group (spans of one slot on several ranks, streamed layer by "
+                "layer), which FSDP2's per-layer parameter gathers would serialise or deadlock: train it under DDP, "
+                "or plan the long trajectory's pieces in successive slots"
+            )
         self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
         self._joined = False  # whether this engine's ranks met once (_exchanger)
 
@@ -302,7 +311,8 @@ class TreeEngine:
                 if index in kept:
                     run = kept.pop(index)  # its graph goes with its backward
                 else:  # a padding call records nothing any unit reads
-                    handoff = Handoff(Store() if padding else store, unit, grad=True)
+                    streams = None if padding or exchanger is None else exchanger.streams
+                    handoff = Handoff(Store() if padding else store, unit, grad=True, streams=streams)
                     outputs = self._run(unit, handoff, entropy and not padding, router and not padding)
                     run = _GradRun(handoff, outputs[:3])
                 if padding:
@@ -356,10 +366,14 @@ class TreeEngine:
             if key in store.grads:
                 tensors.append(live)
                 grads.append(store.grads[key])
+        for marker in handoff.markers.values():  # its group's gradients, received as the backward reaches them
+            tensors.append(marker)
+            grads.append(torch.ones_like(marker))
         live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         if live:
             torch.autograd.backward(*zip(*live))
         store.add_grads(handoff.leaves)
+        handoff.finish()
         store.release(handoff.unit.number)
 
     def _as_rows(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -435,7 +449,8 @@ class TreeEngine:
                 torch.set_grad_enabled(grad),
                 self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext(),
             ):
-                handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True)
+                streams = None if padding or exchanger is None else exchanger.streams
+                handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True, streams=streams)
                 wanted = () if padding else statistics
                 lp, ent, logits, values = self._run(unit, handoff, entropy and not padding, router, wanted)
             if exchanger is not None:

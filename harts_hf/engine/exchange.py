@@ -18,19 +18,19 @@ as FSDP2's gathers or DDP's buffer broadcasts, sit at the same index on every ra
 point's sends and receives are posted together and waited before the rank goes on; no point
 follows the last backward pass, where DDP synchronises.
 
-Wire format, recording: per (producer unit, reading rank) one block, in two messages: int64 [2]
-(header bytes, payload bytes), then uint8 [header + payload]; the header is the JSON list of
-(module qualified name, call kind, call n, field, dtype, shape) of each value, the payload the
-values' bytes in that order (the rows the reading rank reads, ``Unit.sends``). Call names travel
-as qualified names: every rank runs the same model. The receiver reads the header on the host (one
-small transfer per block, between model calls, never inside a layer). Replay: per (reading rank,
-producer rank) one uint8 message, the gradients of every block the producer sent it, in its
-header order, unit by unit: the producer knows their sizes, so no header.
+Wire format (``wire``), recording: per (producer unit, reading rank) one block of named values.
+The receiver reads the header on the host (one small transfer per block, between model calls,
+never inside a layer). Replay: per (reading rank, producer rank) one uint8 message, the gradients
+of every block the producer sent it, in its header order, unit by unit: the producer knows their
+sizes, so no header.
+
+A block whose reader runs in the producer's own call (a context-parallel group) streams inside
+the call instead (:class:`~.stream.Streams`, which the Exchanger holds: ``streams``); the Exchanger
+only closes each call's streams before its own exchange.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable
 
 import torch
@@ -39,22 +39,10 @@ from torch import nn
 
 from ..schedule import Schedule, Unit
 from .handoff import Key, Store
+from .stream import Streams
+from .wire import as_bytes, decode, encode, from_bytes
 
 __all__ = ["Exchanger"]
-
-
-def _as_bytes(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    flat = [v.contiguous().view(-1).view(torch.uint8) for v in values]
-    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8, device=device)
-
-
-def _from_bytes(buffer: torch.Tensor, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for dtype, shape in specs:
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        out.append(buffer[at : at + n].clone().view(dtype).view(shape))  # clone: an aligned copy
-        at += n
-    return out
 
 
 class Exchanger:
@@ -83,6 +71,8 @@ class Exchanger:
         self.names = {m: name for name, m in model.named_modules()}
         self.modules = {name: m for m, name in self.names.items()}
         self.bytes = sent
+        self.streams = Streams(schedule, self.names, device, sent)
+        self.streamed = {(p, q) for entries in self.plan.stream_send.values() for q, p in entries}
 
     # ------------------------------------------------------------------ recording
     def after_record(self, k: int, store: Store) -> None:
@@ -90,8 +80,13 @@ class Exchanger:
         the blocks other ranks' call k made for this one."""
         if not self.plan:  # nothing of this rank crosses
             return
+        self.streams.end_call(k, store)
         unit = self.by_call.get(k)
-        outgoing = {to: self._block(unit, to, rows, store) for to, rows in sorted(unit.sends.items())} if unit else {}
+        outgoing = {
+            to: self._block(unit, to, rows, store)
+            for to, rows in sorted(unit.sends.items() if unit else ())
+            if (unit.number, to) not in self.streamed
+        }
         incoming = self.plan.receive.get(k, ())
         if not outgoing and not incoming:
             return
@@ -101,12 +96,10 @@ class Exchanger:
         self._run({to: block[1] for to, block in outgoing.items()}, buffers)
         self.bytes["values"] += sum(message.numel() for _, message in outgoing.values())
         for p, u in incoming:
-            header_bytes = int(sizes[p][0])
-            header = json.loads(bytes(buffers[p][:header_bytes].cpu().tolist()).decode())
-            specs = [(getattr(torch, dtype.removeprefix("torch.")), shape) for *_, dtype, shape in header]
-            keys = [(u, (self.modules[name], kind, n), field) for name, kind, n, field, _, _ in header]
-            for key, value in zip(keys, _from_bytes(buffers[p][header_bytes:], specs)):
-                store.values[key] = value
+            keys = []
+            for (name, kind, n, field), value in decode(sizes[p], buffers[p]):
+                keys.append((u, (self.modules[name], kind, n), field))
+                store.values[keys[-1]] = value
             store.received[u] = keys
 
     def _block(
@@ -116,14 +109,8 @@ class Exchanger:
         keys = [key for key in store.values if key[0] == unit.number and store.subsets[key] in rows]
         values = [store.values[key].index_select(0, rows[store.subsets[key]]) for key in keys]
         store.sent[unit.number, to] = keys
-        header = [
-            [self.names[module], kind, n, field, str(v.dtype), list(v.shape)]
-            for (_, (module, kind, n), field), v in zip(keys, values)
-        ]
-        head = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8, device=self.device)
-        payload = _as_bytes(values, self.device)
-        sizes = torch.tensor([head.numel(), payload.numel()], dtype=torch.int64, device=self.device)
-        return sizes, torch.cat((head, payload))
+        names = [(self.names[module], kind, n, field) for _, (module, kind, n), field in keys]
+        return encode(list(zip(names, values)), self.device)
 
     # ------------------------------------------------------------------ replay
     def after_replay(self, k: int, store: Store) -> None:
@@ -143,7 +130,7 @@ class Exchanger:
             incoming.setdefault(q, []).extend((q, key) for key in store.sent.pop((u, q)))
         if not outgoing and not incoming:
             return
-        messages = {p: _as_bytes(grads, self.device) for p, grads in outgoing.items()}
+        messages = {p: as_bytes(grads, self.device) for p, grads in outgoing.items()}
         specs = {q: [self._spec(store, key, q) for _, key in keys] for q, keys in incoming.items()}
         buffers = {
             q: torch.empty(
@@ -154,7 +141,7 @@ class Exchanger:
         self._run(messages, buffers)
         self.bytes["grads"] += sum(m.numel() for m in messages.values())
         for q, keys in incoming.items():
-            for (_, key), grad in zip(keys, _from_bytes(buffers[q], specs[q])):
+            for (_, key), grad in zip(keys, from_bytes(buffers[q], specs[q])):
                 rows = self.units[key[0]].sends[q][store.subsets[key]]
                 total = store.grads.get(key)
                 total = torch.zeros_like(store.values[key]) if total is None else total.clone()

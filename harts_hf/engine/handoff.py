@@ -19,12 +19,16 @@ can backpropagate the gradients its consumers sent. A unit that keeps its graph 
 (``grad`` and ``recording``) does both at once: it stores its exports for later units and keeps
 them live, and reads its context as leaves.
 
+Within a context-parallel group (spans of one slot on several ranks) the values its readers read
+stream as they are kept, and their gradients come back inside the backward (``stream``).
+
 Legend: Nc context tokens, X export rows, E external states, S state exports, C chunk size.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Hashable, Mapping
 
@@ -34,6 +38,7 @@ from torch import nn
 from ..modeling.calls import LayerHandoff
 from ..ops.rounds import RoundsTable
 from ..schedule import Gather, Unit
+from .stream import Inbox, Outbox, Streams
 
 __all__ = ["Handoff", "Store"]
 
@@ -71,14 +76,19 @@ class Handoff(LayerHandoff):
     """One run of one unit: its layer calls' context in, boundary values out (module docstring).
     Every address comes compiled with the unit (``harts_hf.schedule.units``)."""
 
-    def __init__(self, store: Store, unit: Unit, *, grad: bool, recording: bool = False):
+    def __init__(
+        self, store: Store, unit: Unit, *, grad: bool, recording: bool = False, streams: Streams | None = None
+    ):
         self.store = store
         self.unit = unit
         self.grad = grad
         self.recording = recording or not grad  # stores its boundary values for later units
+        self.streams = streams  # the handoffs of its context-parallel group, if any (``stream``)
         self.module: nn.Module | None = None
         self.leaves: dict[Key, torch.Tensor] = {}
         self.live: dict[Key, torch.Tensor] = {}
+        self.markers: dict[Key, torch.Tensor] = {}  # roots of its backward that receive its group's gradients
+        self._boxes: dict[int, Inbox | Outbox | None] = {}  # by producer: its own (Inbox), its group's (Outbox)
         self._calls: Counter = Counter()
 
     def at(self, module: nn.Module) -> Handoff:
@@ -133,10 +143,19 @@ class Handoff(LayerHandoff):
                 )
             self.store.values[key] = value.detach()
             self.store.subsets[key] = subset
+            if self.streams is not None:
+                self.streams.keep(key, value, subset, self.store)
         if self.grad:
             self.live[key] = value
+            inbox = self._box(self.unit.number)
+            marker = None if inbox is None else inbox.marker(key, value, subset)
+            if marker is not None:
+                self.markers[key] = marker
 
     def _leaf(self, key: Key) -> torch.Tensor:
+        outbox = self._box(key[0])
+        if outbox is not None and key not in self.store.values:
+            self.streams.fetch(key, self.store)
         if key not in self.store.values:
             module, kind, n = key[1]
             raise RuntimeError(
@@ -147,7 +166,37 @@ class Handoff(LayerHandoff):
             return self.store.values[key]
         if key not in self.leaves:
             self.leaves[key] = self.store.values[key].detach().requires_grad_(True)
+            if outbox is not None:
+                self.leaves[key].register_hook(functools.partial(outbox.arrived, key))
         return self.leaves[key]
+
+    def _box(self, producer: int) -> Inbox | Outbox | None:
+        """The streams of the unit's group for ``producer``'s values: this unit's own (the
+        gradients its group sends back), or the one it reads in its group; None if not streamed."""
+        if self.streams is None:
+            return None
+        if producer not in self._boxes:
+            if producer == self.unit.number:
+                box = self.streams.inbox(self.unit, self.store)
+            else:
+                box = (
+                    None
+                    if self.streams.peer(self.unit, producer) is None
+                    else self.streams.outbox(producer, self.store, self.leaves)
+                )
+            self._boxes[producer] = box
+        return self._boxes[producer]
+
+    def finish(self) -> None:
+        """After the unit's backward: settle its group's streams (what no gradient asked for), and
+        drop the records of the producers it read in its group (it is their last reader here)."""
+        for producer, box in self._boxes.items():
+            if isinstance(box, Outbox):
+                box.flush()
+                self.store.release(producer)
+                self.store.received.pop(producer, None)
+            elif box is not None:
+                box.drain()
 
     def _gather(self, call: Hashable, field: str, source: Gather) -> torch.Tensor:
         """The rows ``source`` addresses among the values its producers kept for ``(call, field)``."""

@@ -9,7 +9,9 @@ rank's units get the blocks they send (:attr:`~.units.Unit.sends`). :class:`Tran
 typed table of every such handoff (producer rank/slot/unit -> consumer rank/slot/unit, subset,
 rows); :class:`Exchange` says, per call of this rank, which blocks it receives in the recording
 pass and which gradient blocks it sends and receives in the replay (``harts_hf.engine.exchange``
-moves them).
+moves them), and which blocks stream inside a call instead: those between the spans of a
+context-parallel group, units of one slot on several ranks (``harts_hf.engine.stream``; a group
+that would wait on itself is refused, :func:`check_groups`).
 
 Also here: whether a plan hands anything between ranks at all (:func:`crosses_ranks`: if not, a
 rank compiles its own units only, as before), the pairs a unit predicts for another rank's targets
@@ -29,7 +31,7 @@ import numpy as np
 from ..forest import RolloutForest
 from ..planner.plan import Plan
 
-__all__ = ["Exchange", "Transfers", "boundary_pairs", "crosses_ranks", "pair_homes", "rank_view"]
+__all__ = ["Exchange", "Transfers", "boundary_pairs", "check_groups", "crosses_ranks", "pair_homes", "rank_view"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,22 +69,78 @@ class Exchange:
     that units of other ranks made in their call k; after the replay of call k, ``grad_send`` the
     gradients of the blocks whose first reader on this rank is call k, and ``grad_receive`` the
     gradients other ranks send back for this rank's units. ``sends`` (the blocks after each call)
-    come with the units."""
+    come with the units.
+
+    A block whose first reader runs at the producer's own call k (a context-parallel group: spans
+    of one slot on several ranks) streams instead, per layer call inside call k, its gradients
+    back inside the backward of call k (``harts_hf.engine.stream``): ``stream_receive`` the blocks
+    this rank's call k reads so, ``stream_send`` the blocks its call k sends so (peer: the reading
+    rank); none of them is in the other tables."""
 
     receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     grad_send: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     grad_receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    stream_receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    stream_send: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.receive or self.grad_receive)
+        return bool(self.receive or self.grad_receive or self.stream_receive or self.stream_send)
 
     @classmethod
-    def of(cls, receive: set, grad_send: set, grad_receive: set) -> Exchange:
+    def of(
+        cls,
+        receive: set,
+        grad_send: set,
+        grad_receive: set,
+        stream_receive: set = frozenset(),
+        stream_send: set = frozenset(),
+    ) -> Exchange:
         """From sets of (call, peer rank, unit number)."""
         by_call = lambda entries: {
             k: tuple(sorted((peer, u) for c, peer, u in entries if c == k)) for k in sorted({e[0] for e in entries})
         }
-        return cls(by_call(receive), by_call(grad_send), by_call(grad_receive))
+        return cls(*(by_call(e) for e in (receive, grad_send, grad_receive, stream_receive, stream_send)))
+
+
+def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray, call: np.ndarray) -> None:
+    """A unit may read a unit of another rank in its own slot (a context-parallel group) when both
+    run at the same call index (their ranks then run them at once, layer by layer) and no such
+    reads close a cycle (each would wait for the other inside the call). ``sources`` [2, r] per
+    unit (producer, row) of its context reads, over every rank's units (every rank checks the same)."""
+    edges = {
+        (int(p), i)
+        for i, s in enumerate(sources)
+        for p in np.unique(s[0])
+        if slots[p] == slots[i] and ranks[p] != ranks[i]
+    }
+    for p, i in sorted(edges):
+        if call[p] != call[i]:
+            raise ValueError(
+                f"rank {ranks[i]} reads rank {ranks[p]}'s tokens in slot {slots[i]}, but runs its unit of them at "
+                "another position in the slot (the ranks hold different forests there): a context-parallel group's "
+                "spans must be the only piece, or the same forest's position, in their slot on every rank of the group"
+            )
+    readers: dict[int, set[int]] = {}
+    for p, i in edges:
+        readers.setdefault(p, set()).add(i)
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+
+    def visit(u: int) -> None:
+        state[u] = 1
+        for v in readers.get(u, ()):
+            if state.get(v) == 1:
+                raise ValueError(
+                    f"the units of slot {slots[u]} on ranks {ranks[u]} and {ranks[v]} read each other's tokens (a "
+                    "cycle): a context-parallel group's spans must each be a contiguous DFS range of the trajectories "
+                    "it splits"
+                )
+            if v not in state:
+                visit(v)
+        state[u] = 2
+
+    for u in sorted(readers):
+        if u not in state:
+            visit(u)
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,12 +9,15 @@ moved to the device before the model runs. ``tree_logprobs`` runs the one-unit c
 (:func:`forest_unit`).
 
 Handoffs may cross ranks: a unit reads a context token from its own rank's unit that computes it,
-else from a unit of another rank in an earlier slot (never the same slot: that is context
-parallelism). The addresses are resolved over every rank's units (:func:`handoff_rows`: every rank
-compiles the same answer) and seen from this rank by ``crossrank.py``: the blocks its units send
-and receive, by call. Units are numbered over the step (:attr:`Unit.number`), the name their kept
-values go by on every rank. With cross-rank handoffs, calls align by slot across ranks, and a pair
-whose predictor another rank computes is computed there (the predictor's hidden state is there).
+else from a unit of another rank in an earlier slot, or in its own slot: a context-parallel group,
+one long trajectory's contiguous spans run at once on several ranks, whose handoffs stream layer
+call by layer call (``harts_hf.engine.stream``; both units at the same call index, no cycle:
+``crossrank.check_groups``). The addresses are resolved over every rank's units
+(:func:`handoff_rows`: every rank compiles the same answer) and seen from this rank by
+``crossrank.py``: the blocks its units send and receive, by call. Units are numbered over the
+step (:attr:`Unit.number`), the name their kept values go by on every rank. With cross-rank
+handoffs, calls align by slot across ranks, and a pair whose predictor another rank computes is
+computed there (the predictor's hidden state is there).
 
 Legend: N a unit's own tokens, Nc its context tokens, P pairs (non-root compact tokens),
 X export rows, E external states, C a linear-attention chunk size.
@@ -35,7 +38,7 @@ from ..forest import RolloutForest, sorted_unique
 from ..ops.rounds import RoundsTable, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .crossrank import Exchange, Transfers, boundary_pairs, crosses_ranks, pair_homes, rank_view
+from .crossrank import Exchange, Transfers, boundary_pairs, check_groups, crosses_ranks, pair_homes, rank_view
 from .tables import Tables, build_tables, chunk_sizes, context_subsets
 
 __all__ = ["Gather", "RankUnits", "Unit", "compile_rank", "forest_unit", "handoff_rows", "rank_units"]
@@ -143,10 +146,10 @@ def handoff_rows(
     rank's), ``ranks`` and ``slots`` [U] where each runs, ``reads`` the compact indices each reads
     from earlier slots (``producers``: their :func:`producer_index`, if built). A unit reads a token
     from the unit of its own rank that computes it, else from the first unit (by slot, then rank) of
-    another rank that computes it; either must run in an earlier slot (a producer on another rank in
-    the same slot would need context parallelism inside the slot: refused). Per unit: its own tokens
-    that some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads,
-    the unit holding it and its row there."""
+    another rank that computes it; either must run in an earlier slot, or, on another rank, in the
+    same slot (a context-parallel group; a later slot is refused). Per unit: its own tokens that
+    some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads, the
+    unit holding it and its row there."""
     producers = producer_index(forests, units, ranks, slots) if producers is None else producers
     source = [np.zeros(0, dtype=np.int64) for _ in units]
     for i, ((f, _), read) in enumerate(zip(units, reads)):
@@ -187,14 +190,13 @@ def _check_producers(
     where = f"slot {slots[i]} of rank {ranks[i]} reads context tokens of forest {units[i][0]}"
     if (source < 0).any():
         raise ValueError(f"{where} that no rank computes: the plan does not match these forests")
-    late = source[slots[source] >= slots[i]]
-    if late.size and (ranks[late] != ranks[i]).any():
+    later = source[slots[source] > slots[i]]
+    if (ranks[later] != ranks[i]).any():
         raise ValueError(
-            f"{where} that rank {ranks[late[ranks[late] != ranks[i]][0]]} computes in the same or a later slot: a "
-            "unit reads another rank's tokens only from an earlier slot (context parallelism inside a slot is not "
-            "supported yet)"
+            f"{where} that rank {ranks[later[ranks[later] != ranks[i]][0]]} computes in a later slot: a unit reads "
+            "another rank's tokens from an earlier slot, or from its own slot as a context-parallel group"
         )
-    if late.size:
+    if (ranks[source[slots[source] >= slots[i]]] == ranks[i]).any():
         raise ValueError(f"{where} that no earlier slot computes: the plan does not match these forests")
 
 
@@ -321,10 +323,11 @@ def compile_rank(
     forests: list[RolloutForest], plan: Plan, rank: int, tables: Tables, device: torch.device | str
 ) -> RankUnits:
     """Compile ``rank``'s row of ``plan``. A unit reads its context from earlier slots: of its own
-    rank, or of another rank (a cross-rank handoff, sent by ``harts_hf.engine.exchange``); a plan
-    whose tokens no earlier slot computes, or that reads another rank's tokens of the same slot, is
-    refused. The handoff addresses are resolved over every rank's units on the host (numpy), the
-    device tables built for this rank's units only."""
+    rank, or of another rank (a cross-rank handoff, sent by ``harts_hf.engine.exchange``) in an
+    earlier slot or, as a context-parallel group, in its own slot; a plan whose tokens no earlier
+    slot computes, or whose group would wait on itself (``crossrank.check_groups``), is refused.
+    The handoff addresses are resolved over every rank's units on the host (numpy), the device
+    tables built for this rank's units only."""
     if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     device = torch.device(device)
@@ -336,6 +339,7 @@ def compile_rank(
     producers = producer_index(forests, own, ranks, slots)
     _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots, producers)
     call = _call_index(calls, cross)
+    check_groups(sources, ranks, slots, call)
     # The units whose reads decide this rank's addresses: its own, and every reader of a unit that
     # this rank's units are or read from (a producer's kept rows are what all its readers read).
     mine = np.flatnonzero(ranks == rank)
@@ -393,10 +397,15 @@ def compile_rank(
             if i in gathers[RoundsTable(C)]:
                 states[i][C] = gathers[RoundsTable(C)][i]
 
+    # A block whose first reader runs at the producer's call (its group) streams inside that call.
+    streamed = {(p, q) for (p, q), k in first_read.items() if k == call[p]}
+    later = {pq: k for pq, k in first_read.items() if pq not in streamed}
     exchange = Exchange.of(
-        {(int(call[p]), int(ranks[p]), p) for p, q in first_read if q == rank},
-        {(k, int(ranks[p]), p) for (p, q), k in first_read.items() if q == rank},
-        {(k, q, p) for (p, q), k in first_read.items() if ranks[p] == rank},
+        {(int(call[p]), int(ranks[p]), p) for p, q in later if q == rank},
+        {(k, int(ranks[p]), p) for (p, q), k in later.items() if q == rank},
+        {(k, q, p) for (p, q), k in later.items() if ranks[p] == rank},
+        {(int(call[p]), int(ranks[p]), p) for p, q in streamed if q == rank},
+        {(int(call[p]), q, p) for p, q in streamed if ranks[p] == rank},
     )
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
     for i, g in enumerate(mine):
