@@ -13,6 +13,7 @@ from harts_hf.lab.calibrate import calibrate, calibration_forests, forest_featur
 from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, fit_cost_model, plan
+from harts_hf.planner.balance import FORWARD_SHARE
 
 
 @pytest.mark.parametrize(
@@ -143,8 +144,14 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     calls = []
 
     def fake_clock():
+        """Run j's three reads: its forward + backward takes 0.04 (j + 1) s, its forward a quarter of that."""
         calls.append(None)
-        return 0.01 * len(calls) ** 1.5
+        runs, read = divmod(len(calls) - 1, 3)
+        return (
+            sum(0.05 * (j + 1) for j in range(runs))
+            + (0.04 * (runs + 1) if read else 0)
+            + 0.01 * (runs + 1) * (read == 2)
+        )
 
     monkeypatch.setattr(time, "process_time", fake_clock)
     threads = torch.get_num_threads()
@@ -155,5 +162,7 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
         fitted = calibrate(model, forests, repeats=1)
     finally:
         torch.set_num_threads(threads)
-    assert len(calls) == 2 * 2 * len(forests)  # a warm-up and a timed run per forest, two clock reads each
+    # a warm-up and a timed run per forest, three clock reads each (forward + backward, then a forward)
+    assert len(calls) == 2 * 3 * len(forests)
     assert max(fitted.token, fitted.pair) > 0
+    assert fitted.forward_share == pytest.approx(0.25) != FORWARD_SHARE  # measured, not assumed

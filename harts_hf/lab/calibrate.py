@@ -3,7 +3,9 @@
 Times one forward + backward of ``tree_forward`` per forest over forests of varied size, depth
 and branching (the shapes of ``harts_hf.sources``), each as one microbatch, and fits
 :func:`~harts_hf.planner.cost.fit_cost_model` on their features (compact tokens, attended pairs,
-rounds, 1). Imports the modeling stack, unlike the rest of the planner.
+rounds, 1); times the same forests' forward alone without grad (what a step's recording pass costs
+a microbatch it reruns in the backward), whose median share of forward + backward is the cost
+model's ``forward_share``. Imports the modeling stack, unlike the rest of the planner.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def calibrate(
 ) -> CostModel:
     """Fit a :class:`CostModel` (seconds) to ``model``'s forward + backward on ``forests`` (default
     :func:`calibration_forests` within the model's vocabulary): the fastest of ``repeats`` timed
-    runs per forest (``repeats`` sweeps over the forests) after one warm-up run each."""
+    runs per forest (``repeats`` sweeps over the forests) after one warm-up run each; its
+    ``forward_share``, the median over forests of the fastest no-grad forward (the recording pass
+    of a microbatch the step reruns) per fastest forward + backward."""
     patch_model(model)
     vocab = model.get_input_embeddings().num_embeddings
     forests = list(forests) if forests is not None else calibration_forests(vocab)
@@ -96,28 +100,39 @@ def calibrate(
     # time there came out up to 2.7x the quiet machine's, and the fit with it); else wall time.
     clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
-    def run(forest: RolloutForest) -> float:
+    def run(forest: RolloutForest) -> tuple[float, float]:
+        """(forward + backward seconds, no-grad forward seconds)."""
         began = clock()
         tree_forward(model, forest).logprobs.sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         model.zero_grad(set_to_none=True)
-        return clock() - began
+        middle = clock()
+        with torch.no_grad():
+            tree_forward(model, forest)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return middle - began, clock() - middle
 
     for forest in forests:
         run(forest)
-    seconds = np.full(len(forests), np.inf)
+    seconds = np.full((len(forests), 2), np.inf)  # [forests, (forward + backward, forward)]
     for _ in range(repeats):  # sweeps, not runs back to back: a busy spell on a shared machine hits one try of each
         seconds = np.minimum(seconds, [run(forest) for forest in forests])
-    return fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds)
+    share = float(np.median(seconds[:, 1] / seconds[:, 0]))
+    return fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds[:, 0], min(share, 1.0))
 
 
 def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
-    values = cost.as_dict()
+    values = {name: getattr(cost, name) for name in FEATURE_MEANINGS}
     lines = [title, legend({name: f"{value:.3e} s  {FEATURE_MEANINGS[name]}" for name, value in values.items()})]
     lines.append("predicted seconds of a microbatch = sum of coefficient x feature; the planner balances on it")
+    lines.append(
+        f"forward share {cost.forward_share:.3f}: a no-grad forward's share of forward + backward (median over "
+        "the forests), what a slot rerun in the backward costs again"
+    )
     dropped = [name for name, value in values.items() if value == 0]
     if dropped:
         lines.append(

@@ -8,6 +8,9 @@
 - rounds: sequential packed linear-attention calls (kernel launches per linear layer);
 - one per microbatch: fixed overhead (launch latency, FSDP gathers, optimizer-free bookkeeping).
 
+``forward_share`` is not a feature: the share of those seconds a microbatch's forward alone takes,
+what rerunning a recorded microbatch costs again in the backward (``balance.py``).
+
 :data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
 H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
 as the rest). ``calibrate`` (``harts_hf.lab.calibrate``) fits the coefficients on this machine.
@@ -20,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .balance import FORWARD_SHARE
+
 __all__ = ["DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
 
 FEATURES = ("token", "pair", "round", "microbatch")
@@ -27,12 +32,16 @@ FEATURES = ("token", "pair", "round", "microbatch")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per compact token, per attended pair, per round and per microbatch (all >= 0)."""
+    """Seconds per compact token, per attended pair, per round and per microbatch (all >= 0), and
+    the forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written
+    before it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the
+    forward; ``harts-hf calibrate`` measures it)."""
 
     token: float
     pair: float
     round: float
     microbatch: float
+    forward_share: float = FORWARD_SHARE
 
     def __post_init__(self) -> None:
         values = asdict(self)
@@ -42,6 +51,10 @@ class CostModel:
             raise ValueError(f"cost model coefficients must be finite and >= 0, got {values}")
         if self.token <= 0 and self.pair <= 0:
             raise ValueError("a cost model needs a positive token or pair coefficient: tokens must cost something")
+        if not 0 < self.forward_share <= 1:
+            raise ValueError(
+                f"forward_share is a forward's share of forward + backward, in (0, 1]: {self.forward_share}"
+            )
 
     def __call__(self, tokens, pairs, rounds, microbatches=1) -> np.ndarray:
         """Predicted seconds (broadcasts over arrays)."""
@@ -65,12 +78,15 @@ def cost_origin(cost_model: CostModel) -> str:
     """Where a cost model's predicted seconds come from, for every place that prints or plots them."""
     if cost_model == DEFAULT_COST_MODEL:
         return "the built-in H100 estimate, not this machine (harts-hf calibrate --json F fits one here)"
+    if cost_model.forward_share == FORWARD_SHARE:  # a cost model written before calibrate measured it
+        return "the given cost model, its reruns at an assumed forward share of 1/3 (backward = 2 x forward)"
     return "the given cost model"
 
 
-def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:
+def fit_cost_model(features: np.ndarray, seconds: np.ndarray, forward_share: float = FORWARD_SHARE) -> CostModel:
     """Non-negative least squares fit of ``seconds`` [n] on ``features`` [n, 4] (tokens, pairs,
-    rounds, microbatches), relative error weighted so small and large microbatches count alike.
+    rounds, microbatches), relative error weighted so small and large microbatches count alike;
+    ``forward_share`` (measured apart) is passed through.
 
     Exact NNLS by enumerating the supports (four coefficients): the best unconstrained fit on
     each support, kept when non-negative; supports without a positive token or pair coefficient
@@ -99,4 +115,4 @@ def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:
                 best[sel] = coef
     if best is None:
         raise ValueError("no non-negative fit gives tokens or attended pairs a positive cost")
-    return CostModel(**dict(zip(FEATURES, (best / scale).tolist())))
+    return CostModel(**dict(zip(FEATURES, (best / scale).tolist())), forward_share=forward_share)
