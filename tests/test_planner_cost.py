@@ -142,27 +142,27 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     import torch
 
     calls = []
+    n = 3  # forests
+    # clock increments: a warm-up run per forest (start, forward + backward, no-grad forward), then a
+    # timed one (forest k: 0.04 (k + 1) s and a quarter of that) and its host work (0.002 s)
+    warm = [0.05, 0.04, 0.01] * n
+    timed = [x for k in range(n) for x in (0.05, 0.04 * (k + 1), 0.01 * (k + 1), 0.05, 0.002)]
+    readings = np.cumsum(warm + timed)
 
     def fake_clock():
-        """Run j's three reads: its forward + backward takes 0.04 (j + 1) s, its forward a quarter of that."""
         calls.append(None)
-        runs, read = divmod(len(calls) - 1, 3)
-        return (
-            sum(0.05 * (j + 1) for j in range(runs))
-            + (0.04 * (runs + 1) if read else 0)
-            + 0.01 * (runs + 1) * (read == 2)
-        )
+        return readings[len(calls) - 1]
 
     monkeypatch.setattr(time, "process_time", fake_clock)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = tiny_model("qwen3_5")
-        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:3]
+        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:n]
         fitted = calibrate(model, forests, repeats=1)
     finally:
         torch.set_num_threads(threads)
-    # a warm-up and a timed run per forest, three clock reads each (forward + backward, then a forward)
-    assert len(calls) == 2 * 3 * len(forests)
+    assert len(calls) == readings.size  # the clock read as above: every timing on CPU time
     assert max(fitted.token, fitted.pair) > 0
     assert fitted.forward_share == pytest.approx(0.25) != FORWARD_SHARE  # measured, not assumed
+    assert fitted.step == pytest.approx(0.002)

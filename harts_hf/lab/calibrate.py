@@ -5,19 +5,24 @@ and branching (the shapes of ``harts_hf.sources``), each as one microbatch, and 
 :func:`~harts_hf.planner.cost.fit_cost_model` on their features (compact tokens, attended pairs,
 rounds, 1); times the same forests' forward alone without grad (what a step's recording pass costs
 a microbatch it reruns in the backward), whose median share of forward + backward is the cost
-model's ``forward_share``. Imports the modeling stack, unlike the rest of the planner.
+model's ``forward_share``; and what a step does for each forest outside its model calls (build the
+forest from its rows, plan it in two slots, compile the engine's Schedule), whose median is
+``step``. Imports the modeling stack, unlike the rest of the planner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
+from ..planner import plan
 from ..planner.cost import CostModel, fit_cost_model
 from ..sources import caterpillar, deep_chain, grpo_group, random_tree
 from ..trees import min_rounds
@@ -90,7 +95,8 @@ def calibrate(
     :func:`calibration_forests` within the model's vocabulary): the fastest of ``repeats`` timed
     runs per forest (``repeats`` sweeps over the forests) after one warm-up run each; its
     ``forward_share``, the median over forests of the fastest no-grad forward (the recording pass
-    of a microbatch the step reruns) per fastest forward + backward."""
+    of a microbatch the step reruns) per fastest forward + backward; its ``step``, the median over
+    forests of the fastest :func:`step_host_work`."""
     patch_model(model)
     vocab = model.get_input_embeddings().num_embeddings
     forests = list(forests) if forests is not None else calibration_forests(vocab)
@@ -114,13 +120,28 @@ def calibrate(
             torch.cuda.synchronize(device)
         return middle - began, clock() - middle
 
+    def host(forest: RolloutForest) -> float:
+        began = clock()
+        step_host_work(model, forest)
+        return clock() - began
+
     for forest in forests:
         run(forest)
-    seconds = np.full((len(forests), 2), np.inf)  # [forests, (forward + backward, forward)]
+    seconds = np.full((len(forests), 3), np.inf)  # [forests, (forward + backward, forward, host work)]
     for _ in range(repeats):  # sweeps, not runs back to back: a busy spell on a shared machine hits one try of each
-        seconds = np.minimum(seconds, [run(forest) for forest in forests])
+        seconds = np.minimum(seconds, [(*run(forest), host(forest)) for forest in forests])
     share = float(np.median(seconds[:, 1] / seconds[:, 0]))
-    return fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds[:, 0], min(share, 1.0))
+    fitted = fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds[:, 0], min(share, 1.0))
+    return dataclasses.replace(fitted, step=float(np.median(seconds[:, 2])))
+
+
+def step_host_work(model: torch.nn.Module, forest: RolloutForest) -> None:
+    """What a training step does for ``forest`` besides its model calls: the forest built from its
+    rows, planned (in two slots where its longest trajectory allows) and the engine's Schedule
+    compiled."""
+    again = RolloutForest.from_sequences(forest.trajectories())
+    budget = max(-(-forest.num_compact_tokens // 2), int(forest.lengths.max()))
+    TreeEngine(model, again, plan(again, world_size=1, max_tokens_per_microbatch=budget))
 
 
 def format_cost_model(cost: CostModel, title: str) -> str:
@@ -133,6 +154,7 @@ def format_cost_model(cost: CostModel, title: str) -> str:
         f"forward share {cost.forward_share:.3f}: a no-grad forward's share of forward + backward (median over "
         "the forests), what a slot rerun in the backward costs again"
     )
+    lines.append(f"step {cost.step:.3e} s: once a step, outside the model calls (forest, plan, Schedule)")
     dropped = [name for name, value in values.items() if value == 0]
     if dropped:
         lines.append(

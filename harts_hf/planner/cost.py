@@ -9,7 +9,9 @@
 - one per microbatch: fixed overhead (launch latency, FSDP gathers, optimizer-free bookkeeping).
 
 ``forward_share`` is not a feature: the share of those seconds a microbatch's forward alone takes,
-what rerunning a recorded microbatch costs again in the backward (``balance.py``).
+what rerunning a recorded microbatch costs again in the backward (``balance.py``). Nor is ``step``:
+the seconds a step spends outside its model calls, once (building the forest, planning, compiling
+the Schedule), which a plan's predicted step adds to its slots.
 
 :data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
 H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
@@ -35,13 +37,15 @@ class CostModel:
     """Seconds per compact token, per attended pair, per round and per microbatch (all >= 0), and
     the forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written
     before it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the
-    forward; ``harts-hf calibrate`` measures it)."""
+    forward) and the seconds a step spends outside its model calls (absent: 0); ``harts-hf
+    calibrate`` measures both."""
 
     token: float
     pair: float
     round: float
     microbatch: float
     forward_share: float = FORWARD_SHARE
+    step: float = 0.0
 
     def __post_init__(self) -> None:
         values = asdict(self)

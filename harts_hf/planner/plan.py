@@ -155,13 +155,15 @@ class Plan:
 
     @property
     def step_seconds(self) -> float:
-        """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun."""
-        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share)
+        """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun;
+        and the step's work outside its model calls (``cost_model.step``)."""
+        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
 
     @property
     def rank_seconds(self) -> np.ndarray:
-        """[R] each rank's predicted forward + backward seconds on its own, reruns included."""
-        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share)
+        """[R] each rank's predicted forward + backward seconds on its own, reruns and the step's
+        work outside its model calls included."""
+        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
 
     def microbatch(self, rank: int, slot: int) -> list[tuple[int, np.ndarray]]:
         """(forest index, compact indices) of the tokens of slot ``slot`` on rank ``rank``, one
