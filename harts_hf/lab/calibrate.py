@@ -81,6 +81,9 @@ def calibration_forests(vocab: int, *, sizes: Sequence[float] = (0.5, 1.0, 2.0),
     for k, prompt_len in enumerate((96, 224, 448)):
         group = grpo_group(prompt_len=prompt_len, G=4, groups=k + 1, max_completion=48, seed=seed + k, vocab=vocab)
         out.append(group.forest())
+    # long completions deep under a prompt, as a multi-turn step's later turns: ~330 pairs a token over
+    # ~1,500 tokens (a trained quick GRPO step: 381 over 1,739), which the short completions above miss
+    out.append(grpo_group(prompt_len=320, G=10, max_completion=180, seed=seed, vocab=vocab).forest())
     out += [binary_tree(depth, 8, seed=seed + depth, vocab=vocab) for depth in range(6)]
     return out
 
