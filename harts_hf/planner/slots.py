@@ -58,8 +58,8 @@ def slot_pieces(
     slot pushing it over, often fits with a full first slot and a last slot that carries the
     context); then the greedy cuts themselves (they always fit) and, where no equal cut fits,
     budget-capped cuts in the greedy count of slots. Then more slots, equal and tuned, one more at a
-    time while the best cut so far reruns slots and more, smaller slots could keep one more graph
-    (:func:`_more_graphs`): the graphs the byte budget holds alive together may hold more own tokens
+    time while more, smaller slots could keep more graphs than any cut so far (:func:`_more_graphs`)
+    and rerun fewer slots: the graphs the byte budget holds alive together may hold more own tokens
     than one full microbatch (its transient phases count once; under gradient checkpointing they
     outweigh the saved activations), and a slot that keeps its graph is not rerun."""
     greedy = budget_cuts(geo, iv, world_size, budget)
@@ -88,16 +88,16 @@ def slot_pieces(
         found += [capped] if fits(capped) else []
     found.append(greedy)
     scored = [_predicted(geo, c, world_size, cost, budget, memory, graphs) for c in found]
-    best = int(np.argmin([step for step, _ in scored]))  # ties: the earliest
     own = np.bincount(iv.rank, weights=iv.hi - iv.lo, minlength=world_size).max()  # the busiest rank's tokens
-    more = found[best].num_slots + 1
-    while more <= 2 * fewest and _more_graphs(memory, budget, graphs, own, more, scored[best][1]):
+    more = max(c.num_slots for c in found) + 1
+    while more <= 2 * fewest and _more_graphs(memory, budget, graphs, own, more, max(k for _, k in scored)):
         cuts = [c for c in equal_cuts(more)[:2] if fits(c)]
-        trial = [_predicted(geo, c, world_size, cost, budget, memory, graphs) for c in cuts]
-        if not trial or min(step for step, _ in trial) >= scored[best][0]:
+        if not cuts:
             break
-        pick = int(np.argmin([step for step, _ in trial]))
-        found, scored, best, more = [cuts[pick]], [trial[pick]], 0, more + 1
+        found += cuts
+        scored += [_predicted(geo, c, world_size, cost, budget, memory, graphs) for c in cuts]
+        more += 1
+    best = int(np.argmin([step for step, _ in scored]))  # ties: the earliest
     return _without_idle_slots(found[best])
 
 
