@@ -18,7 +18,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-from .trees import by_level, chains, tree_levels
+from .trees import by_level, tree_levels
 
 __all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 
@@ -26,11 +26,21 @@ __all__ = ["RolloutForest", "sorted_unique", "trie_order"]
 def trie_order(seqs: Sequence[np.ndarray]) -> np.ndarray:
     """Indices of ``seqs`` (non-negative ids) in lexicographic order, a prefix before its
     extensions: the order of their leaves in the trie's DFS pre-order."""
-    arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
-    # Big-endian bytes compare like ids; 4 bytes a token halve the copies when every id fits.
-    width = ">u4" if max((int(a.max()) for a in arrays if a.size), default=0) < 1 << 32 else ">u8"
-    keys = [a.astype(width).tobytes() for a in arrays]
-    return np.asarray(sorted(range(len(seqs)), key=keys.__getitem__), dtype=np.int64)
+    keys = _trie_keys([np.asarray(s, dtype=np.int64) for s in seqs])
+    return np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+
+
+def _trie_keys(arrays: list[np.ndarray]) -> list[bytes]:
+    """Big-endian bytes of every array (non-negative int64 ids): they compare like the ids. The fewest
+    bytes a token that every id fits (2, 4 or 8) shrink the copies; one buffer takes every byteswap."""
+    top = max((int(a.max()) for a in arrays if a.size), default=0)
+    width = next(w for w in (">u2", ">u4", ">u8") if top < 1 << 8 * int(w[-1]))
+    buf = np.empty(max(a.size for a in arrays), dtype=width)
+    keys = []
+    for a in arrays:
+        np.copyto(buf[: a.size], a, casting="unsafe")
+        keys.append(buf[: a.size].tobytes())
+    return keys
 
 
 def sorted_unique(x: np.ndarray) -> np.ndarray:
@@ -55,10 +65,9 @@ def _as_ids(seq, i: int) -> np.ndarray:
         raise ValueError(f"trajectory {i} is empty: every trajectory needs at least one token")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"trajectory {i}: token ids must be integers, got dtype {arr.dtype}")
-    if np.issubdtype(arr.dtype, np.signedinteger):
+    if np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:  # a reduction, no [len] temporary
         neg = np.flatnonzero(arr < 0)
-        if neg.size:
-            raise ValueError(f"trajectory {i}, position {neg[0]}: negative token id {arr[neg[0]]}")
+        raise ValueError(f"trajectory {i}, position {neg[0]}: negative token id {arr[neg[0]]}")
     if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"trajectory {i}: token id {arr.max()} does not fit in int64")
     return arr.astype(np.int64, copy=False)
@@ -78,9 +87,12 @@ def _as_mask(mask, i: int, length: int) -> np.ndarray:
     return arr.astype(bool, copy=False)
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
+def _common_prefix(a: bytes, b: bytes, width: int) -> int:
+    """Tokens two trie keys (``_trie_keys``, ``width`` bytes a token) share: equality needs no byteswap,
+    so they are compared as native unsigned words."""
+    n = min(len(a), len(b)) // width
+    kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    diff = np.flatnonzero(np.frombuffer(a, kind, n) != np.frombuffer(b, kind, n))
     return int(diff[0]) if diff.size else n
 
 
@@ -148,9 +160,12 @@ class RolloutForest:
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         lcp = np.zeros(len(arrays), dtype=np.int64)
         if share_prefixes:
-            order = trie_order(arrays)
+            keys = _trie_keys(arrays)
+            width = len(keys[0]) // arrays[0].size
+            order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
             for r in range(1, len(order)):
-                lcp[r] = _common_prefix(arrays[order[r - 1]], arrays[order[r]])
+                lcp[r] = _common_prefix(keys[order[r - 1]], keys[order[r]], width)
+            del keys
         else:
             order = np.arange(len(arrays))
 
@@ -161,9 +176,12 @@ class RolloutForest:
 
         # Sorted row r is trajectory order[r]; it adds compact tokens new_offset[r]:new_offset[r + 1]
         # (its depths from lcp[r] on) and its first lcp[r] tokens are those of row r - 1: the restore
-        # index is written in the caller's order, a slice copy and a ramp per row.
+        # index is written in the caller's order, a slice copy and a ramp per row. At 50M compact
+        # tokens every [N] or [T] array is fresh memory the kernel faults in, as costly as the work:
+        # each is written once, in place, and no temporary of that size is made.
         restore = np.empty(int(traj_offsets[-1]), dtype=np.int64)  # [T]
         tokens = np.empty(num_compact, dtype=np.int64)
+        position = np.empty(num_compact, dtype=np.int64)
         ramp = np.arange(int(lengths.max()), dtype=np.int64)
         src = 0
         for i, k, lo, n in zip(order.tolist(), lcp.tolist(), new_offset.tolist(), lengths[order].tolist()):
@@ -171,25 +189,27 @@ class RolloutForest:
             restore[dst : dst + k] = restore[src : src + k]
             np.add(ramp[: n - k], lo, out=restore[dst + k : dst + n])
             tokens[lo : lo + n - k] = arrays[i][k:]
+            position[lo : lo + n - k] = ramp[k:n]
             src = dst
-        position = np.arange(num_compact)
-        position -= np.repeat(new_offset[:-1] - lcp, new_count)
         # A new token's parent is the compact token before it, except at a row's first new
         # token: its parent is the row's last shared token (none at depth 0).
         prev = np.arange(-1, num_compact - 1)
         adds = np.flatnonzero(new_count > 0)
+        first = new_offset[adds]  # [A] each adding row's first new token, increasing
         last_shared = restore[traj_offsets[order[adds]] + np.maximum(lcp[adds] - 1, 0)]
-        prev[new_offset[adds]] = np.where(lcp[adds] > 0, last_shared, -1)
+        prev[first] = np.where(lcp[adds] > 0, last_shared, -1)
 
-        node_of, node_arrays = cls._nodes(prev)
+        nodes = cls._nodes(prev, first)
+        node_len = nodes["node_len"]
         # A chain's tokens share their subtree; a trajectory passes through a token iff it ends in
-        # the token's subtree: both from the nodes, never from a pass over the T restore entries.
-        node_end = np.append(node_arrays["node_start"], num_compact)[node_arrays["node_tout"]]
-        subtree_end = node_end[node_of]
-        through = np.zeros(num_compact + 1, dtype=np.int64)  # trajectories ending before each token
-        np.cumsum(np.bincount(restore[traj_offsets[1:] - 1], minlength=num_compact), out=through[1:])
-        multiplicity = through[subtree_end]
-        multiplicity -= through[:-1]
+        # the token's subtree: one value per run of a chain between trajectory ends, then repeated.
+        node_end = np.append(nodes["node_start"], num_compact)[nodes["node_tout"]]  # [M]
+        subtree_end = np.repeat(node_end, node_len)
+        ends = np.sort(restore[traj_offsets[1:] - 1])  # [B] each trajectory's last compact token
+        runs = np.union1d(nodes["node_start"], ends[ends < num_compact - 1] + 1)
+        run_node = np.searchsorted(nodes["node_start"], runs, side="right") - 1
+        through = np.searchsorted(ends, node_end[run_node]) - np.searchsorted(ends, runs)
+        multiplicity = np.repeat(through, np.diff(np.append(runs, num_compact)))
         loss_mask = np.concatenate(masks) if masks is not None else None
         return cls(
             tokens=tokens,
@@ -197,31 +217,43 @@ class RolloutForest:
             prev=prev,
             multiplicity=multiplicity,
             subtree_end=subtree_end,
-            node_of=node_of,
-            **node_arrays,
+            node_of=np.repeat(np.arange(node_len.size), node_len),
+            **nodes,
             traj_offsets=traj_offsets,
             restore=restore,
             loss_mask=loss_mask,
         )
 
     @staticmethod
-    def _nodes(prev: np.ndarray) -> tuple[np.ndarray, dict]:
-        """The trie's nodes (``trees.chains``, contiguous in DFS order) with their lengths, levels and
-        DFS intervals (``node_tout``: one past the last node of the subtree, bottom-up by level)."""
-        node_of, node_start, node_parent = chains(prev)
+    def _nodes(prev: np.ndarray, first: np.ndarray) -> dict:
+        """The trie's nodes (chains: contiguous in DFS order) with their lengths, levels and DFS
+        intervals (``node_tout``: one past the last node of the subtree, bottom-up by level).
+
+        ``first`` (increasing): the roots and the first new token of each sorted trajectory. Every
+        other token's parent is the token before it, so only the parents of ``first`` can branch,
+        and the chains follow from those few tokens (``trees.chains`` reads every token, with [N]
+        temporaries)."""
+        up = prev[first]
+        hub, hung = np.unique(up[up >= 0], return_counts=True)  # parents of ``first``, children there
+        runs_on = ~np.isin(hub + 1, first)  # the token after a hub is its child too, unless in ``first``
+        fork = hung + runs_on >= 2
+        node_start = np.union1d(first[(up < 0) | np.isin(up, hub[fork])], hub[fork & runs_on] + 1)
         node_len = np.diff(np.append(node_start, prev.size))
+        parent_tok = prev[node_start]
+        node_parent = np.searchsorted(node_start, parent_tok, side="right") - 1
+        node_parent[parent_tok < 0] = -1
         level = tree_levels(node_parent)
         node_tout = np.arange(1, node_start.size + 1)
         for ch in by_level(level)[:0:-1]:  # deepest first
             np.maximum.at(node_tout, node_parent[ch], node_tout[ch])
-        return node_of, dict(
-            node_start=node_start,
-            node_len=node_len,
-            node_parent=node_parent,
-            node_level=level,
-            node_tin=np.arange(node_start.size),
-            node_tout=node_tout,
-        )
+        return {
+            "node_start": node_start,
+            "node_len": node_len,
+            "node_parent": node_parent,
+            "node_level": level,
+            "node_tin": np.arange(node_start.size),
+            "node_tout": node_tout,
+        }
 
     # ------------------------------------------------------------------ statistics
     @property

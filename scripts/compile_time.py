@@ -1,18 +1,25 @@
-"""Schedule compile time at scale: plan a swe-like step over R ranks, then compile every rank's
-units (``harts_hf.schedule.rank_units``: token ids, tree tables, handoff addresses) for the
+"""Schedule compile time at scale: build a swe-like forest, plan its step over R ranks, then compile
+every rank's units (``harts_hf.schedule.rank_units``: token ids, tree tables, handoff addresses) for the
 default bench model, and print the seconds of each. Ranks compile their own units in parallel,
-so the step pays the largest rank's time.
+so the step pays the largest rank's time. The forest build and the plan are timed in CPU seconds of
+this process (user + system: a loaded machine stretches the wall clock, not these; the system part is
+the kernel faulting in fresh pages, which the first build of a process pays in full).
 
     python scripts/compile_time.py                      # scale 1 (21.7M trajectory tokens), 8 ranks
     python scripts/compile_time.py --scale 0.1 --world-size 4
+    python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --plan-only --repeat 5
+        # issue 36's figure: 14,177 trajectories (315M tokens, 54.6M compact), forest and plan seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import time
 
 from harts_hf.lab.models import build_model
+from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.modeling import patch_model
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
@@ -21,21 +28,47 @@ from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
 
+def _cpu() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="swe-like length scale (default 1)")
+    parser.add_argument("--num-tasks", type=int, default=5, help="swe-like tasks, 8 samples each (default 5)")
     parser.add_argument("--world-size", type=int, default=8, help="data-parallel ranks (default 8)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="microbatch budget")
+    parser.add_argument("--model", help="price context with this bench family's memory model (default: as own tokens)")
+    parser.add_argument("--plan-only", action="store_true", help="stop after the plan (no model, no compile)")
+    parser.add_argument("--repeat", type=int, default=1, help="build and plan this many times (median printed)")
     args = parser.parse_args()
 
-    workload = get_workload("swe-like", scale=args.scale)
-    forest = workload.forest()
+    workload = get_workload("swe-like", scale=args.scale, num_tasks=args.num_tasks)
+    memory = bench_memory_model(args.model) if args.model else None
+    builds, plans = [], []
+    for _ in range(args.repeat):
+        forest = None  # the last forest's memory is freed before the next build
+        u0, s0 = _cpu()
+        forest = workload.forest()
+        u1, s1 = _cpu()
+        builds.append((u1 - u0, s1 - s0))
+        began = time.process_time()
+        the_plan = plan(
+            forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens, memory_model=memory
+        )
+        plans.append(time.process_time() - began)
     print(
-        f"swe-like scale {args.scale}: {workload.num_tokens:,} trajectory tokens, {forest.num_compact_tokens:,} compact"
+        f"swe-like scale {args.scale}, {args.num_tasks} tasks: {workload.num_trajectories:,} trajectories, "
+        f"{workload.num_tokens:,} trajectory tokens, {forest.num_compact_tokens:,} compact"
     )
-    began = time.perf_counter()
-    the_plan = plan(forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens)
-    print(f"plan: {time.perf_counter() - began:.2f} s, {the_plan.num_slots} slots of {args.max_tokens:,} tokens")
+    print("forest build, CPU s (user + system): " + ", ".join(f"{u:.2f} + {s:.2f}" for u, s in builds))
+    print(
+        f"plan at {args.world_size} ranks, CPU s: {', '.join(f'{p:.2f}' for p in plans)} "
+        f"(median {statistics.median(plans):.2f}); {the_plan.num_slots} slots of {args.max_tokens:,} tokens"
+    )
+    if args.plan_only:
+        return
     hf, adapter = patched_adapter(patch_model(build_model("qwen3_5", max_positions=forest.max_length + 1).model))
     tables = model_tables(hf, adapter)
     seconds = []

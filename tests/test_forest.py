@@ -220,3 +220,17 @@ def test_sorted_unique_is_np_unique(x: list[int]) -> None:
     np.testing.assert_array_equal(
         sorted_unique(np.asarray(x, dtype=np.int64)), np.unique(np.asarray(x, dtype=np.int64))
     )
+
+
+@settings(max_examples=50)
+@given(trajectory_sets(), st.sampled_from([2**16 - 2, 2**32 - 2]))
+def test_trie_keys_of_every_width_order_alike(case, base):
+    """Ids shifted across 2**16 or 2**32 (the trie keys take 2, 4 or 8 bytes a token, whichever every id
+    fits) build the same forest: the same order, chains and restore index, only the ids shifted."""
+    seqs, masks = case
+    small = RolloutForest.from_sequences(seqs, masks)
+    shifted = RolloutForest.from_sequences([[x + base for x in s] for s in seqs], masks)
+    np.testing.assert_array_equal(shifted.tokens, small.tokens + base)
+    for name in RolloutForest.__dataclass_fields__:
+        if name != "tokens":
+            np.testing.assert_array_equal(getattr(shifted, name), getattr(small, name), err_msg=name)

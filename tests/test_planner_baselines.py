@@ -27,6 +27,9 @@ FIELDS = {
     "step_seconds",
     "step_seconds_from",
     "plan_seconds",
+    "handoffs",
+    "lower_bound",
+    "no_exchange",
     "baselines",
 }
 ENTRY = {"imbalance", "redundancy", "step_seconds", "plan_seconds"}

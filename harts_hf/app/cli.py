@@ -193,6 +193,12 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         "longer than the budget then plan; default: a context token costs an own token)",
     )
     p.add_argument("--size", default="default", help="the --model's size from harts_hf.lab.SIZES (default default)")
+    p.add_argument(
+        "--no-handoffs",
+        action="store_true",
+        help="recompute every shared chain on the ranks reading it, never hand one over (a plan each rank can "
+        "run alone; the report shows this plan as no_exchange either way)",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
     p.set_defaults(run=cmd_plan)
@@ -224,6 +230,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             max_tokens_per_microbatch=args.max_tokens,
             cost_model=cost,
             memory_model=memory,
+            handoffs=not args.no_handoffs,
         )
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err
@@ -245,6 +252,12 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory", action="store_true", help="fit the memory model (bytes) to measured peaks instead of the cost model"
+    )
+    p.add_argument(
+        "--comm",
+        action="store_true",
+        help="also measure the communication terms: a 2-process gloo exchange on this machine (seconds per byte "
+        "and per message) and the model's bytes per handed context token and path start",
     )
     p.add_argument(
         "--tokens",
@@ -290,6 +303,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         _write_json(args.json, measured.as_dict())
         return 0
     fitted = calibrate(model, repeats=args.repeats)
+    if args.comm:
+        from ..lab.calibrate_comm import calibrate_comm
+        from ..modeling import patch_model
+
+        fitted = calibrate_comm(fitted, patch_model(model), repeats=args.repeats)
     print(
         format_cost_model(fitted, f"cost model of {args.model} ({args.size}) in {time.perf_counter() - began:.1f} s:")
     )

@@ -38,6 +38,14 @@ FEATURE_MEANINGS = {
 }
 """What each coefficient of :class:`CostModel` prices (``planner/cost.py`` says more)."""
 
+COMM_MEANINGS = {
+    "byte": "per byte moved between ranks (a cross-rank handoff's values, and gradients back)",
+    "message": "per message between ranks: its latency",
+    "context_bytes": "bytes per handed context token: its K/V in every attention layer",
+    "state_bytes": "bytes per handed path start: conv halos, replay rows, linear-attention states",
+}
+"""The communication terms (``harts-hf calibrate --comm`` measures them: ``calibrate_comm.py``)."""
+
 
 def forest_features(forest: RolloutForest) -> np.ndarray:
     """[4] the cost model's features of ``forest`` run whole as one microbatch."""
@@ -150,15 +158,18 @@ def step_host_work(model: torch.nn.Module, forest: RolloutForest) -> None:
 def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
-    values = {name: getattr(cost, name) for name in FEATURE_MEANINGS}
-    lines = [title, legend({name: f"{value:.3e} s  {FEATURE_MEANINGS[name]}" for name, value in values.items()})]
+    values = cost.as_dict()
+    unit = {"context_bytes": "B", "state_bytes": "B"}
+    meanings = FEATURE_MEANINGS | COMM_MEANINGS
+    shown = {k: v for k, v in values.items() if k in meanings}
+    lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in shown.items()})]
     lines.append("predicted seconds of a microbatch = sum of coefficient x feature; the planner balances on it")
     lines.append(
         f"forward share {cost.forward_share:.3f}: a no-grad forward's share of forward + backward (median over "
         "the forests), what a slot rerun in the backward costs again"
     )
     lines.append(f"step {cost.step:.3e} s: once a step, outside the model calls (forest, plan, Schedule)")
-    dropped = [name for name, value in values.items() if value == 0]
+    dropped = [name for name in FEATURE_MEANINGS if values[name] == 0]
     if dropped:
         lines.append(
             f"0 ({', '.join(dropped)}): dropped by the non-negative least-squares fit, as not explaining the "

@@ -42,6 +42,27 @@ def _piece_trees(plan: Plan, forests: Sequence[RolloutForest]) -> tuple[np.ndarr
     return tree, int(offsets[-1]), lone and starts[0].size > 1
 
 
+def _handed(plan: Plan) -> str:
+    """The title's line on cross-rank handoffs (nothing when the plan hands nothing over)."""
+    if not plan.handoffs:
+        return ""
+    return (
+        f"\n{plan.handoffs} handoffs between ranks moving {plan.handoff_bytes / 1e9:.3g} GB "
+        f"({plan.handoff_seconds:.3g} s on the busiest rank)"
+    )
+
+
+def _versus(record: dict) -> str:
+    """The title's last line: the planner without handoffs and the lower bound, from ``record``."""
+    off, bound = record.get("no_exchange"), record.get("lower_bound")
+    words = (
+        [] if off is None else [f"no exchange: step {off['step_seconds']:.3g} s, redundancy {off['redundancy']:.4f}"]
+    )
+    if bound is not None:
+        words.append(f"lower bound max(unique work / R, longest path) {bound['seconds']:.3g} s")
+    return "; ".join(words)
+
+
 def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -> tuple[str, list]:
     """One row per rank; slot s starts when the slowest rank finished slot s - 1 (ranks run in
     lockstep), so idle time shows as gaps. A microbatch's width is its predicted cost, shared among
@@ -78,7 +99,8 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -
         f"{plan.budget.tokens:,} tokens per microbatch\n{plan.world_size} ranks x {plan.num_slots} slots, "
         f"{plan.num_pieces} pieces: predicted step "
         f"{plan.step_seconds:.3g} s, slot imbalance {plan.slot_imbalance:.4f}, rank imbalance "
-        f"{plan.rank_imbalance:.4f}, redundancy {plan.redundancy:.4f}\nseconds from {cost_origin(plan.cost_model)}",
+        f"{plan.rank_imbalance:.4f}, redundancy {plan.redundancy:.4f}{_handed(plan)}\n"
+        f"seconds from {cost_origin(plan.cost_model)}",
         fontsize=9,
     )
     title = "colour = tree" + (": a branch below the root chain every trajectory shares" if branches else "")
@@ -87,7 +109,9 @@ def _timeline(ax, plan: Plan, forests: Sequence[RolloutForest], workload: str) -
     else:
         colours = [Patch(color=palette[t], label=f"tree {t}") for t in range(num_trees)]
     return title, colours + [
-        Patch(color=SHARED_GREY, label="shared chain, recomputed on every rank that needs it"),
+        Patch(
+            color=SHARED_GREY, label="shared chain: recomputed on every rank that needs it, or run once and handed over"
+        ),
         Patch(facecolor="white", edgecolor="black", hatch="///", label="replica: tokens owned by another rank"),
         Line2D([], [], color="black", linewidth=0.5, alpha=0.6, label="slot boundary (ranks wait for the slowest)"),
     ]
@@ -164,6 +188,8 @@ def plot_plan(
         for title in PANELS:
             _panel(axes[title], record, title)
     colour_title, handles = _timeline(ax, plan, as_forests(forests), workload)
+    if record is not None and (versus := _versus(record)):
+        ax.set_title(f"{ax.get_title()}\n{versus}", fontsize=9)
     fig.legend(
         handles=handles, title=colour_title, loc="lower center", ncol=4, fontsize=8, title_fontsize=8, frameon=False
     )

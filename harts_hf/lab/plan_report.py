@@ -1,17 +1,33 @@
-"""What ``harts-hf plan`` reports: the plan's numbers next to every baseline's, as JSON and a table."""
+"""What ``harts-hf plan`` reports: the plan's numbers next to every baseline's, as JSON and a table.
+
+Beside the baselines: the same planner with cross-rank handoffs off ("no exchange": every shared
+chain recomputed on the ranks that read it) and the lower bound ``max(unique work / R, longest
+path)`` (every compact token once, spread evenly; the longest trajectory alone on one rank), both
+under the plan's cost model."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 from ..forest import RolloutForest
-from ..planner.plan import Plan
+from ..planner.geometry import Geometry
+from ..planner.plan import Plan, plan
 from .baselines import EXACT_SECONDS, run_baselines
 
-__all__ = ["PLANNERS", "bench_memory_model", "legend", "plan_record", "planner_entries", "record_table"]
+__all__ = [
+    "NO_EXCHANGE",
+    "PLANNERS",
+    "bench_memory_model",
+    "legend",
+    "lower_bound",
+    "no_exchange",
+    "plan_record",
+    "planner_entries",
+    "record_table",
+]
 
 PLANNERS = {
-    "harts": "ours: subtrees to ranks on the cost model, shared chains recomputed, lockstep slots",
+    "harts": "ours: subtrees to ranks on the cost model, shared chains recomputed or handed over, lockstep slots",
     "per_trajectory": "no sharing (trajectory-wise training): trajectories spread over ranks",
     "trie_packing": "AReaL: tries of trajectories up to the budget; a prefix shared by two tries runs twice",
     "dfs_kcut": "AReaL-DTA: the DFS order cut into one contiguous range per rank",
@@ -26,7 +42,11 @@ COLUMNS = {
     "rank imb": "slowest rank's total / mean rank total (1 = even; lower is better)",
     "redundancy": "extra tokens computed per compact token: recomputed chains, replays (lower is better)",
     "plan s": "time taken to plan (lower is better)",
+    "handoffs": "messages between ranks carrying handed chains (context rows and states)",
+    "GB moved": "bytes those messages move, values there and gradients back",
+    "xfer s": "predicted seconds the busiest rank spends on them (in step s)",
 }
+NO_EXCHANGE = {"no_exchange": "harts with cross-rank handoffs off: every shared chain recomputed where it is read"}
 GAP = {"gap": "harts' largest rank cost above the exact solver's proven lower bound (0% = optimal)"}
 
 
@@ -36,10 +56,41 @@ def legend(meanings: Mapping[str, str]) -> str:
     return "\n".join(f"  {name:<{width}}  {meaning}" for name, meaning in meanings.items())
 
 
+def lower_bound(forests: Sequence[RolloutForest], ours: Plan) -> dict:
+    """``{"seconds", "unique_work_per_rank", "longest_path"}`` under ``ours``' cost model: no plan on
+    its world size predicts a shorter step than ``seconds``."""
+    geo = Geometry.of(list(forests), ours.cost_model)
+    per_rank = geo.total_cost / ours.world_size
+    longest = float(geo.path_cost(max(f.max_length for f in forests)))
+    return {"seconds": max(per_rank, longest), "unique_work_per_rank": per_rank, "longest_path": longest}
+
+
+def no_exchange(forests: Sequence[RolloutForest], ours: Plan) -> dict:
+    """The record entry of ``ours``' planner with handoffs off (``ours`` itself if it hands nothing)."""
+    other = ours
+    if ours.handoffs:
+        other = plan(
+            forests,
+            world_size=ours.world_size,
+            max_tokens_per_microbatch=ours.budget.tokens,
+            memory_model=ours.memory_model,
+            cost_model=ours.cost_model,
+            chunk_size=ours.chunk_size,
+        )
+    summary = other.summary()
+    return {k: summary[k] for k in ("imbalance", "redundancy", "step_seconds", "plan_seconds", "handoffs")}
+
+
 def plan_record(forests: Sequence[RolloutForest], plan: Plan, *, exact_seconds: float = EXACT_SECONDS) -> dict:
     """``{"world_size", "slots", "pieces", "imbalance": {"slot", "rank"}, "redundancy",
-    "plan_seconds", "baselines": {name: {"imbalance", "redundancy", "plan_seconds", ...}}}``."""
-    return {**plan.summary(), "baselines": run_baselines(forests, plan, exact_seconds)}
+    "plan_seconds", "handoffs": {"messages", "bytes", "seconds"}, "lower_bound": {...},
+    "no_exchange": {...}, "baselines": {name: {"imbalance", "redundancy", "plan_seconds", ...}}}``."""
+    return {
+        **plan.summary(),
+        "lower_bound": lower_bound(forests, plan),
+        "no_exchange": no_exchange(forests, plan),
+        "baselines": run_baselines(forests, plan, exact_seconds),
+    }
 
 
 def planner_entries(record: dict) -> dict[str, dict]:
@@ -54,9 +105,13 @@ def _fmt(x: float | None, spec: str) -> str:
 def record_table(record: dict) -> str:
     """One aligned row per planner (step time, slot and rank imbalance, redundancy, planning seconds), why a
     baseline was skipped and the exact solver's gap, then the legend of columns and planners."""
-    rows = [("planner", "step s", "slot imb", "rank imb", "redundancy", "plan s")]
-    for name, e in planner_entries(record).items():
+    rows = [("planner", "step s", "slot imb", "rank imb", "redundancy", "plan s", "handoffs", "GB moved", "xfer s")]
+    entries = planner_entries(record)
+    if "no_exchange" in record:
+        entries = {"harts": entries.pop("harts"), "no_exchange": record["no_exchange"], **entries}
+    for name, e in entries.items():
         imb = e["imbalance"] or {}
+        sent = e.get("handoffs") or {}
         rows.append(
             (
                 name,
@@ -65,17 +120,26 @@ def record_table(record: dict) -> str:
                 _fmt(imb.get("rank"), ".4f"),
                 _fmt(e["redundancy"], ".4f"),
                 _fmt(e["plan_seconds"], ".3f"),
+                _fmt(sent.get("messages"), "d"),
+                _fmt(None if "bytes" not in sent else sent["bytes"] / 1e9, ".3f"),
+                _fmt(sent.get("seconds"), ".4f"),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     head = f"world size {record['world_size']}: {record['slots']} slots, {record['pieces']} pieces"
     head += f"; step s from {record['step_seconds_from']}"
+    bound = record.get("lower_bound")
+    if bound:
+        head += (
+            f"\nlower bound {bound['seconds']:.4f} s = max(unique work / R {bound['unique_work_per_rank']:.4f}, "
+            f"longest path {bound['longest_path']:.4f}): harts at {record['step_seconds'] / bound['seconds']:.3f}x"
+        )
     notes = [f"{name}: {e['skipped']}" for name, e in record["baselines"].items() if "skipped" in e]
     gap = record["baselines"]["exact"].get("gap")
     if gap is not None:
         notes.append(f"gap to the exact solver's bound on the largest rank cost: {gap:.4%}")
-    meanings = COLUMNS | PLANNERS | (GAP if gap is not None else {})
+    meanings = COLUMNS | PLANNERS | (NO_EXCHANGE if "no_exchange" in record else {}) | (GAP if gap is not None else {})
     return "\n".join([head, *lines, *notes, "", legend(meanings)])
 
 

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..trees import chains, min_rounds, replay_length, tree_levels
+from ..trees import by_level, chains, min_rounds, replay_length, tree_levels
 from .tree_batch import Table, TreeBatch
 
 __all__ = [
@@ -197,9 +197,6 @@ def _decompose(node_parent: np.ndarray, end_depth: np.ndarray) -> tuple[np.ndarr
     """(path head node, round) of every node under the min-rounds choice of continued child."""
     m = node_parent.size
     r, deep = min_rounds(node_parent, end_depth)
-    level = tree_levels(node_parent)
-    by_level = np.argsort(level, kind="stable")
-    bounds = np.searchsorted(level[by_level], np.arange(level.max() + 2))
     # c* per parent: largest r, then deepest subtree, then first in DFS order.
     child = np.flatnonzero(node_parent >= 0)
     order = np.lexsort((child, -deep[child], -r[child], node_parent[child]))
@@ -210,8 +207,7 @@ def _decompose(node_parent: np.ndarray, end_depth: np.ndarray) -> tuple[np.ndarr
 
     head = np.arange(m)
     rnd = np.zeros(m, dtype=np.int64)
-    for lvl in range(1, level.max() + 1):
-        ch = by_level[bounds[lvl] : bounds[lvl + 1]]
+    for ch in by_level(tree_levels(node_parent))[1:]:  # root level first
         par = node_parent[ch]
         cont = chosen[par] == ch
         head[ch] = np.where(cont, head[par], ch)

@@ -28,8 +28,10 @@ Legend: M nodes, U branches, G groups, R ranks, I intervals.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
+from operator import neg
 
 import numpy as np
 
@@ -185,6 +187,29 @@ def _path_costs(table: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(slots=True)
+class _Branches:
+    """The branches of a group not taken yet, largest first, with their running sums ``acc`` (left to
+    right, as a rank adds them up), which ``_take`` bisects instead of walking them. Few objects a
+    group (slots, a one-branch group's sums are its costs): the search makes one per group, and
+    every container it allocates brings the interpreter's next full garbage collection nearer, which
+    walks every object of the process (0.2 s in a process that has imported torch)."""
+
+    ids: list[int]
+    sizes: list[float]
+    acc: list[float]
+
+    @classmethod
+    def of(cls, ids: list[int], sizes: list[float]) -> _Branches:
+        return cls(ids, sizes, sizes if len(sizes) == 1 else list(accumulate(sizes)))
+
+    def without(self, taken: list[int]) -> _Branches:
+        """The leftovers once ``taken`` (positions, increasing) are gone."""
+        gone = set(taken)
+        keep = [i for i in range(len(self.ids)) if i not in gone]
+        return _Branches.of([self.ids[i] for i in keep], [self.sizes[i] for i in keep])
+
+
 @dataclass(frozen=True)
 class _Groups:
     """What every fill of the capacity search reads, built once per assignment. Python lists: the
@@ -193,7 +218,7 @@ class _Groups:
     branches.
 
     Args:
-        members: [G] branches of each group, largest first. sizes: [G] their costs.
+        members: [G] branches of each group (ids and costs, largest first).
         depth: [G] top chains above each group's branches.
         need: [G][d] cost of the group's top chains below its first d (root first): what a rank
             holding those d pays to take a branch of it.
@@ -202,8 +227,8 @@ class _Groups:
             group it took from: the smallest ``shared`` on the way.
     """
 
-    members: list[list[int]]
-    sizes: list[list[float]]
+    members: list[_Branches | None]
+    num_branches: int
     depth: list[int]
     need: list[list[float]]
     shared: list[int]
@@ -214,7 +239,6 @@ def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, b
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
     ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
-    spans = list(pairwise(bounds))
     # need[:, d]: the costs below d summed root first (left to right, as a rank adds them up)
     cost = np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0)  # [G, L]
     need = np.zeros((num_groups, depth + 1))
@@ -223,62 +247,66 @@ def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, b
     same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
     shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
     return _Groups(
-        members=[ids[a:b] for a, b in spans],
-        sizes=[sizes[a:b] for a, b in spans],
+        members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
+        num_branches=branch_cost.size,
         depth=(table >= 0).sum(axis=1).tolist(),
         need=need.tolist(),
         shared=shared.tolist(),
     )
 
 
-def _take(sizes: list[float], room: float) -> tuple[list[int], float]:
-    """Positions of the branches (costs ``sizes``, largest first) a rank with ``room`` left takes, and
-    the room left then: the longest prefix that fits, then each branch that still fits, in order."""
-    k, prefix = 0, 0.0
-    for s in sizes:
-        if prefix + s > room:
-            break
-        prefix += s
-        k += 1
-    room -= prefix if k < 8 else float(np.sum(sizes[:k]))  # numpy sums 8 terms and more pairwise
+def _take(branches: _Branches, room: float) -> tuple[list[int], float]:
+    """Positions of the branches a rank with ``room`` left takes, and the room left then: the longest
+    prefix that fits, then each branch that still fits, in order (found by bisection: the costs
+    decrease, so the next one that fits is the first not above the room)."""
+    acc, sizes = branches.acc, branches.sizes
+    k = bisect_right(acc, room)
+    if k:
+        room -= acc[k - 1] if k < 8 else float(np.sum(sizes[:k]))  # numpy sums 8 terms and more pairwise
     taken = list(range(k))
-    for i in range(k, len(sizes)):
-        if sizes[i] <= room:
-            taken.append(i)
-            room -= sizes[i]
+    i = bisect_left(sizes, -room, k, key=neg)
+    while i < len(sizes):
+        taken.append(i)
+        room -= sizes[i]
+        i = bisect_left(sizes, -room, i + 1, key=neg)
     return taken, room
 
 
 def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
     """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
-    members, sizes = list(groups.members), list(groups.sizes)  # leftovers: entries replaced, never mutated
+    members = list(groups.members)  # leftovers: entries replaced, never mutated
     depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
-    rank = [-1] * sum(map(len, members))
+    rank = [-1] * groups.num_branches
     first = 0
     for r in range(world_size):
         load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
         for g in range(first, end):
             if g > first and shared[g - 1] < held:
                 held = shared[g - 1]
-            ids = members[g]
-            if not ids:
+            branches = members[g]
+            if branches is None:
                 continue
-            taken, room = _take(sizes[g], capacity - load - need[g][held])
-            if taken:
+            room = capacity - load - need[g][held]
+            whole = branches.acc[-1]
+            if whole <= room and len(branches.ids) < 8:  # the whole group fits (most hold one branch)
+                for i in branches.ids:
+                    rank[i] = r
+                load = capacity - (room - whole)  # as ``_take`` leaves it
+                held = depth[g]
+                members[g] = branches = None
+            elif branches.sizes[-1] <= room:  # the smallest fits: something is taken
+                taken, room = _take(branches, room)
+                ids = branches.ids
                 for i in taken:
                     rank[ids[i]] = r
                 load = capacity - room
                 held = depth[g]
-                if len(taken) == len(ids):
-                    members[g] = sizes[g] = []
-                else:
-                    keep = sorted(set(range(len(ids))) - set(taken))
-                    members[g], sizes[g] = [ids[i] for i in keep], [sizes[g][i] for i in keep]
-            if members[g] and not last:
+                members[g] = branches = None if len(taken) == len(ids) else branches.without(taken)
+            if branches is not None and not last:
                 skipped += 1
                 if skipped > LOOKAHEAD:
                     break  # the next rank starts with this group's leftovers
-        while first < end and not members[first]:
+        while first < end and members[first] is None:
             first += 1
     return np.array(rank, dtype=np.int64) if first == end else None
 
@@ -333,6 +361,7 @@ class _Tops:
 def _trade(
     load: np.ndarray,
     count: np.ndarray,
+    held_cost: np.ndarray,
     cost: np.ndarray,
     tops: _Tops,
     a: int,
@@ -342,7 +371,8 @@ def _trade(
 ) -> tuple[np.ndarray, np.ndarray]:
     """New loads of rank ``a`` and of the other rank when ``a`` gives bundle ``give`` [X] and takes
     bundle ``take`` [Y] from rank ``to`` [Y] (``take`` may be empty: -1, -1): ([X, Y], [X, Y]).
-    Top chains are counted exactly: a rank pays one while any of its branches needs it."""
+    Top chains are counted exactly: a rank pays one while any of its branches needs it (``count``
+    [R, K]; ``held_cost`` [R]: what each rank pays for its tops now)."""
 
     def sums(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = np.where(first >= 0, cost[first], 0.0) + np.where(second >= 0, cost[second], 0.0)
@@ -350,7 +380,6 @@ def _trade(
 
     xc, xn = sums(*give)
     yc, yn = sums(*take)
-    held_cost = (count > 0) @ tops.cost  # [R]
     # a rank holds a top while its count stays positive; compared on [Y, K] sums, the only [X, Y, K]
     # arrays are the two masks
     held_a = (count[a] + yn)[None] > xn[:, None]  # [X, Y, K]
@@ -376,7 +405,8 @@ def _refine(
     rank = rank.copy()
     for _ in range(4 * rank.size):
         count = tops.count(rank, world_size)
-        load = np.bincount(rank, weights=cost, minlength=world_size) + (count > 0) @ tops.cost
+        held_cost = (count > 0) @ tops.cost  # [R], once a step: every trade of the step reads it
+        load = np.bincount(rank, weights=cost, minlength=world_size) + held_cost
         a = int(np.argmax(load))
         mine, other = np.flatnonzero(rank == a), np.flatnonzero(rank != a)
         others = np.delete(np.arange(world_size), a)
@@ -391,7 +421,7 @@ def _refine(
                 give = _bundles(mine, rank, give_size)
                 take = nothing if take_size == 0 else _bundles(other, rank, take_size)
                 to = others if take_size == 0 else rank[take[0]]
-                new_a, new_b = _trade(load, count, cost, tops, a, give, take, to)
+                new_a, new_b = _trade(load, count, held_cost, cost, tops, a, give, take, to)
                 score = np.maximum(new_a, new_b)
                 if score.size and (best is None or score.min() < best[0]):
                     i, j = np.unravel_index(np.argmin(score), score.shape)

@@ -13,9 +13,15 @@ what rerunning a recorded microbatch costs again in the backward (``balance.py``
 the seconds a step spends outside its model calls, once (building the forest, planning, compiling
 the Schedule), which a plan's predicted step adds to its slots.
 
+Communication, for cross-rank handoffs (``handoffs.py``): a handed chain moves ``context_bytes`` per
+context token (its K/V in every attention layer) and ``state_bytes`` per path starting under it
+(linear-attention / SSM states, conv halos, replay rows), there and (their gradients) back, at
+``byte`` seconds per byte plus ``message`` seconds per message.
+
 :data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
 H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
-as the rest). ``calibrate`` (``harts_hf.lab.calibrate``) fits the coefficients on this machine.
+as the rest); its communication terms: :data:`COMM_DEFAULTS`. ``calibrate``
+(``harts_hf.lab.calibrate``) fits the coefficients on this machine.
 """
 
 from __future__ import annotations
@@ -27,23 +33,35 @@ import numpy as np
 
 from .balance import FORWARD_SHARE
 
-__all__ = ["DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
+__all__ = ["COMM_DEFAULTS", "DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
 
 FEATURES = ("token", "pair", "round", "microbatch")
+
+COMM_DEFAULTS = {"byte": 4e-11, "message": 2e-5, "context_bytes": 12_288.0, "state_bytes": 2e7}
+"""The built-in communication estimate (a cost model without these keys, as every one saved before
+handoffs, gets them): 25 GB/s and 20 us per message point to point (NCCL over InfiniBand between
+nodes; NVLink inside a node is faster), for a ~1B hybrid model like the compute terms' (6 attention
+layers of 2 K/V heads x 256 in bf16: 12 KiB per context token; 18 GDN layers of 16 x 128 x 128 fp32
+states plus a < 64-token bf16 replay of the 2,048-wide input: about 20 MB per path start)."""
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per compact token, per attended pair, per round and per microbatch (all >= 0), and
-    the forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written
-    before it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the
-    forward) and the seconds a step spends outside its model calls (absent: 0); ``harts-hf
-    calibrate`` measures both."""
+    """Seconds per compact token, per attended pair, per round and per microbatch; seconds per byte
+    and per message between ranks, bytes per handed context token and path start (all >= 0); the
+    forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written before
+    it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward) and
+    the seconds a step spends outside its model calls (absent: 0), both measured by ``harts-hf
+    calibrate``."""
 
     token: float
     pair: float
     round: float
     microbatch: float
+    byte: float = COMM_DEFAULTS["byte"]
+    message: float = COMM_DEFAULTS["message"]
+    context_bytes: float = COMM_DEFAULTS["context_bytes"]
+    state_bytes: float = COMM_DEFAULTS["state_bytes"]
     forward_share: float = FORWARD_SHARE
     step: float = 0.0
 
@@ -69,6 +87,14 @@ class CostModel:
             + self.microbatch * np.asarray(microbatches, dtype=np.float64)
         )
 
+    def transfer(self, context_tokens, path_starts, messages) -> np.ndarray:
+        """Predicted seconds of handing ``context_tokens`` and ``path_starts`` over in ``messages``,
+        there and (the gradients) back (broadcasts over arrays)."""
+        moved = self.context_bytes * np.asarray(context_tokens, dtype=np.float64) + self.state_bytes * np.asarray(
+            path_starts, dtype=np.float64
+        )
+        return 2 * (self.byte * moved + self.message * np.asarray(messages, dtype=np.float64))
+
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
@@ -82,9 +108,12 @@ def cost_origin(cost_model: CostModel) -> str:
     """Where a cost model's predicted seconds come from, for every place that prints or plots them."""
     if cost_model == DEFAULT_COST_MODEL:
         return "the built-in H100 estimate, not this machine (harts-hf calibrate --json F fits one here)"
+    notes = ["the given cost model"]
     if cost_model.forward_share == FORWARD_SHARE:  # a cost model written before calibrate measured it
-        return "the given cost model, its reruns at an assumed forward share of 1/3 (backward = 2 x forward)"
-    return "the given cost model"
+        notes.append("its reruns at an assumed forward share of 1/3 (backward = 2 x forward)")
+    if {k: getattr(cost_model, k) for k in COMM_DEFAULTS} == COMM_DEFAULTS:
+        notes.append("its communication terms are COMM_DEFAULTS' estimate (harts-hf calibrate --comm measures them)")
+    return "; ".join(notes)
 
 
 def fit_cost_model(features: np.ndarray, seconds: np.ndarray, forward_share: float = FORWARD_SHARE) -> CostModel:

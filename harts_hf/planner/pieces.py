@@ -48,15 +48,17 @@ class Pieces:
         """[P] piece indices sorted by (rank, lo): a rank's pieces are disjoint token ranges."""
         return np.lexsort((self.lo, self.rank))
 
+    @cached_property
     def keys(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * stride + token``, and stride."""
+        """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * stride + token``, and stride
+        (kept: ``locate`` and ``plan``'s replay count read them more than once)."""
         stride = int(self.hi.max(initial=0)) + 1
         o = self.by_token
         return self.rank[o] * stride + self.lo[o], self.rank[o] * stride + self.hi[o], stride
 
     def locate(self, rank: np.ndarray, token: np.ndarray) -> np.ndarray:
         """The piece of ``rank`` holding each global ``token``, -1 if none."""
-        lo, hi, stride = self.keys()
+        lo, hi, stride = self.keys
         i = find_in(lo, hi, rank * stride + token)
         return np.where(i >= 0, self.by_token[np.maximum(i, 0)], -1)
 

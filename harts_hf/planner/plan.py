@@ -19,7 +19,11 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    context (counted against the budget at the weight the memory model gives it: ``memory.py``).
    The handoff addresses themselves (which unit keeps each context row and boundary state) are
    compiled from the plan by ``harts_hf.schedule``.
-4. Graphs (``graphs.py``): how many last slots of each rank keep their graphs from the recording
+4. Handoffs (``handoffs.py``, with ``handoffs=True``): the top chains of one rule's branches (the
+   rule whose handoffs promise the lowest step) run once, in a first slot, and are handed to the
+   ranks reading them where that is cheaper than recomputing them (communication priced by the
+   cost model); the plan is kept if its predicted step is lower.
+5. Graphs (``graphs.py``): how many last slots of each rank keep their graphs from the recording
    to their backward within the byte budget, and so are not rerun: what the predicted step charges
    a rerun for, and what the engine keeps.
 
@@ -44,6 +48,7 @@ from .balance import rank_imbalance, rank_seconds, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
 from .graphs import graph_slots, rerun_slots
+from .handoffs import handoff_pieces, with_transfers
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
@@ -76,8 +81,10 @@ class Plan:
 
     A microbatch's context lies in pieces of earlier slots: of its own rank, or of another rank,
     whose unit then sends it (a cross-rank handoff: ``harts_hf.engine.exchange``; never from the
-    same slot of another rank, which would need context parallelism). ``plan()`` itself still
-    places a rank's context on the rank (replica pieces); hand-built plans may hand it over. Which
+    same slot of another rank, which would need context parallelism). ``plan()`` places a rank's
+    context on the rank (replica pieces) unless called with ``handoffs=True``: then ``handoffs``
+    (messages between ranks), ``handoff_bytes`` (values and gradients) and ``handoff_seconds`` (the
+    most a rank spends on them, in ``cost``) count the chains it hands over. Which
     pieces, and where each context row and boundary state comes from (the handoff addresses), is
     compiled from these pieces by ``harts_hf.schedule``, the one place that derives them; the plan
     keeps only the context's size, which the budget decides on.
@@ -115,6 +122,9 @@ class Plan:
     replicated_tokens: int
     replay_tokens: int
     plan_seconds: float
+    handoffs: int = 0
+    handoff_bytes: float = 0.0
+    handoff_seconds: float = 0.0
 
     @property
     def num_pieces(self) -> int:
@@ -187,6 +197,7 @@ class Plan:
             "step_seconds": self.step_seconds,
             "step_seconds_from": cost_origin(self.cost_model),
             "plan_seconds": self.plan_seconds,
+            "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
         }
 
 
@@ -218,9 +229,13 @@ def _replay(
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
     piece = pieces.locate(rank, pt)
+    held_lo, held_hi, held_stride = pieces.keys
     for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
         missing = np.flatnonzero(piece < 0)
-        piece[missing] = pieces.locate(np.full(missing.size, other), pt[missing])
+        if missing.size == 0:
+            break
+        i = find_in(held_lo, held_hi, other * held_stride + pt[missing])
+        piece[missing] = np.where(i >= 0, pieces.by_token[np.maximum(i, 0)], -1)
     mb = pieces.microbatch[piece]
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
     has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0
@@ -260,6 +275,7 @@ def plan(
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
     graphs: str = "budget",
+    handoffs: bool = False,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
     on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
@@ -270,7 +286,9 @@ def plan(
     :data:`~.memory.TOKEN_MEMORY`, prices a context token as an own token (safe for any model:
     pass the model's, ``harts_hf.modeling.memory_model(model)``, to train trajectories longer
     than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``graphs``: which slots
-    may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper).
+    may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper). ``handoffs``: shared
+    chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
+    such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
     """
     began = time.perf_counter()
     forests = as_forests(forests)
@@ -314,12 +332,12 @@ def plan(
     best, tried = None, []
     for rule in BRANCH_RULES if world_size > 1 else BRANCH_RULES[:1]:
         branches = find_branches(geo, world_size, budget.tokens, rule)
-        if any(np.array_equal(branches[0], seen) for seen in tried):
+        if any(np.array_equal(branches[0], seen[0]) for seen in tried):
             continue
-        tried.append(branches[0])
+        tried.append(branches)
         made = candidate(branches)
         if best is None or made.step_seconds < best.step_seconds:
-            best, best_branches = made, branches
+            best, best_branches, best_extra = made, branches, None
     idle = (best.tokens.sum(axis=1) == 0).any()
     if world_size > 1 and cost.round > 0 and (idle or _rounds_share(best) >= ROUNDS_WORTH_TRYING):
         # Ranks run their branches' rounds side by side, so the balance on tokens alone fills ranks with
@@ -329,7 +347,15 @@ def plan(
         node_rounds, _ = min_rounds(geo.parent)
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
-            best = made
+            best, best_extra = made, cost.round * node_rounds
+    if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
+        options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
+        cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds, memory, graphs)
+        for pieces, handed in cuts:  # the fewest slots first; the next cut only if that one overflows
+            made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size, graphs)
+            if (made := with_transfers(made, geo, pieces, handed)) is not None:
+                best = made if made.step_seconds < best.step_seconds else best
+                break
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
 
 

@@ -80,6 +80,7 @@ class HARTSTrainerMixin:
             memory_model=self._memory_model(inside_forward),
             cost_model=self.args.harts_planner_cost_model,
             chunk_size=self.args.harts_chunk_size,
+            handoffs=self.args.harts_handoffs,
         )
 
     def _memory_model(self, inside_forward: bool = False) -> MemoryModel:

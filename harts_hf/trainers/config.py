@@ -41,6 +41,10 @@ class HARTSArguments:
         harts_memory_model (`dict[str, float]`, *optional*):
             Memory model coefficients `token`, `context`, `head`, `head_chunk`, `fixed`, `layer` (bytes), e.g. what
             `harts-hf calibrate --memory` measured; defaults to the one derived from the policy at its first pass.
+        harts_handoffs (`bool`, *optional*, defaults to `False`):
+            Let the plan run a shared chain once and hand it to the ranks reading it (point to point, its gradient
+            back) where the cost model predicts that faster than recomputing it on each (`harts_hf.planner.handoffs`);
+            off by default: checked exact under DDP (gloo, CPU), not yet under FSDP2 or on NCCL.
     """
 
     harts_enable: bool = field(
@@ -67,6 +71,11 @@ class HARTSArguments:
     harts_memory_model: dict[str, float] | str | None = field(
         default=None,
         metadata={"help": "Memory model {token, context, head, head_chunk, fixed, layer} in bytes (default: derived)."},
+    )
+
+    harts_handoffs: bool = field(
+        default=False,
+        metadata={"help": "Hand shared chains between ranks instead of recomputing them, where the plan predicts faster."},
     )
 
     loss_types: ClassVar[tuple[str, ...]] = ()
