@@ -46,7 +46,9 @@ def candidate(forest, ours, cost):
     best = None
     for rule in BRANCH_RULES:
         options = [(find_branches(geo, ours.world_size, ours.budget.tokens, rule), None)]
-        cuts = handoff_pieces(geo, options, ours.world_size, ours.budget, ours.chunk_size, cost, float("inf"))
+        cuts = handoff_pieces(
+            geo, options, ours.world_size, ours.budget, ours.chunk_size, cost, float("inf"), ours.memory_model, "budget"
+        )
         for pieces, handed in cuts:
             made = build_plan(
                 geo, [forest], pieces, cost, ours.budget, ours.memory_model, ours.chunk_size, 0.0, ours.world_size

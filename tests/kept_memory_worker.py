@@ -4,9 +4,8 @@ process): with the quick qwen3_5's measured memory model, budgets of 1, 2 and 3 
 
 from __future__ import annotations
 
-import dataclasses
-
 from test_engine import prompt_groups
+from test_kept_graphs import with_budget
 
 from harts_hf import patch_model, plan
 from harts_hf.engine import TreeEngine, memory_model
@@ -25,7 +24,7 @@ def main() -> None:
     saved = memory.token * n + memory.context * c
     phases = one.peak_bytes[0] - saved
     for kept in (1, 2, 3):
-        the_plan = dataclasses.replace(one, budget=Budget(one.budget.tokens * kept, one.budget.context_weight))
+        the_plan = with_budget(one, Budget(one.budget.tokens * kept, one.budget.context_weight))
         engine = TreeEngine(model, forest, the_plan)
         assert engine.schedule.graph_calls() == kept
         with PeakMemory("cpu") as measured:

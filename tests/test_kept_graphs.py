@@ -26,6 +26,7 @@ from tiny_models import tiny_model
 
 from harts_hf import patch_model
 from harts_hf.engine import TreeEngine
+from harts_hf.planner.graphs import graph_slots
 from harts_hf.planner.memory import Budget
 
 CUTS = np.array([9, 40, 70])  # forest 1 (118 compact tokens): slots of 9, 31, 30, 48 own tokens
@@ -42,7 +43,13 @@ def model():
 
 
 def _plan(forest, tokens: int):
-    return dataclasses.replace(dfs_cut_plan(forest, CUTS), budget=Budget(tokens))
+    return with_budget(dfs_cut_plan(forest, CUTS), Budget(tokens))
+
+
+def with_budget(the_plan, budget: Budget):
+    """``the_plan`` under another byte budget: the slots that keep their graphs follow it."""
+    kept = graph_slots(the_plan.memory_model, budget, the_plan.tokens, the_plan.context)
+    return dataclasses.replace(the_plan, budget=budget, graph_slots=kept)
 
 
 @pytest.mark.parametrize("tokens", list(KEPT), ids=lambda t: f"keeps-{KEPT[t]}-of-4")

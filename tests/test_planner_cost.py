@@ -13,6 +13,7 @@ from harts_hf.lab.calibrate import calibrate, calibration_forests, forest_featur
 from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, fit_cost_model, plan
+from harts_hf.planner.balance import FORWARD_SHARE
 
 
 @pytest.mark.parametrize(
@@ -141,19 +142,27 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     import torch
 
     calls = []
+    n = 3  # forests
+    # clock increments: a warm-up run per forest (start, forward + backward, no-grad forward), then a
+    # timed one (forest k: 0.04 (k + 1) s and a quarter of that) and its host work (0.002 s)
+    warm = [0.05, 0.04, 0.01] * n
+    timed = [x for k in range(n) for x in (0.05, 0.04 * (k + 1), 0.01 * (k + 1), 0.05, 0.002)]
+    readings = np.cumsum(warm + timed)
 
     def fake_clock():
         calls.append(None)
-        return 0.01 * len(calls) ** 1.5
+        return readings[len(calls) - 1]
 
     monkeypatch.setattr(time, "process_time", fake_clock)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = tiny_model("qwen3_5")
-        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:3]
+        forests = calibration_forests(model.get_input_embeddings().num_embeddings, sizes=(0.25,))[:n]
         fitted = calibrate(model, forests, repeats=1)
     finally:
         torch.set_num_threads(threads)
-    assert len(calls) == 2 * 2 * len(forests)  # a warm-up and a timed run per forest, two clock reads each
+    assert len(calls) == readings.size  # the clock read as above: every timing on CPU time
     assert max(fitted.token, fitted.pair) > 0
+    assert fitted.forward_share == pytest.approx(0.25) != FORWARD_SHARE  # measured, not assumed
+    assert fitted.step == pytest.approx(0.002)

@@ -68,6 +68,8 @@ def compare(script_args: AgenticArguments, training_args: HARTSGRPOConfig) -> di
     stock = _run(GRPOTrainer, stock_args, model, tokenizer, rollout, script_args)
     t_stock, t_harts = min(stock["step_seconds"]), min(harts["step_seconds"])
     logs = harts["logs"]
+    measured = statistics.median(h["harts/step_seconds"] for h in logs)
+    predicted = statistics.median(h["harts/predicted_step_seconds"] for h in logs)
     return {
         "model": script_args.model_name_or_path,
         "env_mode": script_args.env_mode,
@@ -92,8 +94,10 @@ def compare(script_args: AgenticArguments, training_args: HARTSGRPOConfig) -> di
         "harts_slots": statistics.mean(h["harts/microbatches"] for h in logs),
         "rank_imbalance": statistics.mean(h["harts/rank_imbalance"] for h in logs),
         "plan_rank_imbalance": statistics.mean(h["harts/plan_imbalance"] for h in logs),
-        "median_fwd_bwd_seconds": statistics.median(h["harts/step_seconds"] for h in logs),
-        "predicted_fwd_bwd_seconds": statistics.median(h["harts/predicted_step_seconds"] for h in logs),
+        "median_fwd_bwd_seconds": measured,
+        "predicted_fwd_bwd_seconds": predicted,
+        "predicted_over_measured": predicted / measured,  # the plan's cost model against this machine
+        "speedup_of_compression": (t_stock / t_harts) / statistics.mean(h["harts/compression"] for h in logs),
         "max_loss_difference": max(abs(a - b) for a, b in zip(stock["losses"], harts["losses"])),
         "threads": torch.get_num_threads(),
     }

@@ -274,9 +274,11 @@ class TreeEngine:
         return loss.detach()
 
     def _graph_calls(self, keep_graph: bool) -> int:
-        """How many of the last calls keep their graphs in a recording made now: as many as the
-        plan's budget holds (``Schedule.graph_calls``), none without grad. Under a data-parallel
-        wrapper (``no_sync``) call 0, whose backward is the last and syncs, runs its forward in that
+        """How many of the last calls keep their graphs in a recording made now: the calls of the
+        slots the plan keeps (``Plan.graph_slots``, by ``Schedule.graph_calls``), none without grad.
+        The wrapper's rules below cap them whatever the plan says (a plan made with ``graphs=`` for
+        the wrapper prices them: ``planner.graphs.GRAPH_RULES``). Under a data-parallel wrapper
+        (``no_sync``) call 0, whose backward is the last and syncs, runs its forward in that
         sync context right before its backward (a forward outside ``no_sync`` would make the next
         backward sync): it is rerun, unless it is the rank's only call and ``keep_graph`` says the
         caller's context is the sync context. Under FSDP2 only the last call keeps its graph: its

@@ -302,7 +302,7 @@ def exact(
     branch_rank = np.array([[solver.Value(v) for v in row].index(1) for row in x], dtype=np.int64)
     asg = Assignment(branch_node, branch_cost, branch_group, paths, branch_rank)
     iv = rank_intervals(geo, asg, world_size, budget.tokens)
-    pieces = slot_pieces(geo, iv, world_size, budget, chunk, cost)
+    pieces = slot_pieces(geo, iv, world_size, budget, chunk, cost, memory)
     p = build_plan(geo, list(forests), pieces, cost, budget, memory, chunk, began, world_size)
     extra = {"optimal": status == cp_model.OPTIMAL, "rank_cost_bound": solver.BestObjectiveBound() / scale}
     return Baseline(p.cost, p.redundancy, p.plan_seconds, extra, p)

@@ -3,19 +3,26 @@
 Times one forward + backward of ``tree_forward`` per forest over forests of varied size, depth
 and branching (the shapes of ``harts_hf.sources``), each as one microbatch, and fits
 :func:`~harts_hf.planner.cost.fit_cost_model` on their features (compact tokens, attended pairs,
-rounds, 1). Imports the modeling stack, unlike the rest of the planner.
+rounds, 1); times the same forests' forward alone without grad (what a step's recording pass costs
+a microbatch it reruns in the backward), whose median share of forward + backward is the cost
+model's ``forward_share``; and what a step does for each forest outside its model calls (build the
+forest from its rows, plan it in two slots, compile the engine's Schedule), whose median is
+``step``. Imports the modeling stack, unlike the rest of the planner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling import patch_model, tree_forward
+from ..planner import plan
 from ..planner.cost import CostModel, fit_cost_model
 from ..sources import caterpillar, deep_chain, grpo_group, random_tree
 from ..trees import min_rounds
@@ -82,6 +89,9 @@ def calibration_forests(vocab: int, *, sizes: Sequence[float] = (0.5, 1.0, 2.0),
     for k, prompt_len in enumerate((96, 224, 448)):
         group = grpo_group(prompt_len=prompt_len, G=4, groups=k + 1, max_completion=48, seed=seed + k, vocab=vocab)
         out.append(group.forest())
+    # long completions deep under a prompt, as a multi-turn step's later turns: ~330 pairs a token over
+    # ~1,500 tokens (a trained quick GRPO step: 381 over 1,739), which the short completions above miss
+    out.append(grpo_group(prompt_len=320, G=10, max_completion=180, seed=seed, vocab=vocab).forest())
     out += [binary_tree(depth, 8, seed=seed + depth, vocab=vocab) for depth in range(6)]
     return out
 
@@ -94,7 +104,10 @@ def calibrate(
 ) -> CostModel:
     """Fit a :class:`CostModel` (seconds) to ``model``'s forward + backward on ``forests`` (default
     :func:`calibration_forests` within the model's vocabulary): the fastest of ``repeats`` timed
-    runs per forest (``repeats`` sweeps over the forests) after one warm-up run each."""
+    runs per forest (``repeats`` sweeps over the forests) after one warm-up run each; its
+    ``forward_share``, the median over forests of the fastest no-grad forward (the recording pass
+    of a microbatch the step reruns) per fastest forward + backward; its ``step``, the median over
+    forests of the fastest :func:`step_host_work`."""
     patch_model(model)
     vocab = model.get_input_embeddings().num_embeddings
     forests = list(forests) if forests is not None else calibration_forests(vocab)
@@ -104,20 +117,42 @@ def calibrate(
     # time there came out up to 2.7x the quiet machine's, and the fit with it); else wall time.
     clock = time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
-    def run(forest: RolloutForest) -> float:
+    def run(forest: RolloutForest) -> tuple[float, float]:
+        """(forward + backward seconds, no-grad forward seconds)."""
         began = clock()
         tree_forward(model, forest).logprobs.sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         model.zero_grad(set_to_none=True)
+        middle = clock()
+        with torch.no_grad():
+            tree_forward(model, forest)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return middle - began, clock() - middle
+
+    def host(forest: RolloutForest) -> float:
+        began = clock()
+        step_host_work(model, forest)
         return clock() - began
 
     for forest in forests:
         run(forest)
-    seconds = np.full(len(forests), np.inf)
+    seconds = np.full((len(forests), 3), np.inf)  # [forests, (forward + backward, forward, host work)]
     for _ in range(repeats):  # sweeps, not runs back to back: a busy spell on a shared machine hits one try of each
-        seconds = np.minimum(seconds, [run(forest) for forest in forests])
-    return fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds)
+        seconds = np.minimum(seconds, [(*run(forest), host(forest)) for forest in forests])
+    share = float(np.median(seconds[:, 1] / seconds[:, 0]))
+    fitted = fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds[:, 0], min(share, 1.0))
+    return dataclasses.replace(fitted, step=float(np.median(seconds[:, 2])))
+
+
+def step_host_work(model: torch.nn.Module, forest: RolloutForest) -> None:
+    """What a training step does for ``forest`` besides its model calls: the forest built from its
+    rows, planned (in two slots where its longest trajectory allows) and the engine's Schedule
+    compiled."""
+    again = RolloutForest.from_sequences(forest.trajectories())
+    budget = max(-(-forest.num_compact_tokens // 2), int(forest.lengths.max()))
+    TreeEngine(model, again, plan(again, world_size=1, max_tokens_per_microbatch=budget))
 
 
 def format_cost_model(cost: CostModel, title: str) -> str:
@@ -126,8 +161,14 @@ def format_cost_model(cost: CostModel, title: str) -> str:
     values = cost.as_dict()
     unit = {"context_bytes": "B", "state_bytes": "B"}
     meanings = FEATURE_MEANINGS | COMM_MEANINGS
-    lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in values.items()})]
+    shown = {k: v for k, v in values.items() if k in meanings}
+    lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in shown.items()})]
     lines.append("predicted seconds of a microbatch = sum of coefficient x feature; the planner balances on it")
+    lines.append(
+        f"forward share {cost.forward_share:.3f}: a no-grad forward's share of forward + backward (median over "
+        "the forests), what a slot rerun in the backward costs again"
+    )
+    lines.append(f"step {cost.step:.3e} s: once a step, outside the model calls (forest, plan, Schedule)")
     dropped = [name for name in FEATURE_MEANINGS if values[name] == 0]
     if dropped:
         lines.append(

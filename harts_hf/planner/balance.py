@@ -8,8 +8,10 @@ __all__ = ["FORWARD_SHARE", "rank_imbalance", "rank_seconds", "slot_imbalance", 
 
 FORWARD_SHARE = 1 / 3
 """A microbatch's forward as a share of its forward + backward (the backward costs about twice the
-forward): what rerunning a recorded microbatch costs again. A step of several slots records every
-slot without grad but the last and reruns each in the backward (``harts_hf.engine``)."""
+forward): what rerunning a recorded microbatch costs again, where the cost model has no measured
+share (``CostModel.forward_share``, fitted by ``harts-hf calibrate``). A step of several slots
+records every slot once and reruns in the backward each whose graph it did not keep
+(``graphs.py``, ``harts_hf.engine``)."""
 
 
 def slot_imbalance(cost: np.ndarray) -> float:
@@ -27,15 +29,23 @@ def rank_imbalance(cost: np.ndarray) -> float:
     return float(total.max() / total.mean()) if total.mean() > 0 else 1.0
 
 
-def step_seconds(cost: np.ndarray) -> float:
-    """Predicted step time in lockstep: the sum over slots of the slowest rank's cost, every slot
-    but the last once more at :data:`FORWARD_SHARE` (its replay)."""
-    slowest = cost.max(axis=0)  # [S]
-    return float(slowest.sum() + FORWARD_SHARE * slowest[:-1].sum())
+def _replays(cost: np.ndarray, rerun: np.ndarray | None, share: float) -> np.ndarray:
+    """[R, S] seconds of the reruns: ``share`` of every slot ``rerun`` [R, S] marks (default: all
+    but the last, no graph kept but the last one's)."""
+    if rerun is None:
+        rerun = np.arange(cost.shape[1]) < cost.shape[1] - 1
+    return share * np.where(rerun, cost, 0.0)
 
 
-def rank_seconds(cost: np.ndarray) -> np.ndarray:
+def step_seconds(cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE) -> float:
+    """Predicted step time in lockstep: per slot the slowest rank's cost, and per slot the slowest
+    rank's rerun (``share`` of the cost of every slot ``rerun`` [R, S] marks; default all but the
+    last) in the backward."""
+    return float(cost.max(axis=0).sum() + _replays(cost, rerun, share).max(axis=0).sum())
+
+
+def rank_seconds(cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE) -> np.ndarray:
     """[R] predicted forward + backward seconds of each rank on its own (no lockstep waits): its
-    slots, every slot but the last once more at :data:`FORWARD_SHARE` (its replay), as
-    :func:`step_seconds` counts them. What a rank's measured engine step compares with."""
-    return cost.sum(axis=1) + FORWARD_SHARE * cost[:, :-1].sum(axis=1)
+    slots and its reruns, as :func:`step_seconds` counts them. What a rank's measured engine step
+    compares with."""
+    return cost.sum(axis=1) + _replays(cost, rerun, share).sum(axis=1)

@@ -8,6 +8,11 @@
 - rounds: sequential packed linear-attention calls (kernel launches per linear layer);
 - one per microbatch: fixed overhead (launch latency, FSDP gathers, optimizer-free bookkeeping).
 
+``forward_share`` is not a feature: the share of those seconds a microbatch's forward alone takes,
+what rerunning a recorded microbatch costs again in the backward (``balance.py``). Nor is ``step``:
+the seconds a step spends outside its model calls, once (building the forest, planning, compiling
+the Schedule), which a plan's predicted step adds to its slots.
+
 Communication, for cross-rank handoffs (``handoffs.py``): a handed chain moves ``context_bytes`` per
 context token (its K/V in every attention layer) and ``state_bytes`` per path starting under it
 (linear-attention / SSM states, conv halos, replay rows), there and (their gradients) back, at
@@ -26,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .balance import FORWARD_SHARE
+
 __all__ = ["COMM_DEFAULTS", "DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
 
 FEATURES = ("token", "pair", "round", "microbatch")
@@ -41,7 +48,11 @@ states plus a < 64-token bf16 replay of the 2,048-wide input: about 20 MB per pa
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per compact token, per attended pair, per round and per microbatch; seconds per byte
-    and per message between ranks, bytes per handed context token and path start (all >= 0)."""
+    and per message between ranks, bytes per handed context token and path start (all >= 0); the
+    forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written before
+    it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward) and
+    the seconds a step spends outside its model calls (absent: 0), both measured by ``harts-hf
+    calibrate``."""
 
     token: float
     pair: float
@@ -51,6 +62,8 @@ class CostModel:
     message: float = COMM_DEFAULTS["message"]
     context_bytes: float = COMM_DEFAULTS["context_bytes"]
     state_bytes: float = COMM_DEFAULTS["state_bytes"]
+    forward_share: float = FORWARD_SHARE
+    step: float = 0.0
 
     def __post_init__(self) -> None:
         values = asdict(self)
@@ -60,6 +73,10 @@ class CostModel:
             raise ValueError(f"cost model coefficients must be finite and >= 0, got {values}")
         if self.token <= 0 and self.pair <= 0:
             raise ValueError("a cost model needs a positive token or pair coefficient: tokens must cost something")
+        if not 0 < self.forward_share <= 1:
+            raise ValueError(
+                f"forward_share is a forward's share of forward + backward, in (0, 1]: {self.forward_share}"
+            )
 
     def __call__(self, tokens, pairs, rounds, microbatches=1) -> np.ndarray:
         """Predicted seconds (broadcasts over arrays)."""
@@ -91,15 +108,18 @@ def cost_origin(cost_model: CostModel) -> str:
     """Where a cost model's predicted seconds come from, for every place that prints or plots them."""
     if cost_model == DEFAULT_COST_MODEL:
         return "the built-in H100 estimate, not this machine (harts-hf calibrate --json F fits one here)"
-    comm = {k: getattr(cost_model, k) for k in COMM_DEFAULTS}
-    if comm == COMM_DEFAULTS:
-        return "the given cost model; its communication terms are COMM_DEFAULTS' estimate (harts-hf calibrate --comm measures them)"
-    return "the given cost model"
+    notes = ["the given cost model"]
+    if cost_model.forward_share == FORWARD_SHARE:  # a cost model written before calibrate measured it
+        notes.append("its reruns at an assumed forward share of 1/3 (backward = 2 x forward)")
+    if {k: getattr(cost_model, k) for k in COMM_DEFAULTS} == COMM_DEFAULTS:
+        notes.append("its communication terms are COMM_DEFAULTS' estimate (harts-hf calibrate --comm measures them)")
+    return "; ".join(notes)
 
 
-def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:
+def fit_cost_model(features: np.ndarray, seconds: np.ndarray, forward_share: float = FORWARD_SHARE) -> CostModel:
     """Non-negative least squares fit of ``seconds`` [n] on ``features`` [n, 4] (tokens, pairs,
-    rounds, microbatches), relative error weighted so small and large microbatches count alike.
+    rounds, microbatches), relative error weighted so small and large microbatches count alike;
+    ``forward_share`` (measured apart) is passed through.
 
     Exact NNLS by enumerating the supports (four coefficients): the best unconstrained fit on
     each support, kept when non-negative; supports without a positive token or pair coefficient
@@ -128,4 +148,4 @@ def fit_cost_model(features: np.ndarray, seconds: np.ndarray) -> CostModel:
                 best[sel] = coef
     if best is None:
         raise ValueError("no non-negative fit gives tokens or attended pairs a positive cost")
-    return CostModel(**dict(zip(FEATURES, (best / scale).tolist())))
+    return CostModel(**dict(zip(FEATURES, (best / scale).tolist())), forward_share=forward_share)

@@ -35,7 +35,7 @@ from .assign import RankIntervals, assign_ranks, group_paths, rank_intervals
 from .balance import FORWARD_SHARE
 from .cost import CostModel
 from .geometry import Geometry
-from .memory import Budget
+from .memory import Budget, MemoryModel
 from .node_parts import node_parts_of
 from .pieces import Pieces, merge
 from .slots import slot_pieces
@@ -163,11 +163,14 @@ def handoff_pieces(
     chunk: int,
     cost: CostModel,
     beat: float,
+    memory: MemoryModel,
+    graphs: str,
 ) -> Iterator[tuple[Pieces, Handed]]:
     """The pieces of one of ``options`` (branches and the extra cost per branch root node, as ``plan``
     tries them) with the chains :func:`handed_chains` picks run once in slot 0 and everything else
     assigned and cut anew one slot later: the option whose lower bound (:func:`_bound`) is lowest, if
-    that beats the step ``beat`` (one candidate: an assignment is most of a plan's time). A top chain
+    that beats the step ``beat`` (one candidate: an assignment is most of a plan's time); ``memory``
+    and ``graphs`` price the cuts' reruns (``slots.slot_pieces``). A top chain
     a rank recomputes in slot 0 leaves its later sequence; of the copies of a recomputed chain the
     lowest rank's owns its tokens (as ``assign.rank_intervals``).
 
@@ -198,7 +201,7 @@ def handoff_pieces(
 
     kept = ~gone(iv.rank, iv.lo, iv.branch)
     for cut_of in (RankIntervals(*(getattr(iv, f.name)[kept] for f in dataclasses.fields(iv))), iv):
-        cut = slot_pieces(geo_free, cut_of, world_size, budget, chunk, cost)
+        cut = slot_pieces(geo_free, cut_of, world_size, budget, chunk, cost, memory, graphs)
         live = ~gone(cut.rank, cut.lo, cut.branch)
         rest = Pieces(*(getattr(cut, f)[live] for f in _PIECE_FIELDS), num_slots=cut.num_slots + 1)
         yield _with_slot0(geo, handed, dataclasses.replace(rest, slot=rest.slot + 1), world_size), handed

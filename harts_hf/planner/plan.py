@@ -23,6 +23,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    rule whose handoffs promise the lowest step) run once, in a first slot, and are handed to the
    ranks reading them where that is cheaper than recomputing them (communication priced by the
    cost model); the plan is kept if its predicted step is lower.
+5. Graphs (``graphs.py``): how many last slots of each rank keep their graphs from the recording
+   to their backward within the byte budget, and so are not rerun: what the predicted step charges
+   a rerun for, and what the engine keeps.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -41,9 +44,10 @@ from ..chunking import CHUNK_SIZE
 from ..forest import RolloutForest
 from ..trees import min_rounds, replay_length
 from .assign import BRANCH_RULES, assign_ranks, find_branches, rank_intervals
-from .balance import rank_imbalance, slot_imbalance, step_seconds
+from .balance import rank_imbalance, rank_seconds, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
+from .graphs import graph_slots, rerun_slots
 from .handoffs import handoff_pieces, with_transfers
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
@@ -85,6 +89,10 @@ class Plan:
     compiled from these pieces by ``harts_hf.schedule``, the one place that derives them; the plan
     keeps only the context's size, which the budget decides on.
 
+    ``graph_slots`` [R]: how many last slots of each rank keep their graphs from the recording to
+    their backward (at least 1; ``graphs.py``): the engine reruns the others in the backward, and
+    the predicted step charges them a forward more (``cost_model.forward_share``).
+
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
     last token; its whole path is on that rank unless part of it is handed over). ``forest_digests``: per forest, the
     ``RolloutForest.shape_digest`` the plan was made for.
@@ -107,6 +115,7 @@ class Plan:
     tokens: np.ndarray
     context: np.ndarray
     rounds: np.ndarray
+    graph_slots: np.ndarray
     traj_rank: list[np.ndarray]
     forest_digests: tuple[str, ...]
     num_compact_tokens: int
@@ -150,9 +159,21 @@ class Plan:
         return np.where(self.tokens > 0, self.memory_model(self.tokens, self.context), 0.0)
 
     @property
+    def rerun(self) -> np.ndarray:
+        """[R, S] bool: the microbatches rerun in the backward (no graph kept; empty ones never)."""
+        return rerun_slots(self.num_slots, self.graph_slots) & (self.tokens > 0)
+
+    @property
     def step_seconds(self) -> float:
-        """Predicted lockstep step time: per slot, the slowest rank."""
-        return step_seconds(self.cost)
+        """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun;
+        and the step's work outside its model calls (``cost_model.step``)."""
+        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
+
+    @property
+    def rank_seconds(self) -> np.ndarray:
+        """[R] each rank's predicted forward + backward seconds on its own, reruns and the step's
+        work outside its model calls included."""
+        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
 
     def microbatch(self, rank: int, slot: int) -> list[tuple[int, np.ndarray]]:
         """(forest index, compact indices) of the tokens of slot ``slot`` on rank ``rank``, one
@@ -230,7 +251,8 @@ another assignment."""
 
 def _rounds_share(p: Plan) -> float:
     """What the slowest rank's rounds cost, summed over slots (replays counted), per predicted step."""
-    return step_seconds(p.cost_model.round * p.rounds) / p.step_seconds if p.step_seconds > 0 else 0.0
+    rounds = step_seconds(p.cost_model.round * p.rounds, p.rerun, p.cost_model.forward_share)
+    return rounds / p.step_seconds if p.step_seconds > 0 else 0.0
 
 
 def _traj_rank(geo: Geometry, forests: list[RolloutForest], pieces: Pieces) -> list[np.ndarray]:
@@ -252,6 +274,7 @@ def plan(
     memory_model: MemoryModel | None = None,
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
+    graphs: str = "budget",
     handoffs: bool = False,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
@@ -262,7 +285,8 @@ def plan(
     prices the ancestor context a microbatch reads against its own tokens; the default,
     :data:`~.memory.TOKEN_MEMORY`, prices a context token as an own token (safe for any model:
     pass the model's, ``harts_hf.modeling.memory_model(model)``, to train trajectories longer
-    than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``handoffs``: shared
+    than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``graphs``: which slots
+    may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper). ``handoffs``: shared
     chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
     such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
     """
@@ -302,8 +326,8 @@ def plan(
     def candidate(branches, node_extra=None) -> Plan:
         asg = assign_ranks(geo, world_size, branches, node_extra)
         iv = rank_intervals(geo, asg, world_size, budget.tokens)
-        pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost)
-        return build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
+        pieces = slot_pieces(geo, iv, world_size, budget, chunk_size, cost, memory, graphs)
+        return build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size, graphs)
 
     best, tried = None, []
     for rule in BRANCH_RULES if world_size > 1 else BRANCH_RULES[:1]:
@@ -326,9 +350,9 @@ def plan(
             best, best_extra = made, cost.round * node_rounds
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
-        cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds)
+        cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds, memory, graphs)
         for pieces, handed in cuts:  # the fewest slots first; the next cut only if that one overflows
-            made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
+            made = build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size, graphs)
             if (made := with_transfers(made, geo, pieces, handed)) is not None:
                 best = made if made.step_seconds < best.step_seconds else best
                 break
@@ -345,9 +369,11 @@ def build_plan(
     chunk_size: int,
     began: float,
     world_size: int,
+    graphs: str = "budget",
 ) -> Plan:
     """The :class:`Plan` of ``pieces`` (any rank-closed cut of the forests: ours or a baseline's):
-    costs, handoffs, trajectory owners; ``plan_seconds`` counts from ``began``."""
+    costs, handoffs, trajectory owners, the slots that keep their graphs under ``graphs``
+    (``graphs.GRAPH_RULES``); ``plan_seconds`` counts from ``began``."""
     num_mb = world_size * pieces.num_slots
     cost_table, tokens, parts = slot_costs(geo, pieces, world_size, cost)
 
@@ -358,6 +384,7 @@ def build_plan(
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)
+    tokens, context = tokens.reshape(shape), context.reshape(shape)
     return Plan(
         world_size=world_size,
         num_slots=pieces.num_slots,
@@ -373,9 +400,10 @@ def build_plan(
         piece_replica=pieces.replica,
         piece_branch=pieces.branch,
         cost=cost_table.reshape(shape),
-        tokens=tokens.reshape(shape),
-        context=context.reshape(shape),
+        tokens=tokens,
+        context=context,
         rounds=parts.rounds.reshape(shape),
+        graph_slots=graph_slots(memory, budget, tokens, context, graphs),
         traj_rank=_traj_rank(geo, forests, pieces),
         forest_digests=tuple(forest.shape_digest for forest in forests),
         num_compact_tokens=geo.num_tokens,

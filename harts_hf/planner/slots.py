@@ -14,7 +14,8 @@ from .assign import RankIntervals
 from .balance import step_seconds
 from .cost import CostModel
 from .geometry import Geometry
-from .memory import Budget
+from .graphs import graph_slots, rerun_slots
+from .memory import Budget, MemoryModel
 from .node_parts import node_parts_of
 from .pack import pack_whole_trees
 from .pieces import Pieces, merge
@@ -38,29 +39,46 @@ LAST_SLOT_FILLS = (0.95, 0.85, 0.7)
 
 
 def slot_pieces(
-    geo: Geometry, iv: RankIntervals, world_size: int, budget: Budget, chunk: int, cost: CostModel
+    geo: Geometry,
+    iv: RankIntervals,
+    world_size: int,
+    budget: Budget,
+    chunk: int,
+    cost: CostModel,
+    memory: MemoryModel,
+    graphs: str = "budget",
 ) -> Pieces:
-    """The cut with the lowest predicted step (``balance.step_seconds``) among the ones that fit the
-    budget: for every slot count from the greedy one (the fewest that can fit) up to the first whose
+    """The cut with the lowest predicted step (``balance.step_seconds``, charging a rerun to the
+    slots whose graphs the byte budget does not keep under ``memory`` and ``graphs``: ``graphs.py``;
+    so a cut whose last slots keep more graphs wins where that lowers the step) among the ones that
+    fit the budget: for every slot count from the greedy one (the fewest that can fit) up to the first whose
     equal-cost cuts fit (at most twice the greedy count), the equal-cost cuts, those cuts tuned once
     with each microbatch's rounds and launch overhead, and the cuts whose last slot is filled towards
     the budget (:func:`_fill_last_slot`: a count whose equal cuts overflow, the context of a later
     slot pushing it over, often fits with a full first slot and a last slot that carries the
     context); then the greedy cuts themselves (they always fit) and, where no equal cut fits,
-    budget-capped cuts in the greedy count of slots."""
+    budget-capped cuts in the greedy count of slots. Then more slots, equal and tuned, one more at a
+    time while more, smaller slots could keep more graphs than any cut so far (:func:`_more_graphs`)
+    and rerun fewer slots: the graphs the byte budget holds alive together may hold more own tokens
+    than one full microbatch (its transient phases count once; under gradient checkpointing they
+    outweigh the saved activations), and a slot that keeps its graph is not rerun."""
     greedy = budget_cuts(geo, iv, world_size, budget)
     fewest = greedy.num_slots
 
     def fits(pieces: Pieces) -> bool:
         return bool((footprint(geo, pieces, world_size, budget) <= budget.tokens).all())
 
-    found = []
-    for slots in range(fewest, 2 * fewest + 1):
+    def equal_cuts(slots: int) -> tuple[Pieces, Pieces, np.ndarray]:
+        """The equal-cost cuts in ``slots`` slots, those tuned with overhead, and the overhead [R, S]."""
         pieces = _packed(geo, iv, world_size, slots, chunk, None)
         _, _, parts = slot_costs(geo, pieces, world_size, cost)
         busy = np.bincount(pieces.microbatch, minlength=world_size * slots) > 0
         overhead = (cost.round * parts.rounds + cost.microbatch * busy).reshape(world_size, slots)
-        tuned = _packed(geo, iv, world_size, slots, chunk, overhead)
+        return pieces, _packed(geo, iv, world_size, slots, chunk, overhead), overhead
+
+    found = []
+    for slots in range(fewest, 2 * fewest + 1):
+        pieces, tuned, overhead = equal_cuts(slots)
         equal = [c for c in (pieces, tuned) if fits(c)]
         found += equal + _fill_last_slot(geo, iv, world_size, budget, chunk, pieces, overhead, fits)
         if equal:
@@ -69,8 +87,18 @@ def slot_pieces(
         capped = capped_cuts(geo, iv, world_size, fewest, chunk, budget)
         found += [capped] if fits(capped) else []
     found.append(greedy)
-    score = [_predicted(geo, c, world_size, cost) for c in found]
-    return _without_idle_slots(found[int(np.argmin(score))])  # ties: the earliest
+    scored = [_predicted(geo, c, world_size, cost, budget, memory, graphs) for c in found]
+    own = np.bincount(iv.rank, weights=iv.hi - iv.lo, minlength=world_size).max()  # the busiest rank's tokens
+    more = max(c.num_slots for c in found) + 1
+    while more <= 2 * fewest and _more_graphs(memory, budget, graphs, own, more, max(k for _, k in scored)):
+        cuts = [c for c in equal_cuts(more)[:2] if fits(c)]
+        if not cuts:
+            break
+        found += cuts
+        scored += [_predicted(geo, c, world_size, cost, budget, memory, graphs) for c in cuts]
+        more += 1
+    best = int(np.argmin([step for step, _ in scored]))  # ties: the earliest
+    return _without_idle_slots(found[best])
 
 
 def _fill_last_slot(
@@ -129,10 +157,28 @@ def slot_costs(geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel):
     return token_cost + cost.round * parts.rounds + cost.microbatch * (tokens > 0), tokens, parts
 
 
-def _predicted(geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel) -> float:
-    """The predicted step of ``pieces`` (``balance.step_seconds``: lockstep slots and replays)."""
-    table, *_ = slot_costs(geo, pieces, world_size, cost)
-    return step_seconds(table.reshape(world_size, pieces.num_slots))
+def _predicted(
+    geo: Geometry, pieces: Pieces, world_size: int, cost: CostModel, budget: Budget, memory: MemoryModel, graphs: str
+) -> tuple[float, int]:
+    """The predicted step of ``pieces`` (``balance.step_seconds``: lockstep slots and the reruns of
+    those whose graphs are not kept, with each microbatch's context taken as its first token's depth,
+    as :func:`footprint` does), and the fewest graphs a rank keeps."""
+    table, tokens, _ = slot_costs(geo, pieces, world_size, cost)
+    shape = (world_size, pieces.num_slots)
+    tokens, context = tokens.reshape(shape), _first_depth(geo, pieces, world_size).reshape(shape)
+    kept = graph_slots(memory, budget, tokens, context, graphs)
+    rerun = rerun_slots(pieces.num_slots, kept) & (tokens > 0)
+    return step_seconds(table.reshape(shape), rerun, cost.forward_share), int(kept.min())
+
+
+def _more_graphs(memory: MemoryModel, budget: Budget, graphs: str, own: float, slots: int, kept: int) -> bool:
+    """Whether ``own`` tokens cut into ``slots`` equal slots could keep more than ``kept`` graphs (and
+    rerun any fewer slots) under ``graphs``: ``kept + 1`` such slots, their context left out, held alive
+    together within the byte budget (``graphs.py``)."""
+    if kept >= slots - 1 or graphs == "last":
+        return False
+    n = own / slots
+    return bool(memory.token * n * kept + memory(n) <= memory(budget.tokens))
 
 
 def _without_idle_slots(pieces: Pieces) -> Pieces:
@@ -147,9 +193,14 @@ def _without_idle_slots(pieces: Pieces) -> Pieces:
 def footprint(geo: Geometry, pieces: Pieces, world_size: int, budget: Budget) -> np.ndarray:
     """[R * S] own-token equivalents of every microbatch (0 when empty): its tokens plus the
     weighted depth of its first token (a microbatch's first piece carries its context)."""
-    mb = pieces.microbatch
-    tokens = np.bincount(mb, weights=pieces.hi - pieces.lo, minlength=world_size * pieces.num_slots)
-    context = np.zeros_like(tokens)
-    first_mb, first = np.unique(mb, return_index=True)
+    tokens = np.bincount(pieces.microbatch, weights=pieces.hi - pieces.lo, minlength=world_size * pieces.num_slots)
+    return budget.footprint(tokens, _first_depth(geo, pieces, world_size))
+
+
+def _first_depth(geo: Geometry, pieces: Pieces, world_size: int) -> np.ndarray:
+    """[R * S] the depth of every microbatch's first token (0 when empty): the context it reads, as
+    the slot cuts count it (a microbatch's first piece carries its context)."""
+    context = np.zeros(world_size * pieces.num_slots)
+    first_mb, first = np.unique(pieces.microbatch, return_index=True)
     context[first_mb] = geo.token_depth(pieces.lo[first])
-    return budget.footprint(tokens, context)
+    return context

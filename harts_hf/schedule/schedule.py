@@ -13,7 +13,7 @@ compact tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,30 +164,16 @@ class Schedule:
         )
 
     def graph_calls(self) -> int:
-        """How many of the last model calls can keep their graphs from the recording to their backward
-        (the engine then does not rerun them): the longest run of last calls whose graphs, alive
-        together, fit the plan's budget in bytes (``plan.memory_model`` at ``plan.budget.tokens``).
-        Alive together they hold the activations their microbatches save (a slot's once: its units
-        share it; a padding call's two tokens) plus the largest of their transient phases (the
-        head's chunk, one layer's backward: one call at a time). The last call keeps its graph
-        whatever the budget (one microbatch, as in the replay); a whole forest's schedule: 1."""
+        """How many of the last model calls keep their graphs from the recording to their backward
+        (the engine then does not rerun them): the calls of the last ``plan.graph_slots[rank]`` slots,
+        which the plan found the byte budget holds alive together (``planner.graphs``), and the
+        padding calls among and after them (two tokens each). A whole forest's schedule: 1."""
         if self.plan is None:
             return min(self.calls, 1)
-        memory, tokens, context = self.plan.memory_model, self.plan.tokens[self.rank], self.plan.context[self.rank]
-        budget = float(memory(self.plan.budget.tokens))
-        slots, saved, phases = set(), 0.0, 0.0
+        first = self.plan.num_slots - int(self.plan.graph_slots[self.rank])  # the first slot kept
         for kept, index in enumerate(reversed(self.order)):
-            slot = None if index < 0 else self.units[index].slot
-            if slot in slots:
-                continue
-            n, c = (2, 0) if slot is None else (int(tokens[slot]), int(context[slot]))
-            own = memory.token * n + memory.context * c  # what the graph saves until its backward
-            phase = float(memory(n, c)) - own
-            if kept and saved + own + max(phases, phase) > budget:
+            if index >= 0 and self.units[index].slot < first:
                 return kept
-            saved, phases = saved + own, max(phases, phase)
-            if slot is not None:
-                slots.add(slot)
         return self.calls
 
     def call_order(self) -> list[Unit]:

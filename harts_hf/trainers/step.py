@@ -39,7 +39,6 @@ from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling.moe import router_aux_loss
 from ..planner import plan
-from ..planner.balance import rank_seconds
 from .rows import row_sequences, to_completion_layout
 
 __all__ = ["HARTSStep", "batch_rows", "block_length"]
@@ -128,13 +127,17 @@ class HARTSStep:
             and _same_sequences(previous.sequences, self.sequences)
         )
         self.forest = previous.forest if same else RolloutForest.from_sequences(self.sequences)
-        self.plan = previous.plan if same else plan(self.forest, world_size=acc.num_processes, **plan_options)
+        unwrapped = acc.unwrap_model(model)
+        sharded = any(isinstance(m, FSDPModule) for m in unwrapped.modules())
+        # the graphs the engine may keep under this wrapper (planner.graphs.GRAPH_RULES), priced by the plan
+        graphs = "last" if sharded else "budget" if inside_forward else "rerun_first"
+        self.plan = (
+            previous.plan if same else plan(self.forest, world_size=acc.num_processes, graphs=graphs, **plan_options)
+        )
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
         # the parameters in every call (of each sharded module), so every rank needs as many: the
         # engine pads with empty calls.
-        unwrapped = acc.unwrap_model(model)
-        sharded = any(isinstance(m, FSDPModule) for m in unwrapped.modules())
         needed = int(calls.max()) if sharded else 1
         self.engine = TreeEngine(
             unwrapped,
@@ -249,5 +252,5 @@ class HARTSStep:
             float(self.forest.lengths[rows].sum()),
             float(self.plan.tokens[rank].sum()),
             self.forward_seconds + self.backward_seconds,
-            float(rank_seconds(self.plan.cost)[rank]),  # the replays of its slots but the last included
+            float(self.plan.rank_seconds[rank]),  # the reruns of the slots that keep no graph included
         )

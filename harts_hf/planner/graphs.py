@@ -1,0 +1,54 @@
+"""Which slots keep their graphs from the recording to their backward, and so are not rerun.
+
+A step of several slots records every microbatch once; a slot whose graph stays alive until its
+backward pass is not run again, every other slot is rerun with grad in the backward
+(``harts_hf.engine``). Graphs alive together hold what their microbatches save, so the last slots
+keep theirs while they fit the microbatch budget in bytes together: walking back from the last
+slot, each adds the activations it saves (``token * n + context * c`` under the memory model), and
+the largest of their transient phases (the head's chunk, one layer's backward: they run one call
+at a time) comes on top once. The last slot keeps its graph whatever the budget (one microbatch, as
+in the replay). Empty slots (no unit) save nothing.
+
+A data-parallel wrapper narrows what the budget allows (:data:`GRAPH_RULES`): the engine enforces
+it; the plan prices it.
+
+Legend: R ranks, S slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .memory import Budget, MemoryModel
+
+__all__ = ["GRAPH_RULES", "graph_slots", "rerun_slots"]
+
+GRAPH_RULES = ("budget", "rerun_first", "last")
+"""What may keep a graph besides the byte budget: ``budget``, any slot it holds; ``rerun_first``,
+never the first slot (DDP under ``no_sync``: call 0's backward syncs, so its forward runs in the
+sync context right before it, a rerun); ``last``, only the last slot (FSDP2: its parameter groups
+allow one pending forward with grad before a backward)."""
+
+
+def graph_slots(
+    memory: MemoryModel, budget: Budget, tokens: np.ndarray, context: np.ndarray, rule: str = "budget"
+) -> np.ndarray:
+    """[R] how many last slots of every rank keep their graphs (at least 1), for microbatches of
+    ``tokens`` [R, S] own tokens reading ``context`` [R, S] under ``rule`` (:data:`GRAPH_RULES`)."""
+    if rule not in GRAPH_RULES:
+        raise ValueError(f"unknown graph rule {rule!r}; valid: {', '.join(GRAPH_RULES)}")
+    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    num_slots = tokens.shape[1]
+    limit = {"budget": num_slots, "rerun_first": max(num_slots - 1, 1), "last": 1}[rule]
+    saved = memory.token * tokens + memory.context * context  # [R, S] kept until the backward
+    phase = np.where(tokens > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
+    held = np.cumsum(saved[:, ::-1], axis=1) + np.maximum.accumulate(phase[:, ::-1], axis=1)  # [R, S] last k + 1
+    fits = held <= float(memory(budget.tokens))
+    fits[:, 0] = True
+    kept = np.argmin(np.c_[fits, np.zeros(len(fits), dtype=bool)], axis=1)  # the first that does not fit
+    return np.minimum(kept, limit)
+
+
+def rerun_slots(num_slots: int, kept: np.ndarray) -> np.ndarray:
+    """[R, S] bool: the slots each rank reruns in the backward, all but its ``kept`` [R] last."""
+    return np.arange(num_slots) < num_slots - np.asarray(kept)[:, None]
