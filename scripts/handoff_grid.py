@@ -19,9 +19,9 @@ from harts_hf.lab.plan_report import bench_memory_model, lower_bound
 from harts_hf.planner import DEFAULT_COST_MODEL, DEFAULT_MAX_TOKENS, plan
 from harts_hf.planner.assign import BRANCH_RULES, find_branches
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.handoffs import handoff_pieces, with_transfers
+from harts_hf.planner.handoffs import handoff_pieces
 from harts_hf.planner.memory import TOKEN_MEMORY
-from harts_hf.planner.plan import build_plan
+from harts_hf.planner.plan import build_plan, with_transfers
 from harts_hf.sources import get_workload
 
 ROWS = [  # (label, workload, keywords, budget, world sizes)

@@ -74,7 +74,8 @@ from ..planner.plan import DEFAULT_MAX_TOKENS, Plan, as_forests
 from ..planner.plan import plan as make_plan
 from ..schedule import Schedule, Unit
 from .exchange import Exchanger
-from .handoff import Handoff, Store
+from .handoff import Handoff
+from .store import Store
 
 __all__ = ["Recording", "TreeEngine"]
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Schedule, Unit
-from .handoff import Key, Store
+from .store import Key, Store
 from .stream import Streams
 from .wire import as_bytes, decode, encode, from_bytes
 

@@ -39,17 +39,15 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Schedule, Unit
+from .store import Key, Store
 from .wire import header, read_header
-
-if TYPE_CHECKING:  # handoff imports this module
-    from .handoff import Key, Store
 
 __all__ = ["Inbox", "Outbox", "Streams"]
 

@@ -49,13 +49,22 @@ TRIE_MAX_TRAJECTORIES = 8192  # trie packing keeps two [B, B] int32 tables of co
 @dataclass
 class Baseline:
     """A baseline's microbatch costs [R, S], redundancy and planning time (or why it was skipped);
-    ``plan`` when the baseline's microbatches are a plan of the shared forests (dfs_kcut, exact)."""
+    ``plan`` when the baseline's microbatches are a plan of the shared forests (dfs_kcut, exact),
+    else ``cost_model``, whose forward share and per-step term its step is priced with, as ours is
+    (``Plan.step_seconds``)."""
 
     cost: np.ndarray | None
     redundancy: float | None
     plan_seconds: float | None
     extra: dict = field(default_factory=dict)
     plan: Plan | None = None
+    cost_model: CostModel | None = None
+
+    @property
+    def step_seconds(self) -> float:
+        if self.plan is not None:
+            return self.plan.step_seconds
+        return step_seconds(self.cost, share=self.cost_model.forward_share) + self.cost_model.step
 
     def record(self) -> dict:
         if self.cost is None:
@@ -63,7 +72,7 @@ class Baseline:
         return {
             "imbalance": {"slot": slot_imbalance(self.cost), "rank": rank_imbalance(self.cost)},
             "redundancy": self.redundancy,
-            "step_seconds": step_seconds(self.cost),
+            "step_seconds": self.step_seconds,
             "plan_seconds": self.plan_seconds,
             **self.extra,
         }
@@ -149,7 +158,7 @@ def per_trajectory(forests: Sequence[RolloutForest], world_size: int, budget: Bu
         mb_cost.append(np.bincount(bins, weights=traj_cost[mine], minlength=n) + cost.round + cost.microbatch)
     table = _table(np.concatenate(mb_rank), np.concatenate(mb_cost), world_size)
     compact = sum(f.num_compact_tokens for f in forests)
-    return Baseline(table, float(length.sum() / compact - 1), time.perf_counter() - began)
+    return Baseline(table, float(length.sum() / compact - 1), time.perf_counter() - began, cost_model=cost)
 
 
 def trie_packing(forests: Sequence[RolloutForest], world_size: int, budget: Budget, cost: CostModel) -> Baseline:
@@ -200,7 +209,7 @@ def trie_packing(forests: Sequence[RolloutForest], world_size: int, budget: Budg
         np.concatenate((trie_cost[fits], part_cost)),
         world_size,
     )
-    return Baseline(table, float(size[:used].sum() / geo.num_tokens - 1), time.perf_counter() - began)
+    return Baseline(table, float(size[:used].sum() / geo.num_tokens - 1), time.perf_counter() - began, cost_model=cost)
 
 
 def dfs_kcut(

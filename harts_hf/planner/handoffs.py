@@ -10,7 +10,7 @@ the budget; every other piece moves one slot later, so every reader of a handed 
 or another) comes after it. The branches are assigned and cut into slots again with the handed
 chains free (no rank pays for them).
 
-:func:`with_transfers` then prices the exchange the engine runs (``harts_hf.engine.exchange``): per
+:func:`transfers` then prices the exchange the engine runs (``harts_hf.engine.exchange``): per
 (producer rank, consumer rank) one message carrying the distinct context rows the consumer's units
 read and one state per path starting on a handed token, values there and gradients back, charged to
 both ranks. The values move after slot 0's recording and the gradients in the backward, neither
@@ -27,12 +27,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .assign import RankIntervals, assign_ranks, group_paths, rank_intervals
-from .balance import FORWARD_SHARE
 from .cost import CostModel
 from .geometry import Geometry
 from .memory import Budget, MemoryModel
@@ -40,10 +38,7 @@ from .node_parts import node_parts_of
 from .pieces import Pieces, merge
 from .slots import slot_pieces
 
-if TYPE_CHECKING:
-    from .plan import Plan
-
-__all__ = ["Handed", "handed_chains", "handoff_pieces", "with_transfers"]
+__all__ = ["Handed", "Transfers", "handed_chains", "handoff_pieces", "transfers"]
 
 _PIECE_FIELDS = ("rank", "slot", "lo", "hi", "branch", "replica")
 
@@ -152,7 +147,7 @@ def _bound(geo: Geometry, handed: Handed, free: np.ndarray, world_size: int, cos
         minlength=world_size,
     ).max()
     rest = free.sum() - geo.node_cost[np.unique(handed.above[:, 1])].sum()
-    return float((1 + FORWARD_SHARE) * (first + cost.microbatch) + rest / world_size)
+    return float((1 + cost.forward_share) * (first + cost.microbatch) + rest / world_size)
 
 
 def handoff_pieces(
@@ -176,8 +171,8 @@ def handoff_pieces(
 
     Two cuts of the rest, the second made only when asked for: the handed chains and slot 0's tops
     dropped before cutting (the fewest slots, but ``slot_pieces`` counts only the first token's root
-    path as context, not the handed chains a microbatch of several subtrees reads: ``with_transfers``
-    checks the budget), and dropped after (their tokens, counted as own while cutting, bound the
+    path as context, not the handed chains a microbatch of several subtrees reads: ``plan`` checks
+    the budget on the built plan), and dropped after (their tokens, counted as own while cutting, bound the
     context they leave behind; handed chains cost nothing there, so they do not move the cuts)."""
     scored = []
     for i, (branches, node_extra) in enumerate(options):
@@ -228,17 +223,24 @@ def _with_slot0(geo: Geometry, handed: Handed, rest: Pieces, world_size: int) ->
     return dataclasses.replace(pieces, replica=copy & (pieces.rank != owner[top]))
 
 
-def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Plan | None:
-    """``p`` (built from ``pieces``) with its cross-rank handoffs priced into the last slot's costs and
-    counted (``handoffs``: messages, ``handoff_bytes``: values and gradients, ``handoff_seconds``:
-    the most any rank spends); None if a microbatch's footprint, received context included, exceeds
-    the budget."""
-    if (p.budget.footprint(p.tokens, p.context) > p.budget.tokens).any():
-        return None
-    num_mb = p.world_size * p.num_slots
-    parts = node_parts_of(geo, pieces.microbatch, pieces.lo, pieces.hi, num_mb)
+@dataclass(frozen=True)
+class Transfers:
+    """What the engine's exchange of a plan with handoffs costs: ``seconds`` [R] each rank spends
+    sending and receiving, ``messages`` (producer, reader) pairs, ``bytes`` moved (values and
+    gradients)."""
+
+    seconds: np.ndarray
+    messages: int
+    bytes: float
+
+
+def transfers(
+    geo: Geometry, pieces: Pieces, handed: Handed, num_slots: int, world_size: int, cost: CostModel
+) -> Transfers:
+    """The cross-rank handoffs of ``pieces`` (cut in ``num_slots`` slots), priced (module docstring)."""
+    parts = node_parts_of(geo, pieces.microbatch, pieces.lo, pieces.hi, world_size * num_slots)
     ext = parts.external
-    entry, reader = parts.lo[ext], parts.mb[ext] // p.num_slots  # [E]
+    entry, reader = parts.lo[ext], parts.mb[ext] // num_slots  # [E]
     # context rows: per (reader rank, handed node on its entries' root paths) the deepest row read
     which, lo, hi = geo.path_intervals(entry)
     node = geo.node_of(lo)
@@ -255,16 +257,10 @@ def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Pl
     state_key = np.unique(reader[starts] * geo.num_tokens + parent[starts])
     pair_states = (handed.producer[geo.node_of(state_key % geo.num_tokens)], state_key // geo.num_tokens)
     # per (producer, reader) pair: rows, states, one message
-    world = p.world_size
-    pair = lambda src_rank, dst_rank: src_rank * world + dst_rank
-    ctx = np.bincount(pair(*pair_rows[:2]), weights=pair_rows[2], minlength=world * world)
-    states = np.bincount(pair(*pair_states), minlength=world * world)
+    pair = lambda src_rank, dst_rank: src_rank * world_size + dst_rank
+    ctx = np.bincount(pair(*pair_rows[:2]), weights=pair_rows[2], minlength=world_size * world_size)
+    states = np.bincount(pair(*pair_states), minlength=world_size * world_size)
     used = (ctx > 0) | (states > 0)
-    pair_seconds = p.cost_model.transfer(ctx, states, used).reshape(world, world)
-    per_rank = pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)  # sent and received
-    cost = p.cost.copy()
-    cost[:, -1] += per_rank  # sent once, not replayed: the last slot is the one the step counts once
-    moved = 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * states.sum())
-    return dataclasses.replace(
-        p, cost=cost, handoffs=int(used.sum()), handoff_bytes=float(moved), handoff_seconds=float(per_rank.max())
-    )
+    pair_seconds = cost.transfer(ctx, states, used).reshape(world_size, world_size)
+    moved = 2 * (cost.context_bytes * ctx.sum() + cost.state_bytes * states.sum())
+    return Transfers(pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0), int(used.sum()), float(moved))

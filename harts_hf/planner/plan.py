@@ -48,7 +48,7 @@ from .balance import rank_imbalance, rank_seconds, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
 from .graphs import graph_slots, rerun_slots
-from .handoffs import handoff_pieces, with_transfers
+from .handoffs import Handed, handoff_pieces, transfers
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
@@ -357,6 +357,20 @@ def plan(
                 best = made if made.step_seconds < best.step_seconds else best
                 break
     return dataclasses.replace(best, plan_seconds=time.perf_counter() - began)
+
+
+def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Plan | None:
+    """``p`` (built from ``pieces``) with its cross-rank handoffs (``handoffs.transfers``) priced into
+    the last slot's costs (sent once, not replayed: the slot the step counts once) and counted; None
+    if a microbatch's footprint, received context included, exceeds the budget."""
+    if (p.budget.footprint(p.tokens, p.context) > p.budget.tokens).any():
+        return None
+    moved = transfers(geo, pieces, handed, p.num_slots, p.world_size, p.cost_model)
+    cost = p.cost.copy()
+    cost[:, -1] += moved.seconds
+    return dataclasses.replace(
+        p, cost=cost, handoffs=moved.messages, handoff_bytes=moved.bytes, handoff_seconds=float(moved.seconds.max())
+    )
 
 
 def build_plan(
