@@ -197,17 +197,15 @@ CP_CASES_2 = [
 
 
 @pytest.mark.slow
-def test_three_ranks(tmp_path, capsys):
-    torchrun("cross_rank_worker.py", 3, str(tmp_path), *CASES_3, timeout=600)
+@pytest.mark.parametrize(
+    "ranks, cases",
+    [(3, CASES_3), (2, CASES_2), (3, CP_CASES_3), (2, CP_CASES_2)],
+    ids=["handoffs-3-ranks", "handoffs-2-ranks-ddp", "cp-groups-3-ranks", "cp-groups-2-ranks"],
+)
+def test_ranks_equal_the_oracles(ranks, cases, tmp_path, capsys):
+    torchrun("cross_rank_worker.py", ranks, str(tmp_path), *cases, timeout=600)
     with capsys.disabled():
-        print("\n" + "\n".join(_check(tmp_path, CASES_3)))
-
-
-@pytest.mark.slow
-def test_two_ranks_ddp(tmp_path, capsys):
-    torchrun("cross_rank_worker.py", 2, str(tmp_path), *CASES_2, timeout=600)
-    with capsys.disabled():
-        print("\n" + "\n".join(_check(tmp_path, CASES_2)))
+        print("\n" + "\n".join(_check(tmp_path, cases)))
 
 
 def test_plans_are_what_the_docstrings_say():
@@ -245,17 +243,3 @@ def test_needs_the_plans_process_group():
     engine = TreeEngine(patch_model(tiny_model("qwen3_5")), forest, PLANS["prompt3"][2](forest), rank=1)
     with pytest.raises(RuntimeError, match="start torch.distributed"):
         engine.logprobs()
-
-
-@pytest.mark.slow
-def test_cp_groups_three_ranks(tmp_path, capsys):
-    torchrun("cross_rank_worker.py", 3, str(tmp_path), *CP_CASES_3, timeout=600)
-    with capsys.disabled():
-        print("\n" + "\n".join(_check(tmp_path, CP_CASES_3)))
-
-
-@pytest.mark.slow
-def test_cp_groups_two_ranks(tmp_path, capsys):
-    torchrun("cross_rank_worker.py", 2, str(tmp_path), *CP_CASES_2, timeout=600)
-    with capsys.disabled():
-        print("\n" + "\n".join(_check(tmp_path, CP_CASES_2)))
