@@ -23,6 +23,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    rule whose handoffs promise the lowest step) run once, in a first slot, and are handed to the
    ranks reading them where that is cheaper than recomputing them (communication priced by the
    cost model); the plan is kept if its predicted step is lower.
+5. Context-parallel groups (``groups.py``, with ``context_parallel=True``): a rank's serial pieces
+   (a trajectory longer than the budget) run at once over idle ranks, one slot per group, a
+   wavefront over ``layers`` decoder layers; kept if its predicted step is lower.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -44,6 +47,7 @@ from .assign import BRANCH_RULES, assign_ranks, find_branches, rank_intervals
 from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, cost_origin
 from .geometry import Geometry
+from .groups import DEFAULT_LAYERS, grouped
 from .handoffs import handoff_pieces, with_transfers
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
@@ -85,6 +89,10 @@ class Plan:
     compiled from these pieces by ``harts_hf.schedule``, the one place that derives them; the plan
     keeps only the context's size, which the budget decides on.
 
+    With ``context_parallel=True``, ``groups`` context-parallel groups (``groups.py``: microbatches
+    of one slot on several ranks reading each other, streamed by the engine), the largest over
+    ``group_ranks`` ranks, their spans' context and states moving ``group_bytes`` (an upper bound).
+
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
     last token; its whole path is on that rank unless part of it is handed over). ``forest_digests``: per forest, the
     ``RolloutForest.shape_digest`` the plan was made for.
@@ -116,6 +124,9 @@ class Plan:
     handoffs: int = 0
     handoff_bytes: float = 0.0
     handoff_seconds: float = 0.0
+    groups: int = 0
+    group_ranks: int = 0
+    group_bytes: float = 0.0
 
     @property
     def num_pieces(self) -> int:
@@ -177,6 +188,7 @@ class Plan:
             "step_seconds_from": cost_origin(self.cost_model),
             "plan_seconds": self.plan_seconds,
             "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
+            "context_parallel": {"groups": self.groups, "ranks": self.group_ranks, "bytes": self.group_bytes},
         }
 
 
@@ -253,6 +265,8 @@ def plan(
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
     handoffs: bool = False,
+    context_parallel: bool = False,
+    layers: int = DEFAULT_LAYERS,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
     on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
@@ -265,10 +279,12 @@ def plan(
     than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``handoffs``: shared
     chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
     such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
+    ``context_parallel``: a trajectory's serial pieces may run at once over idle ranks (``groups.py``,
+    a wavefront over ``layers`` decoder layers; the same condition to run).
     """
     began = time.perf_counter()
     forests = as_forests(forests)
-    require_positive_ints("plan", world_size=world_size, chunk_size=chunk_size)
+    require_positive_ints("plan", world_size=world_size, chunk_size=chunk_size, layers=layers)
     if max_tokens_per_microbatch is not None:
         require_positive_ints("plan", max_tokens_per_microbatch=max_tokens_per_microbatch)
     if max_bytes_per_microbatch is not None and memory_model is None:
@@ -324,6 +340,9 @@ def plan(
         made = candidate(best_branches, cost.round * node_rounds)
         if made.step_seconds < best.step_seconds:
             best, best_extra = made, cost.round * node_rounds
+    if context_parallel and world_size > 1:
+        build = lambda pieces: build_plan(geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size)
+        best = grouped(best, geo, build, layers) or best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
         cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds)

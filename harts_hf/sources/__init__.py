@@ -29,7 +29,7 @@ from .ledger import SYSTEM_PROMPT, LedgerEnv
 from .ledger_rollout import MODES, LedgerRunner, ledger_dataset, ledger_rollout
 from .ledger_turn import ledger_prompts, ledger_turn_reward
 from .preferences import agent_preference_pairs
-from .shapes import caterpillar, deep_chain, grpo_group, random_tree
+from .shapes import caterpillar, deep_chain, grpo_group, long_trajectory, random_tree
 from .stats import forest_stats
 from .swe_like import CPU_SCALE, swe_like
 from .synthetic import AGENT_CHAT_TEMPLATE, agent_conversations, agent_tokenizer
@@ -59,6 +59,7 @@ __all__ = [
     "check_prefix_stable",
     "conversation_forest",
     "deep_chain",
+    "long_trajectory",
     "episode_rollout",
     "forest_stats",
     "get_workload",
@@ -81,6 +82,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "caterpillar": caterpillar,
     "random-tree": random_tree,
     "deep-chain": deep_chain,
+    "long-trajectory": long_trajectory,
 }
 
 

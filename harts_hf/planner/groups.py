@@ -1,0 +1,124 @@
+"""Context-parallel groups: a rank's serial pieces spread over idle ranks in one slot.
+
+A trajectory longer than the budget runs as pieces in successive slots of one rank
+(``split.py``) while ranks without work wait. Here the cost model decides whether to run
+``w`` consecutive microbatches of such a rank at once, in the first of their slots, one on the
+rank and one on each of ``w - 1`` idle ranks: a context-parallel group, whose handoffs the engine
+streams layer call by layer call (``harts_hf.engine.stream``), a wavefront over ``L`` decoder
+layers that takes about ``(L + w - 1) / L`` of its largest span's time. Each moved microbatch keeps
+its tokens and context (the budget holds as before) and is the only unit of its slot on its rank,
+so every span of a group runs at the same call position (``harts_hf.schedule.check_groups``);
+spans keep their DFS order over the ranks, so a group never waits on itself. Readers in later
+slots read the spans across ranks (cross-slot handoffs). Slots left empty on every rank go.
+
+Pricing: every span's cost times the wavefront factor, plus :meth:`CostModel.transfer` of its
+context and one path start in one message (an upper bound: some of it may lie on its own rank).
+``plan`` keeps the plan only when its predicted step is lower and every microbatch fits.
+
+Legend: R ranks, S slots, P pieces, L decoder layers, w ranks in a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .geometry import Geometry
+from .pieces import Pieces
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "with_groups"]
+
+DEFAULT_LAYERS = 24
+"""Decoder layers of the cost model's ~1B hybrid model (6 attention + 18 GDN: ``cost.COMM_DEFAULTS``)."""
+
+
+def _pieces(p: Plan, geo: Geometry) -> Pieces:
+    """The plan's pieces in global token indices."""
+    lo = p.piece_start + geo.forest_tokens[p.piece_forest]
+    return Pieces(
+        p.piece_rank, p.piece_slot, lo, lo + p.piece_end - p.piece_start, p.piece_branch, p.piece_replica, p.num_slots
+    )
+
+
+def _helpers(p: Plan, serial: np.ndarray, idle: np.ndarray) -> dict[int, list[int]]:
+    """Idle ranks per serial rank: each next one to the rank whose group would take longest (its total
+    cost over its ranks), at most one rank per non-empty slot; ties to the lower rank."""
+    total = p.cost.sum(axis=1)
+    slots = (p.tokens > 0).sum(axis=1)
+    given: dict[int, list[int]] = {int(r): [] for r in serial}
+    for helper in idle.tolist():
+        open_ = [r for r in given if 1 + len(given[r]) < slots[r]]
+        if not open_:
+            break
+        r = max(open_, key=lambda r: (total[r] / (1 + len(given[r])), -r))
+        given[r].append(helper)
+    return {r: h for r, h in given.items() if h}
+
+
+def group_pieces(p: Plan, geo: Geometry) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
+    """The pieces of ``p`` with serial ranks' microbatches grouped over idle ranks, and the groups
+    (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots."""
+    busy = p.tokens > 0
+    idle = np.flatnonzero(~busy.any(axis=1))
+    mb = p.piece_rank * p.num_slots + p.piece_slot
+    nf = int(p.piece_forest.max()) + 1
+    forests_per_mb = np.bincount(np.unique(mb * nf + p.piece_forest) // nf, minlength=busy.size)
+    single = (forests_per_mb.reshape(busy.shape) <= 1).all(axis=1)
+    serial = np.flatnonzero((busy.sum(axis=1) > 1) & single)
+    if idle.size == 0 or serial.size == 0:
+        return None
+    new_rank, new_slot = p.piece_rank.copy(), p.piece_slot.copy()
+    groups = []
+    for r, helpers in sorted(_helpers(p, serial, idle).items()):
+        members = [r, *helpers]
+        used = np.flatnonzero(busy[r])
+        for first in range(0, used.size, len(members)):
+            chunk = used[first : first + len(members)]
+            for member, s in zip(members, chunk):
+                moved = (p.piece_rank == r) & (p.piece_slot == s)
+                new_rank[moved], new_slot[moved] = member, chunk[0]
+            if chunk.size > 1:
+                groups.append((int(chunk[0]), members[: chunk.size]))
+    if not groups:
+        return None
+    kept = np.unique(new_slot)  # slots empty on every rank go
+    new_slot = np.searchsorted(kept, new_slot)
+    groups = [(int(np.searchsorted(kept, s)), ranks) for s, ranks in groups]
+    base = _pieces(p, geo)
+    order = np.lexsort((np.arange(new_rank.size), new_slot, new_rank))  # a microbatch keeps its piece order
+    pieces = Pieces(
+        new_rank[order], new_slot[order], base.lo[order], base.hi[order], base.branch[order], base.replica[order], kept.size
+    )
+    return pieces, groups
+
+
+def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Plan | None:
+    """``p`` (built from grouped pieces) with each group priced as a wavefront over ``layers`` layers
+    plus its spans' transfers; None if a microbatch's footprint exceeds the budget."""
+    if (p.budget.footprint(p.tokens, p.context) > p.budget.tokens).any():
+        return None
+    cost = p.cost.copy()
+    moved = 0.0
+    for slot, ranks in groups:
+        cost[ranks, slot] *= (layers + len(ranks) - 1) / layers
+        ctx = p.context[ranks, slot]
+        cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, ctx > 0)
+        moved += 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * (ctx > 0).sum())
+    return dataclasses.replace(
+        p, cost=cost, groups=len(groups), group_ranks=max(len(r) for _, r in groups), group_bytes=float(moved)
+    )
+
+
+def grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers: int) -> Plan | None:
+    """The plan with context-parallel groups, if it predicts a lower step than ``p``; else None."""
+    made = group_pieces(p, geo)
+    if made is None:
+        return None
+    out = with_groups(build(made[0]), made[1], layers)
+    return out if out is not None and out.step_seconds < p.step_seconds else None
