@@ -111,7 +111,8 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
         cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, ctx > 0)
         moved += 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * (ctx > 0).sum())
     return dataclasses.replace(
-        p, cost=cost, groups=len(groups), group_ranks=max(len(r) for _, r in groups), group_bytes=float(moved)
+        p, cost=cost, groups=len(groups), group_ranks=max(len(r) for _, r in groups), group_bytes=float(moved),
+        group_layers=layers,
     )
 
 

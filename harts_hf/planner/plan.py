@@ -91,7 +91,8 @@ class Plan:
 
     With ``context_parallel=True``, ``groups`` context-parallel groups (``groups.py``: microbatches
     of one slot on several ranks reading each other, streamed by the engine), the largest over
-    ``group_ranks`` ranks, their spans' context and states moving ``group_bytes`` (an upper bound).
+    ``group_ranks`` ranks, their spans' context and states moving ``group_bytes`` (an upper bound),
+    priced as wavefronts over ``group_layers`` decoder layers.
 
     ``traj_rank``: per forest, [B] the rank computing each trajectory's loss (the owner of its
     last token; its whole path is on that rank unless part of it is handed over). ``forest_digests``: per forest, the
@@ -127,6 +128,7 @@ class Plan:
     groups: int = 0
     group_ranks: int = 0
     group_bytes: float = 0.0
+    group_layers: int = 0
 
     @property
     def num_pieces(self) -> int:
@@ -188,7 +190,12 @@ class Plan:
             "step_seconds_from": cost_origin(self.cost_model),
             "plan_seconds": self.plan_seconds,
             "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
-            "context_parallel": {"groups": self.groups, "ranks": self.group_ranks, "bytes": self.group_bytes},
+            "context_parallel": {
+                "groups": self.groups,
+                "ranks": self.group_ranks,
+                "bytes": self.group_bytes,
+                "layers": self.group_layers,
+            },
         }
 
 
