@@ -1,6 +1,6 @@
 """Worker of ``test_planner_groups.py`` under ``torchrun`` (gloo, CPU): the plan ``plan()`` makes
-with ``context_parallel=True`` for one trajectory several times the budget (``cross_rank_worker``'s
-"chain" forest) on two ranks, run by ``cross_rank_worker.run_case`` (its references: the unpatched
+with ``context_parallel=True`` for one trajectory several times the budget (:func:`long_chain`) on
+two ranks, cut again into spans of equal cost, run by ``cross_rank_worker.run_case`` (its references: the unpatched
 model trajectory by trajectory and the single-process engine)."""
 
 from __future__ import annotations
@@ -9,15 +9,22 @@ import sys
 from pathlib import Path
 
 import cross_rank_worker
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from harts_hf import RolloutForest, plan
 from harts_hf.planner.memory import MemoryModel
 
-BUDGET = 40
+BUDGET = 150
 SMALL_CONTEXT = MemoryModel(token=1.0, context=0.1)
-"""A context token at a tenth of an own token: the 120-token chain plans in pieces of the 40-token budget."""
+"""A context token at a tenth of an own token: the 448-token chain plans in pieces of the 150-token budget."""
+
+
+def long_chain() -> list[list[int]]:
+    """One trajectory of 448 tokens: seven GDN chunks (the tiny models hold 512 positions), room for
+    spans cut at chunk-aligned depths."""
+    return [[int(t) for t in np.random.default_rng(0).integers(3, 120, 448)]]
 
 
 def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True):
@@ -33,7 +40,10 @@ def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: boo
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cross_rank_worker.PLANS["cp2"] = (2, "chain", cp_planned)
+    seqs = long_chain()
+    given = cross_rank_worker.forest_of
+    cross_rank_worker.forest_of = lambda kind: (seqs, RolloutForest.from_sequences(seqs)) if kind == "long" else given(kind)
+    cross_rank_worker.PLANS["cp2"] = (2, "long", cp_planned)
     out = Path(sys.argv[1])
     for case in sys.argv[2:]:
         family, plan_name, wrapper = case.split(":")

@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cp_plan_worker import BUDGET, SMALL_CONTEXT, cp_planned
-from cross_rank_worker import forest_of
+from cp_plan_worker import BUDGET, SMALL_CONTEXT, cp_planned, long_chain
 from launch import torchrun
 from test_planner_handoffs import _owner_counts
 from tiny_models import tiny_model
@@ -28,7 +27,7 @@ from harts_hf.schedule import Schedule
 
 @pytest.fixture(scope="module")
 def chain():
-    return forest_of("chain")[1]
+    return RolloutForest.from_sequences(long_chain())
 
 
 def _same_slot_reads(p, forest) -> int:
@@ -43,8 +42,9 @@ def _same_slot_reads(p, forest) -> int:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_group_plan_invariants(chain, world_size):
-    """The chain's pieces run in fewer slots, spread over every rank; each token owned once, every
-    microbatch within the budget, and each rank's schedule compiles (groups aligned, no cycle)."""
+    """The chain's pieces, cut again at chunk-aligned depths, run in fewer slots, spread over every
+    rank; each token owned once, every microbatch within the budget, and each rank's schedule compiles
+    (groups aligned, no cycle)."""
     serial = cp_planned(chain, world_size, context_parallel=False)
     p = cp_planned(chain, world_size)
     assert serial.groups == 0 and (serial.tokens.sum(axis=1) > 0).sum() == 1 and serial.num_slots >= 3
@@ -53,7 +53,8 @@ def test_group_plan_invariants(chain, world_size):
     assert (p.tokens.sum(axis=1) > 0).all() and _same_slot_reads(p, chain) > 0
     assert (_owner_counts(p, chain) == 1).all()
     assert (p.budget.footprint(p.tokens, p.context) <= BUDGET).all()
-    assert sorted(p.tokens.ravel()[p.tokens.ravel() > 0]) == sorted(serial.tokens.ravel()[serial.tokens.ravel() > 0])
+    assert p.tokens.sum() == serial.tokens.sum() == chain.num_compact_tokens
+    assert set(p.piece_start.tolist()) - {0} <= set(range(64, 448, 64))
     hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
     tables = model_tables(hf, adapter)
     schedules = [Schedule.compile([chain], p, r, tables, torch.device("cpu")) for r in range(world_size)]
@@ -65,7 +66,7 @@ def test_group_plan_invariants(chain, world_size):
 def test_busy_ranks_form_no_group():
     """Two such chains on two ranks: both ranks busy, nothing to group; on four ranks, each chain its group."""
     rng = np.random.default_rng(0)
-    forest = RolloutForest.from_sequences([[int(t) for t in rng.integers(3, 120, 120)] for _ in range(2)])
+    forest = RolloutForest.from_sequences([[int(t) for t in rng.integers(3, 120, 448)] for _ in range(2)])
     assert cp_planned(forest, 2).groups == 0
     p = cp_planned(forest, 4)
     assert p.groups >= 2 and p.group_ranks == 2 and (p.tokens.sum(axis=1) > 0).all()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .geometry import Geometry
+from .memory import Budget
 from .pieces import Pieces
 
 if TYPE_CHECKING:
@@ -61,9 +62,29 @@ def _helpers(p: Plan, serial: np.ndarray, idle: np.ndarray) -> dict[int, list[in
     return {r: h for r, h in given.items() if h}
 
 
-def group_pieces(p: Plan, geo: Geometry) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
+def _path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chunk: int) -> np.ndarray | None:
+    """[count + 1] bounds of ``count`` spans of equal cost of the root-path piece ``lo:hi``, cut at
+    chunk-aligned depths (no replay); None if two cuts meet or a span, with its ancestors as
+    context, exceeds the budget."""
+    ends = geo.prefix(np.array([lo, hi]))
+    target = ends[0] + (ends[1] - ends[0]) * np.arange(1, count) / count
+    top = int(geo.token_depth(np.array([lo]))[0])
+    depth = np.round((np.floor(geo.token_at(target)) - lo + top) / chunk) * chunk
+    bounds = np.r_[lo, np.clip(depth - top + lo, lo, hi).astype(np.int64), hi]
+    if (np.diff(bounds) <= 0).any():
+        return None
+    return bounds if (budget.footprint(np.diff(bounds), top + bounds[:-1] - lo) <= budget.tokens).all() else None
+
+
+def group_pieces(
+    p: Plan, geo: Geometry, chunk: int
+) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with serial ranks' microbatches grouped over idle ranks, and the groups
-    (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots."""
+    (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots.
+
+    A serial rank whose pieces are one root path is cut again into spans of equal cost, ``w`` per
+    group (the fewest groups within the budget), so a group's wavefront waits on no slow span;
+    otherwise its microbatches are the spans, ``w`` consecutive ones per group."""
     busy = p.tokens > 0
     idle = np.flatnonzero(~busy.any(axis=1))
     mb = p.piece_rank * p.num_slots + p.piece_slot
@@ -73,27 +94,57 @@ def group_pieces(p: Plan, geo: Geometry) -> tuple[Pieces, list[tuple[int, list[i
     serial = np.flatnonzero((busy.sum(axis=1) > 1) & single)
     if idle.size == 0 or serial.size == 0:
         return None
+    base = _pieces(p, geo)
     new_rank, new_slot = p.piece_rank.copy(), p.piece_slot.copy()
+    drop = np.zeros(new_rank.size, dtype=bool)
+    spans: list[tuple[int, int, int, int, int]] = []  # (rank, slot, lo, hi, branch) cut again
     groups = []
     for r, helpers in sorted(_helpers(p, serial, idle).items()):
         members = [r, *helpers]
         used = np.flatnonzero(busy[r])
-        for first in range(0, used.size, len(members)):
-            chunk = used[first : first + len(members)]
-            for member, s in zip(members, chunk):
-                moved = (p.piece_rank == r) & (p.piece_slot == s)
-                new_rank[moved], new_slot[moved] = member, chunk[0]
-            if chunk.size > 1:
-                groups.append((int(chunk[0]), members[: chunk.size]))
+        mine = np.flatnonzero(p.piece_rank == r)
+        mine = mine[np.lexsort((base.lo[mine], p.piece_slot[mine]))]
+        lo, hi = int(base.lo[mine[0]]), int(base.hi[mine[-1]])
+        path = (
+            not base.replica[mine].any()
+            and (base.lo[mine[1:]] == base.hi[mine[:-1]]).all()
+            and int(np.diff(geo.token_depth(np.array([lo, hi - 1])))[0]) == hi - 1 - lo
+        )
+        for count in range(-(-used.size // len(members)), used.size + 1) if path else ():
+            bounds = _path_spans(geo, p.budget, lo, hi, count * len(members), chunk)
+            if bounds is not None:
+                drop[mine] = True
+                branch = int(base.branch[mine[0]])
+                for i, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+                    spans.append((members[i % len(members)], int(used[i // len(members)]), a, b, branch))
+                groups += [(int(used[j]), members) for j in range(count)]
+                break
+        else:
+            for first in range(0, used.size, len(members)):
+                chunk_slots = used[first : first + len(members)]
+                for member, s in zip(members, chunk_slots):
+                    moved = (p.piece_rank == r) & (p.piece_slot == s)
+                    new_rank[moved], new_slot[moved] = member, chunk_slots[0]
+                if chunk_slots.size > 1:
+                    groups.append((int(chunk_slots[0]), members[: chunk_slots.size]))
     if not groups:
         return None
-    kept = np.unique(new_slot)  # slots empty on every rank go
-    new_slot = np.searchsorted(kept, new_slot)
+    keep = ~drop
+    cut = np.array(spans, dtype=np.int64).reshape(-1, 5)
+    rank = np.r_[new_rank[keep], cut[:, 0]]
+    slot = np.r_[new_slot[keep], cut[:, 1]]
+    kept = np.unique(slot)  # slots empty on every rank go
+    slot = np.searchsorted(kept, slot)
     groups = [(int(np.searchsorted(kept, s)), ranks) for s, ranks in groups]
-    base = _pieces(p, geo)
-    order = np.lexsort((np.arange(new_rank.size), new_slot, new_rank))  # a microbatch keeps its piece order
+    order = np.lexsort((np.arange(rank.size), slot, rank))  # a microbatch keeps its piece order
     pieces = Pieces(
-        new_rank[order], new_slot[order], base.lo[order], base.hi[order], base.branch[order], base.replica[order], kept.size
+        rank[order],
+        slot[order],
+        np.r_[base.lo[keep], cut[:, 2]][order],
+        np.r_[base.hi[keep], cut[:, 3]][order],
+        np.r_[base.branch[keep], cut[:, 4]][order],
+        np.r_[base.replica[keep], np.zeros(len(spans), dtype=bool)][order],
+        kept.size,
     )
     return pieces, groups
 
@@ -118,7 +169,7 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
 
 def grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers: int) -> Plan | None:
     """The plan with context-parallel groups, if it predicts a lower step than ``p``; else None."""
-    made = group_pieces(p, geo)
+    made = group_pieces(p, geo, p.chunk_size)
     if made is None:
         return None
     out = with_groups(build(made[0]), made[1], layers)
