@@ -47,19 +47,28 @@ def _pieces(p: Plan, geo: Geometry) -> Pieces:
     )
 
 
-def _helpers(p: Plan, serial: np.ndarray, idle: np.ndarray) -> dict[int, list[int]]:
+def _helpers(p: Plan, serial: np.ndarray, idle: np.ndarray, cap: dict[int, int]) -> dict[int, list[int]]:
     """Idle ranks per serial rank: each next one to the rank whose group would take longest (its total
-    cost over its ranks), at most one rank per non-empty slot; ties to the lower rank."""
+    cost over its ranks), at most ``cap[r]`` ranks in all; ties to the lower rank."""
     total = p.cost.sum(axis=1)
-    slots = (p.tokens > 0).sum(axis=1)
     given: dict[int, list[int]] = {int(r): [] for r in serial}
     for helper in idle.tolist():
-        open_ = [r for r in given if 1 + len(given[r]) < slots[r]]
+        open_ = [r for r in given if 1 + len(given[r]) < cap[r]]
         if not open_:
             break
         r = max(open_, key=lambda r: (total[r] / (1 + len(given[r])), -r))
         given[r].append(helper)
     return {r: h for r, h in given.items() if h}
+
+
+def _path(geo: Geometry, base: Pieces, mine: np.ndarray) -> bool:
+    """Whether a rank's pieces ``mine`` (in slot order) are one root path, none a recomputed copy."""
+    lo, hi = int(base.lo[mine[0]]), int(base.hi[mine[-1]])
+    return bool(
+        not base.replica[mine].any()
+        and (base.lo[mine[1:]] == base.hi[mine[:-1]]).all()
+        and int(np.diff(geo.token_depth(np.array([lo, hi - 1])))[0]) == hi - 1 - lo
+    )
 
 
 def _path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chunk: int) -> np.ndarray | None:
@@ -95,22 +104,24 @@ def group_pieces(
     if idle.size == 0 or serial.size == 0:
         return None
     base = _pieces(p, geo)
+    own = {int(r): np.flatnonzero(p.piece_rank == r) for r in serial}
+    own = {r: mine[np.lexsort((base.lo[mine], p.piece_slot[mine]))] for r, mine in own.items()}
+    path = {r: _path(geo, base, mine) for r, mine in own.items()}
+    # a path is cut again: as many spans as chunks; other ranks' microbatches are the spans
+    cap = {
+        r: (int(base.hi[mine[-1]] - base.lo[mine[0]]) // chunk if path[r] else int(busy[r].sum()))
+        for r, mine in own.items()
+    }
     new_rank, new_slot = p.piece_rank.copy(), p.piece_slot.copy()
     drop = np.zeros(new_rank.size, dtype=bool)
     spans: list[tuple[int, int, int, int, int]] = []  # (rank, slot, lo, hi, branch) cut again
     groups = []
-    for r, helpers in sorted(_helpers(p, serial, idle).items()):
+    for r, helpers in sorted(_helpers(p, serial, idle, cap).items()):
         members = [r, *helpers]
         used = np.flatnonzero(busy[r])
-        mine = np.flatnonzero(p.piece_rank == r)
-        mine = mine[np.lexsort((base.lo[mine], p.piece_slot[mine]))]
+        mine = own[r]
         lo, hi = int(base.lo[mine[0]]), int(base.hi[mine[-1]])
-        path = (
-            not base.replica[mine].any()
-            and (base.lo[mine[1:]] == base.hi[mine[:-1]]).all()
-            and int(np.diff(geo.token_depth(np.array([lo, hi - 1])))[0]) == hi - 1 - lo
-        )
-        for count in range(-(-used.size // len(members)), used.size + 1) if path else ():
+        for count in range(-(-used.size // len(members)), used.size + 1) if path[r] else ():
             bounds = _path_spans(geo, p.budget, lo, hi, count * len(members), chunk)
             if bounds is not None:
                 drop[mine] = True
