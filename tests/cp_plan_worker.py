@@ -42,7 +42,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     seqs = long_chain()
     given = cross_rank_worker.forest_of
-    cross_rank_worker.forest_of = lambda kind: (seqs, RolloutForest.from_sequences(seqs)) if kind == "long" else given(kind)
+    cross_rank_worker.forest_of = lambda kind: (
+        (seqs, RolloutForest.from_sequences(seqs)) if kind == "long" else given(kind)
+    )
     cross_rank_worker.PLANS["cp2"] = (2, "long", cp_planned)
     out = Path(sys.argv[1])
     for case in sys.argv[2:]:

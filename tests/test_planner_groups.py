@@ -60,7 +60,9 @@ def test_group_plan_invariants(chain, world_size):
     schedules = [Schedule.compile([chain], p, r, tables, torch.device("cpu")) for r in range(world_size)]
     assert all(s.units for s in schedules)
     again = cp_planned(chain, world_size)
-    assert all(np.array_equal(getattr(p, k), getattr(again, k)) for k in ("piece_rank", "piece_slot", "piece_start", "cost"))
+    assert all(
+        np.array_equal(getattr(p, k), getattr(again, k)) for k in ("piece_rank", "piece_slot", "piece_start", "cost")
+    )
 
 
 def test_busy_ranks_form_no_group():

@@ -85,9 +85,7 @@ def _path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chu
     return bounds if (budget.footprint(np.diff(bounds), top + bounds[:-1] - lo) <= budget.tokens).all() else None
 
 
-def group_pieces(
-    p: Plan, geo: Geometry, chunk: int
-) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
+def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with serial ranks' microbatches grouped over idle ranks, and the groups
     (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots.
 
@@ -173,7 +171,11 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
         cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, ctx > 0)
         moved += 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * (ctx > 0).sum())
     return dataclasses.replace(
-        p, cost=cost, groups=len(groups), group_ranks=max(len(r) for _, r in groups), group_bytes=float(moved),
+        p,
+        cost=cost,
+        groups=len(groups),
+        group_ranks=max(len(r) for _, r in groups),
+        group_bytes=float(moved),
         group_layers=layers,
     )
 

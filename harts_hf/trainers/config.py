@@ -79,7 +79,9 @@ class HARTSArguments:
 
     harts_handoffs: bool = field(
         default=False,
-        metadata={"help": "Hand shared chains between ranks instead of recomputing them, where the plan predicts faster."},
+        metadata={
+            "help": "Hand shared chains between ranks instead of recomputing them, where the plan predicts faster."
+        },
     )
     harts_context_parallel: bool = field(
         default=False,
