@@ -25,6 +25,7 @@ FIELDS = {
     "imbalance",
     "redundancy",
     "step_seconds",
+    "context_parallel",
     "step_seconds_from",
     "plan_seconds",
     "handoffs",

@@ -22,6 +22,7 @@ from typing import NoReturn, TypeVar
 from ..lab import plan_record, plot_plan, record_table
 from ..lab.plan_report import bench_memory_model
 from ..planner import DEFAULT_MAX_TOKENS, CostModel, plan
+from ..planner.groups import DEFAULT_LAYERS
 from ..sources import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 from .train import add_parser as add_train_parsers
 
@@ -199,6 +200,18 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         help="recompute every shared chain on the ranks reading it, never hand one over (a plan each rank can "
         "run alone; the report shows this plan as no_exchange either way)",
     )
+    p.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="run a trajectory's pieces at once over idle ranks (context-parallel groups) where that lowers the step",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=DEFAULT_LAYERS,
+        metavar="L",
+        help=f"decoder layers a context-parallel group's wavefront passes (default {DEFAULT_LAYERS})",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
     p.set_defaults(run=cmd_plan)
@@ -231,6 +244,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cost_model=cost,
             memory_model=memory,
             handoffs=not args.no_handoffs,
+            context_parallel=args.context_parallel,
+            layers=args.layers,
         )
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err

@@ -43,13 +43,19 @@ def _piece_trees(plan: Plan, forests: Sequence[RolloutForest]) -> tuple[np.ndarr
 
 
 def _handed(plan: Plan) -> str:
-    """The title's line on cross-rank handoffs (nothing when the plan hands nothing over)."""
-    if not plan.handoffs:
-        return ""
-    return (
-        f"\n{plan.handoffs} handoffs between ranks moving {plan.handoff_bytes / 1e9:.3g} GB "
-        f"({plan.handoff_seconds:.3g} s on the busiest rank)"
-    )
+    """The title's lines on cross-rank handoffs and context-parallel groups (nothing without them)."""
+    out = ""
+    if plan.handoffs:
+        out += (
+            f"\n{plan.handoffs} handoffs between ranks moving {plan.handoff_bytes / 1e9:.3g} GB "
+            f"({plan.handoff_seconds:.3g} s on the busiest rank)"
+        )
+    if plan.groups:
+        out += (
+            f"\n{plan.groups} context-parallel groups of up to {plan.group_ranks} ranks moving "
+            f"{plan.group_bytes / 1e9:.3g} GB (wavefronts over {plan.group_layers} layers)"
+        )
+    return out
 
 
 def _versus(record: dict) -> str:

@@ -3,7 +3,8 @@
 Beside the baselines: the same planner with cross-rank handoffs off ("no exchange": every shared
 chain recomputed on the ranks that read it) and the lower bound ``max(unique work / R, longest
 path)`` (every compact token once, spread evenly; the longest trajectory alone on one rank), both
-under the plan's cost model."""
+under the plan's cost model. With context-parallel groups the longest path may run as a wavefront
+over every rank: that term becomes ``longest / R * (L + R - 1) / L`` over L decoder layers."""
 
 from __future__ import annotations
 
@@ -45,8 +46,13 @@ COLUMNS = {
     "handoffs": "messages between ranks carrying handed chains (context rows and states)",
     "GB moved": "bytes those messages move, values there and gradients back",
     "xfer s": "predicted seconds the busiest rank spends on them (in step s)",
+    "cp groups": "context-parallel groups: a trajectory's pieces at once over several ranks, one slot each",
+    "cp ranks": "ranks in the largest group",
 }
-NO_EXCHANGE = {"no_exchange": "harts with cross-rank handoffs off: every shared chain recomputed where it is read"}
+NO_EXCHANGE = {
+    "no_exchange": "harts with cross-rank handoffs and context-parallel groups off: every shared chain recomputed "
+    "where it is read, every piece of a trajectory on one rank"
+}
 GAP = {"gap": "harts' largest rank cost above the exact solver's proven lower bound (0% = optimal)"}
 
 
@@ -58,17 +64,21 @@ def legend(meanings: Mapping[str, str]) -> str:
 
 def lower_bound(forests: Sequence[RolloutForest], ours: Plan) -> dict:
     """``{"seconds", "unique_work_per_rank", "longest_path"}`` under ``ours``' cost model: no plan on
-    its world size predicts a shorter step than ``seconds``."""
+    its world size predicts a shorter step than ``seconds`` (with context-parallel groups the longest
+    path's term is its wavefront over every rank, ``ours.group_layers`` layers)."""
     geo = Geometry.of(list(forests), ours.cost_model)
     per_rank = geo.total_cost / ours.world_size
     longest = float(geo.path_cost(max(f.max_length for f in forests)))
+    if ours.group_layers:
+        layers, world = ours.group_layers, ours.world_size
+        longest *= (layers + world - 1) / (layers * world)
     return {"seconds": max(per_rank, longest), "unique_work_per_rank": per_rank, "longest_path": longest}
 
 
 def no_exchange(forests: Sequence[RolloutForest], ours: Plan) -> dict:
-    """The record entry of ``ours``' planner with handoffs off (``ours`` itself if it hands nothing)."""
+    """The record entry of ``ours``' planner with handoffs and groups off (``ours`` itself if it has none)."""
     other = ours
-    if ours.handoffs:
+    if ours.handoffs or ours.groups:
         other = plan(
             forests,
             world_size=ours.world_size,
@@ -78,12 +88,14 @@ def no_exchange(forests: Sequence[RolloutForest], ours: Plan) -> dict:
             chunk_size=ours.chunk_size,
         )
     summary = other.summary()
-    return {k: summary[k] for k in ("imbalance", "redundancy", "step_seconds", "plan_seconds", "handoffs")}
+    keys = ("imbalance", "redundancy", "step_seconds", "plan_seconds", "handoffs", "context_parallel")
+    return {k: summary[k] for k in keys}
 
 
 def plan_record(forests: Sequence[RolloutForest], plan: Plan, *, exact_seconds: float = EXACT_SECONDS) -> dict:
     """``{"world_size", "slots", "pieces", "imbalance": {"slot", "rank"}, "redundancy",
-    "plan_seconds", "handoffs": {"messages", "bytes", "seconds"}, "lower_bound": {...},
+    "plan_seconds", "handoffs": {"messages", "bytes", "seconds"}, "context_parallel": {"groups",
+    "ranks", "bytes", "layers"}, "lower_bound": {...},
     "no_exchange": {...}, "baselines": {name: {"imbalance", "redundancy", "plan_seconds", ...}}}``."""
     return {
         **plan.summary(),
@@ -105,13 +117,17 @@ def _fmt(x: float | None, spec: str) -> str:
 def record_table(record: dict) -> str:
     """One aligned row per planner (step time, slot and rank imbalance, redundancy, planning seconds), why a
     baseline was skipped and the exact solver's gap, then the legend of columns and planners."""
-    rows = [("planner", "step s", "slot imb", "rank imb", "redundancy", "plan s", "handoffs", "GB moved", "xfer s")]
+    rows = [
+        ("planner", "step s", "slot imb", "rank imb", "redundancy", "plan s", "handoffs", "GB moved", "xfer s")
+        + ("cp groups", "cp ranks")
+    ]
     entries = planner_entries(record)
     if "no_exchange" in record:
         entries = {"harts": entries.pop("harts"), "no_exchange": record["no_exchange"], **entries}
     for name, e in entries.items():
         imb = e["imbalance"] or {}
         sent = e.get("handoffs") or {}
+        cp = e.get("context_parallel") or {}
         rows.append(
             (
                 name,
@@ -123,6 +139,8 @@ def record_table(record: dict) -> str:
                 _fmt(sent.get("messages"), "d"),
                 _fmt(None if "bytes" not in sent else sent["bytes"] / 1e9, ".3f"),
                 _fmt(sent.get("seconds"), ".4f"),
+                _fmt(cp.get("groups"), "d"),
+                _fmt(cp.get("ranks"), "d"),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -29,7 +29,7 @@ from .ledger import SYSTEM_PROMPT, LedgerEnv
 from .ledger_rollout import MODES, LedgerRunner, ledger_dataset, ledger_rollout
 from .ledger_turn import ledger_prompts, ledger_turn_reward
 from .preferences import agent_preference_pairs
-from .shapes import caterpillar, deep_chain, grpo_group, random_tree
+from .shapes import caterpillar, deep_chain, grpo_group, long_trajectory, random_tree
 from .stats import forest_stats
 from .swe_like import CPU_SCALE, swe_like
 from .synthetic import AGENT_CHAT_TEMPLATE, agent_conversations, agent_tokenizer
@@ -67,6 +67,7 @@ __all__ = [
     "ledger_prompts",
     "ledger_rollout",
     "ledger_turn_reward",
+    "long_trajectory",
     "prefix_breaks",
     "random_tree",
     "sample_ids",
@@ -81,6 +82,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "caterpillar": caterpillar,
     "random-tree": random_tree,
     "deep-chain": deep_chain,
+    "long-trajectory": long_trajectory,
 }
 
 

@@ -15,7 +15,7 @@ from ..checks import require_positive_ints, require_probabilities
 from .spans import assemble, node_pool, tree_paths
 from .workload import Workload
 
-__all__ = ["caterpillar", "deep_chain", "grpo_group", "random_tree"]
+__all__ = ["caterpillar", "deep_chain", "grpo_group", "long_trajectory", "random_tree"]
 
 
 def _tree_workload(
@@ -160,3 +160,12 @@ def deep_chain(
     trained = np.r_[np.zeros(levels, dtype=bool), np.ones(leaf_parent.size, dtype=bool)]
     ends = np.r_[np.arange(levels, parent.size), levels - 1]
     return _tree_workload("deep-chain", rng, parent, lens, trained, ends, vocab)
+
+
+def long_trajectory(tokens: int = 524_288, *, seed: int = 0, vocab: int = 32000) -> Workload:
+    """One trained trajectory of ``tokens`` tokens (one node): longer than the budget, it runs as pieces,
+    serially on one rank or as a context-parallel group (``harts_hf.planner.groups``)."""
+    require_positive_ints("long_trajectory", tokens=tokens, vocab=vocab)
+    rng = np.random.default_rng(seed)
+    parent, lens, trained = np.array([-1]), np.array([tokens]), np.array([True])
+    return _tree_workload("long-trajectory", rng, parent, lens, trained, np.array([0]), vocab)

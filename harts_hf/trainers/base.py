@@ -81,6 +81,7 @@ class HARTSTrainerMixin:
             cost_model=self.args.harts_planner_cost_model,
             chunk_size=self.args.harts_chunk_size,
             handoffs=self.args.harts_handoffs,
+            context_parallel=self.args.harts_context_parallel,
         )
 
     def _memory_model(self, inside_forward: bool = False) -> MemoryModel:

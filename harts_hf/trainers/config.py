@@ -45,6 +45,10 @@ class HARTSArguments:
             Let the plan run a shared chain once and hand it to the ranks reading it (point to point, its gradient
             back) where the cost model predicts that faster than recomputing it on each (`harts_hf.planner.handoffs`);
             off by default: checked exact under DDP (gloo, CPU), not yet under FSDP2 or on NCCL.
+        harts_context_parallel (`bool`, *optional*, defaults to `False`):
+            Let the plan run a trajectory longer than the budget at once over idle ranks, one span each (a
+            context-parallel group streamed layer by layer: `harts_hf.planner.groups`) where the cost model predicts
+            that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
     """
 
     harts_enable: bool = field(
@@ -75,7 +79,13 @@ class HARTSArguments:
 
     harts_handoffs: bool = field(
         default=False,
-        metadata={"help": "Hand shared chains between ranks instead of recomputing them, where the plan predicts faster."},
+        metadata={
+            "help": "Hand shared chains between ranks instead of recomputing them, where the plan predicts faster."
+        },
+    )
+    harts_context_parallel: bool = field(
+        default=False,
+        metadata={"help": "Split a trajectory longer than the budget over idle ranks, where the plan predicts faster."},
     )
 
     loss_types: ClassVar[tuple[str, ...]] = ()
