@@ -23,6 +23,7 @@ SMALL = {  # keyword arguments that keep every generator tiny
     "caterpillar": {"turns": 5},
     "random-tree": {"num_nodes": 30},
     "deep-chain": {"levels": 12},
+    "long-trajectory": {"tokens": 40},
 }
 
 
@@ -59,7 +60,7 @@ def test_vocab_bounds_token_ids(name):
 
 
 def test_registry_errors_list_the_names():
-    with pytest.raises(ValueError, match="caterpillar, deep-chain, grpo-group, random-tree, swe-like"):
+    with pytest.raises(ValueError, match="caterpillar, deep-chain, grpo-group, long-trajectory, random-tree, swe-like"):
         get_workload("swe_like")
     with pytest.raises(TypeError, match="'grpo-group' takes no scale"):
         get_workload("grpo-group", scale=0.5)

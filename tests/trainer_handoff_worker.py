@@ -18,7 +18,7 @@ from harts_hf.trainers import step
 
 FREE_COMM = {"token": 1e-5, "pair": 0.0, "round": 0.0, "microbatch": 0.0, "byte": 0.0, "message": 0.0}
 CASE = "dapo-handoffs-tasks"
-ddp.CASES[CASE] = {
+OVERRIDES = {
     "loss_type": "dapo",
     "harts_handoffs": True,
     "harts_cost_model": FREE_COMM,
@@ -44,11 +44,11 @@ def task_rollout(prompts: list[str], trainer) -> dict:
     return out
 
 
-test_trainer_exactness.branching_rollout = task_rollout  # what ``ddp._worker`` imports for system=False
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # not on import: the test imports CASE into a process other tests share
     from harts_hf.trainers.teardown import end_distributed
+
+    ddp.CASES[CASE] = OVERRIDES
+    test_trainer_exactness.branching_rollout = task_rollout  # what ``ddp._worker`` imports for system=False
 
     out = Path(sys.argv[1])
     made, planner = [], step.plan
