@@ -5,13 +5,8 @@ model trajectory by trajectory and the single-process engine)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import cross_rank_worker
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from harts_hf import RolloutForest, plan
 from harts_hf.planner.memory import MemoryModel
@@ -38,19 +33,4 @@ def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: boo
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    seqs = long_chain()
-    given = cross_rank_worker.forest_of
-    cross_rank_worker.forest_of = lambda kind: (
-        (seqs, RolloutForest.from_sequences(seqs)) if kind == "long" else given(kind)
-    )
-    cross_rank_worker.PLANS["cp2"] = (2, "long", cp_planned)
-    out = Path(sys.argv[1])
-    for case in sys.argv[2:]:
-        family, plan_name, wrapper = case.split(":")
-        cross_rank_worker.run_case(family, plan_name, wrapper, out)
-        dist.barrier()
-    from harts_hf.trainers.teardown import end_distributed
-
-    end_distributed()
+    cross_rank_worker.main({"long": long_chain()}, {"cp2": (2, "long", cp_planned)})

@@ -109,9 +109,14 @@ PLANS = {
 }
 
 
+EXTRA_FORESTS: dict[str, list[list[int]]] = {}  # forests a worker over this one adds (``main``)
+
+
 def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
     from tiny_models import family_forest
 
+    if kind in EXTRA_FORESTS:
+        return EXTRA_FORESTS[kind], RolloutForest.from_sequences(EXTRA_FORESTS[kind])
     rng = np.random.default_rng(0)
     seqs = {
         "family": family_forest,
@@ -217,9 +222,14 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
     )
 
 
-if __name__ == "__main__":
+def main(forests: dict[str, list[list[int]]] | None = None, plans: dict | None = None) -> None:
+    """Run the cases of argv (``family:plan:wrapper``), each rank its row, with more ``forests`` (by
+    kind) and ``plans`` (as :data:`PLANS`): the workers of the planner's own plans
+    (``cp_plan_worker``, ``handoff_plan_worker``)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    EXTRA_FORESTS.update(forests or {})
+    PLANS.update(plans or {})
     out = Path(sys.argv[1])
     for case in sys.argv[2:]:
         family, plan_name, wrapper = case.split(":")
@@ -228,3 +238,7 @@ if __name__ == "__main__":
     from harts_hf.trainers.teardown import end_distributed
 
     end_distributed()  # gloo's threads abort the exit ("terminate called ...") otherwise
+
+
+if __name__ == "__main__":
+    main()

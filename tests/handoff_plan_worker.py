@@ -4,13 +4,8 @@ references: the unpatched model trajectory by trajectory and the single-process 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import cross_rank_worker
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from harts_hf import RolloutForest, plan
 from harts_hf.planner import CostModel
@@ -36,19 +31,4 @@ def planned(forest: RolloutForest):
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    seqs = tasks_forest()
-    given = cross_rank_worker.forest_of
-    cross_rank_worker.forest_of = lambda kind: (
-        (seqs, RolloutForest.from_sequences(seqs)) if kind == "tasks" else given(kind)
-    )
-    cross_rank_worker.PLANS["planned2"] = (2, "tasks", planned)
-    out = Path(sys.argv[1])
-    for case in sys.argv[2:]:
-        family, plan_name, wrapper = case.split(":")
-        cross_rank_worker.run_case(family, plan_name, wrapper, out)
-        dist.barrier()
-    from harts_hf.trainers.teardown import end_distributed
-
-    end_distributed()
+    cross_rank_worker.main({"tasks": tasks_forest()}, {"planned2": (2, "tasks", planned)})
