@@ -87,13 +87,20 @@ class CostModel:
             + self.microbatch * np.asarray(microbatches, dtype=np.float64)
         )
 
+    def transfer_bytes(self, context_tokens, path_starts) -> np.ndarray:
+        """Bytes of handing ``context_tokens`` and ``path_starts`` over, there and (the gradients) back
+        (broadcasts over arrays)."""
+        return 2 * (
+            self.context_bytes * np.asarray(context_tokens, dtype=np.float64)
+            + self.state_bytes * np.asarray(path_starts, dtype=np.float64)
+        )
+
     def transfer(self, context_tokens, path_starts, messages) -> np.ndarray:
         """Predicted seconds of handing ``context_tokens`` and ``path_starts`` over in ``messages``,
         there and (the gradients) back (broadcasts over arrays)."""
-        moved = self.context_bytes * np.asarray(context_tokens, dtype=np.float64) + self.state_bytes * np.asarray(
-            path_starts, dtype=np.float64
+        return self.byte * self.transfer_bytes(context_tokens, path_starts) + 2 * self.message * np.asarray(
+            messages, dtype=np.float64
         )
-        return 2 * (self.byte * moved + self.message * np.asarray(messages, dtype=np.float64))
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -158,7 +158,7 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
 def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Plan | None:
     """``p`` (built from grouped pieces) with each group priced as a wavefront over ``layers`` layers
     plus its spans' transfers; None if a microbatch's footprint exceeds the budget."""
-    if (p.budget.footprint(p.tokens, p.context) > p.budget.tokens).any():
+    if not p.fits_budget:
         return None
     cost = p.cost.copy()
     moved = 0.0
@@ -166,7 +166,7 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
         cost[ranks, slot] *= (layers + len(ranks) - 1) / layers
         ctx = p.context[ranks, slot]
         cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, ctx > 0)
-        moved += 2 * (p.cost_model.context_bytes * ctx.sum() + p.cost_model.state_bytes * (ctx > 0).sum())
+        moved += p.cost_model.transfer_bytes(ctx, ctx > 0).sum()
     return dataclasses.replace(
         p,
         cost=cost,

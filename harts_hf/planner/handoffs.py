@@ -262,5 +262,5 @@ def transfers(
     states = np.bincount(pair(*pair_states), minlength=world_size * world_size)
     used = (ctx > 0) | (states > 0)
     pair_seconds = cost.transfer(ctx, states, used).reshape(world_size, world_size)
-    moved = 2 * (cost.context_bytes * ctx.sum() + cost.state_bytes * states.sum())
+    moved = cost.transfer_bytes(ctx, states).sum()
     return Transfers(pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0), int(used.sum()), float(moved))

@@ -237,7 +237,7 @@ def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Pl
     """``p`` (built from ``pieces``) with its cross-rank handoffs (``handoffs.transfers``) priced into
     the last slot's costs (sent once, not replayed: the slot the step counts once) and counted; None
     if a microbatch's footprint, received context included, exceeds the budget."""
-    if (p.budget.footprint(p.tokens, p.context) > p.budget.tokens).any():
+    if not p.fits_budget:
         return None
     moved = transfers(geo, pieces, handed, p.num_slots, p.world_size, p.cost_model)
     cost = p.cost.copy()

@@ -117,6 +117,11 @@ class Plan:
         return np.bincount(calls // (self.num_slots * num_forests), minlength=self.world_size)
 
     @property
+    def fits_budget(self) -> bool:
+        """Whether every microbatch's footprint, received context included, is within the budget."""
+        return bool((self.budget.footprint(self.tokens, self.context) <= self.budget.tokens).all())
+
+    @property
     def peak_bytes(self) -> np.ndarray:
         """[R, S] bytes the memory model predicts each microbatch holds (0 when empty)."""
         return np.where(self.tokens > 0, self.memory_model(self.tokens, self.context), 0.0)
