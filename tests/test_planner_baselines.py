@@ -9,11 +9,13 @@ import sys
 
 import numpy as np
 import pytest
+from cp_plan_worker import cp_planned, long_chain
 from test_planner_invariants import check_plan
 
 from harts_hf import RolloutForest
 from harts_hf.app.cli import main
 from harts_hf.lab import plan_record
+from harts_hf.lab.plan_report import record_table
 from harts_hf.lab.baselines import dfs_kcut, exact, per_trajectory, trie_packing
 from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan
 from harts_hf.sources import caterpillar, grpo_group, random_tree
@@ -134,3 +136,16 @@ def test_plan_command_refuses_a_budget_below_the_longest_trajectory(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--workload", "caterpillar", "--world-size", "2", "--max-tokens", "10"])
     assert exit_info.value.code == 2 and "below the longest trajectory" in capsys.readouterr().err
+
+
+def test_no_gap_to_the_exact_bound_once_ranks_exchange():
+    """The exact solver bounds plans of whole branches per rank; a plan whose CP groups split a
+    trajectory over ranks can go below that bound, so the record and table show no gap for it."""
+    forest = RolloutForest.from_sequences(long_chain())
+    ours = cp_planned(forest)
+    assert ours.groups
+    record = plan_record([forest], ours, exact_seconds=5)
+    assert "gap" not in record["baselines"]["exact"]
+    assert "not shown" in record_table(record)
+    serial = plan_record([forest], cp_planned(forest, context_parallel=False), exact_seconds=5)
+    assert "gap_skipped" not in serial["baselines"]["exact"]
