@@ -30,13 +30,13 @@ from .memory import Budget
 from .pieces import Pieces
 from .planned import Plan
 
-__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "with_groups"]
+__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "path_spans", "plan_pieces", "with_groups"]
 
 DEFAULT_LAYERS = 24
 """Decoder layers of the cost model's ~1B hybrid model (6 attention + 18 GDN: ``cost.COMM_DEFAULTS``)."""
 
 
-def _pieces(p: Plan, geo: Geometry) -> Pieces:
+def plan_pieces(p: Plan, geo: Geometry) -> Pieces:
     """The plan's pieces in global token indices."""
     lo = p.piece_start + geo.forest_tokens[p.piece_forest]
     return Pieces(
@@ -68,7 +68,7 @@ def _path(geo: Geometry, base: Pieces, mine: np.ndarray) -> bool:
     )
 
 
-def _path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chunk: int) -> np.ndarray | None:
+def path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chunk: int) -> np.ndarray | None:
     """[count + 1] bounds of ``count`` spans of equal cost of the root-path piece ``lo:hi``, cut at
     chunk-aligned depths (no replay); None if two cuts meet or a span, with its ancestors as
     context, exceeds the budget."""
@@ -98,7 +98,7 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
     serial = np.flatnonzero((busy.sum(axis=1) > 1) & single)
     if idle.size == 0 or serial.size == 0:
         return None
-    base = _pieces(p, geo)
+    base = plan_pieces(p, geo)
     own = {int(r): np.flatnonzero(p.piece_rank == r) for r in serial}
     own = {r: mine[np.lexsort((base.lo[mine], p.piece_slot[mine]))] for r, mine in own.items()}
     path = {r: _path(geo, base, mine) for r, mine in own.items()}
@@ -117,7 +117,7 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
         mine = own[r]
         lo, hi = int(base.lo[mine[0]]), int(base.hi[mine[-1]])
         for count in range(-(-used.size // len(members)), used.size + 1) if path[r] else ():
-            bounds = _path_spans(geo, p.budget, lo, hi, count * len(members), chunk)
+            bounds = path_spans(geo, p.budget, lo, hi, count * len(members), chunk)
             if bounds is not None:
                 drop[mine] = True
                 branch = int(base.branch[mine[0]])

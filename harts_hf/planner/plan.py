@@ -28,7 +28,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    a rerun for, and what the engine keeps.
 6. Context-parallel groups (``groups.py``, with ``context_parallel=True``): a rank's serial pieces
    (a trajectory longer than the budget) run at once over idle ranks, one slot per group, a
-   wavefront over ``layers`` decoder layers; kept if its predicted step is lower.
+   wavefront over ``layers`` decoder layers; kept if its predicted step is lower. Then the root
+   chain most ranks recompute (a system prompt) runs once, split over the ranks as a group in a new
+   first slot, and is read across ranks (``shared_root.py``); kept if its predicted step is lower.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -56,6 +58,7 @@ from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
 from .planned import Plan
+from .shared_root import root_grouped
 from .slots import slot_costs, slot_pieces
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Plan", "as_forests", "build_plan", "plan"]
@@ -222,6 +225,7 @@ def plan(
             geo, forests, pieces, cost, budget, memory, chunk_size, began, world_size, graphs
         )
         best = grouped(best, geo, build, layers) or best
+        best = root_grouped(best, geo, build, layers) or best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
         cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds, memory, graphs)
