@@ -37,8 +37,8 @@ PLANNERS = {
 """One line per planner of the table and the plot (``baselines.py`` says more)."""
 
 COLUMNS = {
-    "step s": "predicted step seconds, ranks in lockstep: the sum over slots of the slowest rank, every slot but "
-    "the last again at a third (its replay; lower is better)",
+    "step s": "predicted step seconds, ranks in lockstep: the sum over slots of the slowest rank, a slot whose "
+    "graph the budget cannot keep again at the forward share (its replay), plus the per-step term (lower is better)",
     "slot imb": "worst slot's slowest rank / its mean rank: lockstep waiting (1 = none; lower is better)",
     "rank imb": "slowest rank's total / mean rank total (1 = even; lower is better)",
     "redundancy": "extra tokens computed per compact token: recomputed chains, replays (lower is better)",
