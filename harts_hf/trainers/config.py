@@ -47,7 +47,8 @@ class HARTSArguments:
             off by default: checked exact under DDP (gloo, CPU), not yet under FSDP2 or on NCCL.
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
             Let the plan run a trajectory longer than the budget at once over idle ranks, one span each (a
-            context-parallel group streamed layer by layer: `harts_hf.planner.groups`) where the cost model predicts
+            context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
+            share once, cut over them in a first slot (`harts_hf.planner.shared_root`), where the cost model predicts
             that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
     """
 
@@ -85,7 +86,10 @@ class HARTSArguments:
     )
     harts_context_parallel: bool = field(
         default=False,
-        metadata={"help": "Split a trajectory longer than the budget over idle ranks, where the plan predicts faster."},
+        metadata={
+            "help": "Split a trajectory longer than the budget over idle ranks, and a shared prompt over the ranks reading "
+            "it, where the plan predicts faster."
+        },
     )
 
     loss_types: ClassVar[tuple[str, ...]] = ()
