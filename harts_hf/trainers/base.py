@@ -14,6 +14,7 @@ from ..engine import memory_model
 from ..forest import RolloutForest
 from ..modeling import patch_model
 from ..planner import MemoryModel, Plan, plan
+from ..modeling._compat import decoder_layer_modules
 from ._compat import add_tree_forward
 from .config import HARTSArguments
 
@@ -82,6 +83,7 @@ class HARTSTrainerMixin:
             chunk_size=self.args.harts_chunk_size,
             handoffs=self.args.harts_handoffs,
             context_parallel=self.args.harts_context_parallel,
+            layers=len(decoder_layer_modules(self.accelerator.unwrap_model(self.model_wrapped))),
         )
 
     def _memory_model(self, inside_forward: bool = False) -> MemoryModel:
