@@ -4,7 +4,8 @@ units of other ranks, in earlier slots or in their own (context-parallel groups,
 0 saves, per case, the log-probs and SGD parameter gradients summed over ranks, the
 single-process engine's and the unpatched model's (trajectory by trajectory).
 Under autocast (bf16) the single-process reference runs the same units on one rank; "hostgroup"
-sends streamed headers on a group of their own (as beside NCCL).
+sends streamed headers on a group of their own (as beside NCCL); "fsdp2" shards the model with
+``fully_shard`` (``fsdp2_cpu.shard``), its references an unsharded copy.
 
 Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-process tests read.
 """
@@ -12,6 +13,7 @@ Also the plans themselves (:func:`piece_plan`, :data:`PLANS`), which the single-
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import time
 from collections.abc import Iterator
@@ -165,14 +167,22 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         np.random.default_rng(1).standard_normal((forest.num_trajectories, width)), dtype=torch.float32
     )
     loss_fn = lambda lps: (lps[0] * weights).sum()
-    params = trainable(model)
     with torch.no_grad():
         others = tree_logprobs(model, forest)
     forward = no_sync = None
+    reference = model  # what the references on rank 0 run: an unsharded copy under FSDP2
     if wrapper == "ddp":
         add_tree_forward(model)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         forward, no_sync = (lambda run: ddp(harts_call=run)), ddp.no_sync
+    if wrapper == "fsdp2":
+        from fsdp2_cpu import shard, without_gradient_sync
+
+        reference = copy.deepcopy(model)
+        add_tree_forward(model)
+        shard(model)
+        forward, no_sync = (lambda run: model(harts_call=run)), (lambda: without_gradient_sync(model))
+    params = trainable(model)
     engine = TreeEngine(model, forest, the_plan, rank=rank, forward=forward, no_sync=no_sync)
     own = engine.owned[0]
     seen = []
@@ -186,10 +196,12 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         engine.backward(loss)
     lp = torch.where(own[:, None], seen[0], 0.0)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    if wrapper == "fsdp2":  # sharded: the whole averaged gradient on every rank
+        grads = [g.full_tensor() for g in grads]
     dist.all_reduce(lp)
     for g in grads:
-        if wrapper == "ddp":
-            g.mul_(world)  # DDP averaged them
+        if wrapper in ("ddp", "fsdp2"):
+            g.mul_(world)  # the wrapper averaged them
         else:
             dist.all_reduce(g)
     sent = torch.tensor([float(engine.exchanged_bytes[k]) for k in ("values", "grads")])
@@ -200,11 +212,12 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
     if rank != 0:
         return
     # References on rank 0: the unpatched model trajectory by trajectory, and the single-process engine.
+    params = trainable(reference)
     for p in params:
         p.grad = None
-    oracle = as_layout([lp for lp, _ in trajectory_logprobs(model, seqs)], width)
+    oracle = as_layout([lp for lp, _ in trajectory_logprobs(reference, seqs)], width)
     ref = torch.autograd.grad(loss_fn([oracle]), params, allow_unused=True)
-    single = TreeEngine(model, forest, ONE_RANK[plan_name](forest) if wrapper == "autocast" else None)
+    single = TreeEngine(reference, forest, ONE_RANK[plan_name](forest) if wrapper == "autocast" else None)
     with autocast:
         single_lp = single.logprobs()[0]
         single.backward(loss_fn)

@@ -13,12 +13,13 @@ takes the sharded gradients (``trainer_args.flat_parameters`` gathers the sharde
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from accelerate import Accelerator
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["fsdp2_trainers", "shard"]
+__all__ = ["fsdp2_trainers", "shard", "without_gradient_sync"]
 
 
 def shard(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -31,6 +32,16 @@ def shard(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
         fully_shard(layer)
     fully_shard(model)
     return {id(before[name]): p for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    """accelerate's FSDP2 ``no_sync``: no reduce-scatter of gradients within it."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 @contextlib.contextmanager
@@ -54,13 +65,8 @@ def fsdp2_trainers(monkeypatch):
             shard(model)
         return model
 
-    @contextlib.contextmanager
     def no_sync(self, model):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
+        return without_gradient_sync(model)
 
     monkeypatch.setattr(Accelerator, "prepare", sharded_prepare)
     monkeypatch.setattr(Accelerator, "prepare_model", sharded_prepare_model)

@@ -8,8 +8,10 @@ inside the call (refused where it would wait on itself, and under FSDP2). Under 
 equal the single-process engine's and the unpatched model's run trajectory by trajectory, for
 hand-built plans (a chain in pieces over 2 and 3 ranks, a shared prompt computed once and its
 subtrees on other ranks, a chain and a tree's trunk split into same-slot spans over 2 and 3
-ranks), under gradient checkpointing and through DDP (``forward=`` / ``no_sync=``, its sync in
-the last backward); under bf16 autocast they equal the same units run on one rank.
+ranks), under gradient checkpointing, through DDP (``forward=`` / ``no_sync=``, its sync in
+the last backward) and, for handoffs between slots, through FSDP2 (parameters sharded, gathered in
+each call between the exchange points); under bf16 autocast they equal the same units run on one
+rank.
 """
 
 from __future__ import annotations
@@ -170,11 +172,13 @@ CASES_3 = [
     "minimax:prompt3:plain",  # lightning attention
     "qwen3_5:prompt3:checkpointing",
     "qwen3_5:chain3:autocast",  # bf16 compute, fp32 states: both dtypes on the wire
+    "kimi_linear:chain3:fsdp2",  # parameters sharded: FSDP2 gathers between the exchange points
 ]
 CASES_2 = [
     "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
     "jamba:zigzag2:plain",  # Mamba1
     "falcon_h1:prompt2:plain",  # Mamba2 beside attention in one layer
+    "qwen3_5:zigzag2:fsdp2",  # FSDP2's gradient sync off in every backward but the last
 ]
 
 
