@@ -44,7 +44,7 @@ class HARTSArguments:
         harts_handoffs (`bool`, *optional*, defaults to `False`):
             Let the plan run a shared chain once and hand it to the ranks reading it (point to point, its gradient
             back) where the cost model predicts that faster than recomputing it on each (`harts_hf.planner.handoffs`);
-            off by default: checked exact under DDP (gloo, CPU), not yet under FSDP2 or on NCCL.
+            off by default: checked exact under DDP (the trainers) and FSDP2 (the engine; gloo, CPU), not yet on NCCL.
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
             Let the plan run a trajectory longer than the budget at once over idle ranks, one span each (a
             context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
