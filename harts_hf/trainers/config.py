@@ -46,9 +46,9 @@ class HARTSArguments:
             back) where the cost model predicts that faster than recomputing it on each (`harts_hf.planner.handoffs`);
             off by default: checked exact under DDP (gloo, CPU), not yet under FSDP2 or on NCCL.
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
-            Let the plan run a trajectory longer than the budget at once over idle ranks, one span each (a
-            context-parallel group streamed layer by layer: `harts_hf.planner.groups`) where the cost model predicts
-            that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
+            Let the plan run a trajectory longer than the budget at once over ranks with time to spare, a span each
+            (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`) where the cost model
+            predicts that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
     """
 
     harts_enable: bool = field(
@@ -85,7 +85,9 @@ class HARTSArguments:
     )
     harts_context_parallel: bool = field(
         default=False,
-        metadata={"help": "Split a trajectory longer than the budget over idle ranks, where the plan predicts faster."},
+        metadata={
+            "help": "Split a trajectory above the budget over ranks' spare time where the plan predicts it faster."
+        },
     )
 
     loss_types: ClassVar[tuple[str, ...]] = ()
