@@ -1,6 +1,7 @@
 """Worker of ``test_planner_groups.py`` under ``torchrun`` (gloo, CPU): the plan ``plan()`` makes
 with ``context_parallel=True`` for one trajectory several times the budget (:func:`long_chain`) on
-two ranks, cut again into spans of equal cost, run by ``cross_rank_worker.run_case`` (its references: the unpatched
+two ranks, cut again into spans of equal cost, and the plan spreading :func:`busy_rows`' long trajectory
+over the other rank's free time, run by ``cross_rank_worker.run_case`` (its references: the unpatched
 model trajectory by trajectory and the single-process engine)."""
 
 from __future__ import annotations
@@ -56,4 +57,7 @@ def spread_planned(forest: RolloutForest, world_size: int = 2, context_parallel:
 
 
 if __name__ == "__main__":
-    cross_rank_worker.main({"long": long_chain()}, {"cp2": (2, "long", cp_planned)})
+    cross_rank_worker.main(
+        {"long": long_chain(), "busy": busy_rows(2)},
+        {"cp2": (2, "long", cp_planned), "cpspread2": (2, "busy", spread_planned)},
+    )

@@ -131,13 +131,14 @@ def test_off_by_default(chain):
     assert p.groups == 0 and (p.tokens.sum(axis=1) > 0).sum() == 1
 
 
-CASES = ["qwen3_5:cp2:plain", "qwen3_5:cp2:ddp"]
+CASES = ["qwen3_5:cp2:plain", "qwen3_5:cp2:ddp", "qwen3_5:cpspread2:ddp"]
 
 
 @pytest.mark.slow
 def test_planned_groups_train_exactly(tmp_path, capsys):
-    """plan()'s context-parallel plan on two processes: log-probs and SGD gradients summed over ranks
-    equal the unpatched model's trajectory by trajectory and the single-process engine's."""
+    """plan()'s context-parallel plans on two processes (idle rank; free time beside other rows): log-probs
+    and SGD gradients summed over ranks equal the unpatched model's trajectory by trajectory and the
+    single-process engine's."""
     from test_cross_rank import _check
 
     torchrun("cp_plan_worker.py", 2, str(tmp_path), *CASES, timeout=600)
