@@ -1,7 +1,8 @@
-"""Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU): ``test_trainer_ddp``'s
-stock-then-HARTS GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short rows
-on every rank), HARTS with ``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and
-cost models; saves each step's plan's context-parallel groups."""
+"""Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU), stock then HARTS with
+``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and cost models: ``grpo``,
+``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
+rows on every rank); ``rloo``, RLOO generating from :data:`RLOO_PROMPTS` (each step one prompt three
+budgets long, its group's rows sharing it, and a short one). Saves each plan's context-parallel groups."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import test_trainer_ddp as ddp
 import test_trainer_exactness
+import test_trainer_rloo
 import torch
 import torch.distributed as dist
 from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
@@ -49,13 +51,65 @@ def busy_rollout(prompts: list[str], trainer) -> dict:
     }
 
 
+RLOO_PROMPTS = [test_trainer_rloo.SYSTEM * 5 + "solve: 12+7=", "ab"] * 4
+"""Without shuffling, each step's two prompts: one of 405 tokens (its 4 rows share it), one of 2."""
+
+
+def _rloo(out: Path) -> None:
+    """Stock RLOO, then HARTS, 2 steps each on :data:`RLOO_PROMPTS`; rank 0 saves the parameters after
+    every step."""
+    from datasets import Dataset
+    from trainer_args import sgd_args
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from harts_hf.sources.tokenizer import build_tokenizer
+    from harts_hf.trainers import HARTSRLOOConfig, HARTSRLOOTrainer
+
+    torch.set_num_threads(1)
+
+    class Snapshots(TrainerCallback):
+        def __init__(self, model):
+            self.params = [torch.cat([p.detach().flatten().clone() for p in model.parameters()])]
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+
+    harts = {k: v for k, v in overrides(2).items() if k.startswith("harts_")}
+    for name, trainer_cls, config_cls, extra in (
+        ("stock", RLOOTrainer, RLOOConfig, {}),
+        ("harts", HARTSRLOOTrainer, HARTSRLOOConfig, harts),
+    ):
+        args = sgd_args(
+            out / f"rloo-{name}",
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=2,
+            learning_rate=0.05,
+            beta=0.0,
+            shuffle_dataset=False,
+        )
+        trainer = trainer_cls(
+            model=str(out / "qwen3_5"),
+            reward_funcs=test_trainer_rloo.length_reward,
+            args=config_cls(**args, **extra),
+            processing_class=build_tokenizer(),
+            train_dataset=Dataset.from_dict({"prompt": RLOO_PROMPTS}),
+        )
+        snaps = Snapshots(trainer.model)
+        trainer.add_callback(snaps)
+        trainer.train()
+        gathered = trainer.accelerator.gather(snaps.params[-1][None])
+        if trainer.accelerator.is_main_process:
+            record = {"params": snaps.params, "ranks_agree": bool((gathered == gathered[0]).all())}
+            torch.save(record, out / f"{name}-rloo.pt")
+
+
 if __name__ == "__main__":  # not on import: the test imports CASE into a process other tests share
     from harts_hf.trainers.teardown import end_distributed
 
-    ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
-    test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
-
-    out = Path(sys.argv[1])
+    out, trainer = Path(sys.argv[1]), sys.argv[2]
     made, planner = [], step.plan
 
     def recorded(*args, **kwargs):
@@ -63,7 +117,12 @@ if __name__ == "__main__":  # not on import: the test imports CASE into a proces
         return made[-1]
 
     step.plan = recorded
-    ddp._worker(out, [CASE])
-    groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist()) for p in made]
+    if trainer == "grpo":
+        ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
+        test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
+        ddp._worker(out, [CASE])
+    else:
+        _rloo(out)
+    groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist(), p.num_slots) for p in made]
     torch.save(groups, out / f"groups-{dist.get_rank()}.pt")
     end_distributed()
