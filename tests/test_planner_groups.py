@@ -1,12 +1,13 @@
 """Context-parallel groups chosen by the planner (``harts_hf/planner/groups.py``): a trajectory longer
-than the budget runs its pieces at once over idle ranks, one slot per group, when that lowers the
-predicted step.
+than the budget runs its pieces at once over idle ranks, or spread over the free time busy ranks have in
+a slot, when that lowers the predicted step.
 
 Invariants of such plans (every token owned once; the budget holds; every rank's schedule compiles,
 so the groups' spans align and never wait on themselves: ``schedule.crossrank.check_groups``), the
-choice following idle ranks, the option off by default, and, under ``torchrun`` (2 ranks, gloo), the
-planned step trained exactly like the unpatched model and the single-process engine
-(``cp_plan_worker.py``, over ``cross_rank_worker.run_case``).
+choice following idle ranks and free time, a plan left piece for piece as it was where groups do not
+pay, the option off by default, and, under ``torchrun`` (2 ranks, gloo), the planned steps trained
+exactly like the unpatched model and the single-process engine (``cp_plan_worker.py``, over
+``cross_rank_worker.run_case``).
 """
 
 from __future__ import annotations
