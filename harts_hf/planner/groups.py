@@ -235,12 +235,12 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
             continue
         members = [members[k] for k in kept]
         lows, highs = bounds[kept], bounds[kept + 1]
-        others = np.array(members[1:])
-        fits = (
-            p.budget.footprint(p.tokens[others, s] + (highs - lows)[1:], p.context[others, s] + top + lows[1:] - lo)
-            <= p.budget.tokens
+        moved = np.array([q != r for q in members])  # the spans that land in another rank's microbatch
+        taker = np.array(members)[moved]
+        grown = p.budget.footprint(
+            p.tokens[taker, s] + (highs - lows)[moved], p.context[taker, s] + top + lows[moved] - lo
         )
-        if not fits.all():
+        if (grown > p.budget.tokens).any():
             continue
         drop[i] = True
         spans += [
