@@ -1,7 +1,7 @@
 """Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU), stock then HARTS with
 ``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and cost models: ``grpo``,
 ``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
-rows on every rank); ``rloo``, RLOO generating from :data:`RLOO_PROMPTS` (each step one prompt three
+rows on every rank); ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three
 budgets long, its group's rows sharing it, and a short one). Saves each plan's context-parallel groups."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import test_trainer_ddp as ddp
 import test_trainer_exactness
-import test_trainer_rloo
 import torch
 import torch.distributed as dist
 from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
@@ -51,14 +50,19 @@ def busy_rollout(prompts: list[str], trainer) -> dict:
     }
 
 
-RLOO_PROMPTS = [test_trainer_rloo.SYSTEM * 5 + "solve: 12+7=", "ab"] * 4
-"""Without shuffling, each step's two prompts: one of 405 tokens (its 4 rows share it), one of 2."""
+def rloo_prompts() -> list[str]:
+    """Without shuffling, each step's two prompts: one of 405 tokens (``test_trainer_rloo``'s system
+    prompt five times and a task; its 4 rows share it), one of 2."""
+    from test_trainer_rloo import SYSTEM  # here: that module sets an environment variable on import
+
+    return [SYSTEM * 5 + "solve: 12+7=", "ab"] * 4
 
 
 def _rloo(out: Path) -> None:
-    """Stock RLOO, then HARTS, 2 steps each on :data:`RLOO_PROMPTS`; rank 0 saves the parameters after
+    """Stock RLOO, then HARTS, 2 steps each on :func:`rloo_prompts`; rank 0 saves the parameters after
     every step."""
     from datasets import Dataset
+    from test_trainer_rloo import length_reward
     from trainer_args import sgd_args
     from transformers import TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
@@ -92,10 +96,10 @@ def _rloo(out: Path) -> None:
         )
         trainer = trainer_cls(
             model=str(out / "qwen3_5"),
-            reward_funcs=test_trainer_rloo.length_reward,
+            reward_funcs=length_reward,
             args=config_cls(**args, **extra),
             processing_class=build_tokenizer(),
-            train_dataset=Dataset.from_dict({"prompt": RLOO_PROMPTS}),
+            train_dataset=Dataset.from_dict({"prompt": rloo_prompts()}),
         )
         snaps = Snapshots(trainer.model)
         trainer.add_callback(snaps)
