@@ -11,7 +11,8 @@ subtrees on other ranks, a chain and a tree's trunk split into same-slot spans o
 ranks), under gradient checkpointing, through DDP (``forward=`` / ``no_sync=``, its sync in
 the last backward) and, for handoffs between slots, through FSDP2 (parameters sharded, gathered in
 each call between the exchange points); under bf16 autocast they equal the same units run on one
-rank.
+rank. The groups run every layer kind of the families (GDN, KDA, Mamba1 and 2, lightning, conv,
+full / sliding / MLA attention, Zamba2's shared block) and every recurrent kind under checkpointing.
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
     "kimi_linear:cpchain3:plain",  # KDA + MLA
     "nemotron_h:cp3:plain",  # Mamba2
     "qwen3_5:cpchain3:checkpointing",
+    "kimi_linear:cpchain3:checkpointing",
+    "nemotron_h:cp3:checkpointing",
 ]
 CP_CASES_2 = [
     "qwen3_5:cp2slots:ddp",  # two groups, the first read by the second and replayed (the budget keeps one graph)
@@ -197,6 +200,12 @@ CP_CASES_2 = [
     "jamba:cp2:plain",  # Mamba1
     "lfm2:cp2:plain",  # conv only
     "falcon_h1:cpchain2:plain",
+    "gemma2:cp2:plain",  # sliding window (24 tokens, across the span boundary) and logit softcaps
+    "zamba2:cp2:plain",  # Mamba2 beside a shared attention block
+    "falcon_mamba:cp2:plain",  # Mamba1 with normed B/C/dt
+    "minimax:cp2:checkpointing",  # the re-stated mixer forwards under checkpointing
+    "jamba:cp2:checkpointing",
+    "lfm3:cp2:checkpointing",  # conv and sliding attention
 ]
 
 

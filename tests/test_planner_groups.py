@@ -1,12 +1,13 @@
 """Context-parallel groups chosen by the planner (``harts_hf/planner/groups.py``): a trajectory longer
-than the budget runs its pieces at once over idle ranks, one slot per group, when that lowers the
-predicted step.
+than the budget runs its pieces at once over idle ranks, or spread over the free time busy ranks have in
+a slot, when that lowers the predicted step.
 
 Invariants of such plans (every token owned once; the budget holds; every rank's schedule compiles,
 so the groups' spans align and never wait on themselves: ``schedule.crossrank.check_groups``), the
-choice following idle ranks, the option off by default, and, under ``torchrun`` (2 ranks, gloo), the
-planned step trained exactly like the unpatched model and the single-process engine
-(``cp_plan_worker.py``, over ``cross_rank_worker.run_case``).
+choice following idle ranks and free time, a plan left piece for piece as it was where groups do not
+pay, the option off by default, and, under ``torchrun`` (2 ranks, gloo), the planned steps trained
+exactly like the unpatched model and the single-process engine (``cp_plan_worker.py``, over
+``cross_rank_worker.run_case``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cp_plan_worker import BUDGET, SMALL_CONTEXT, cp_planned, long_chain
+from cp_plan_worker import BUDGET, SMALL_CONTEXT, SPREAD_CHUNK, busy_rows, cp_planned, long_chain, spread_planned
 from launch import torchrun
 from test_planner_handoffs import _owner_counts
 from tiny_models import tiny_model
@@ -55,14 +56,64 @@ def test_group_plan_invariants(chain, world_size):
     assert (p.budget.footprint(p.tokens, p.context) <= BUDGET).all()
     assert p.tokens.sum() == serial.tokens.sum() == chain.num_compact_tokens
     assert set(p.piece_start.tolist()) - {0} <= set(range(64, 448, 64))
-    hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
-    tables = model_tables(hf, adapter)
-    schedules = [Schedule.compile([chain], p, r, tables, torch.device("cpu")) for r in range(world_size)]
-    assert all(s.units for s in schedules)
+    assert all(s.units for s in _schedules(p, chain))
     again = cp_planned(chain, world_size)
     assert all(
         np.array_equal(getattr(p, k), getattr(again, k)) for k in ("piece_rank", "piece_slot", "piece_start", "cost")
     )
+
+
+def _schedules(p, forest) -> list[Schedule]:
+    """Every rank's compiled schedule of ``p`` (``Schedule.compile`` checks the groups: aligned, no cycle)."""
+    hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
+    tables = model_tables(hf, adapter)
+    return [Schedule.compile([forest], p, r, tables, torch.device("cpu")) for r in range(p.world_size)]
+
+
+@pytest.mark.parametrize("world_size, per_rank", [(2, 4), (3, 8)])
+def test_free_time_forms_groups(world_size, per_rank):
+    """A GRPO step's rows, one trajectory three budgets long: every rank has work, but the long one's
+    rank works longest in some slots; there the chain's piece spreads over microbatches with free time
+    (busy ones among them), cut on the chunk grid, and the predicted step drops. Each token owned once,
+    the budget holds, every rank's schedule compiles."""
+    forest = RolloutForest.from_sequences(busy_rows(world_size, per_rank))
+    serial = spread_planned(forest, world_size, context_parallel=False)
+    p = spread_planned(forest, world_size)
+    assert serial.groups == 0 and (serial.tokens.sum(axis=1) > 0).all()
+    assert p.groups > 0 and p.group_bytes > 0 and p.step_seconds < serial.step_seconds
+    assert p.num_slots == serial.num_slots and ((p.tokens > serial.tokens) & (serial.tokens > 0)).any()
+    assert _same_slot_reads(p, forest) > 0
+    assert (_owner_counts(p, forest) == 1).all()
+    assert (p.budget.footprint(p.tokens, p.context) <= BUDGET).all()
+    assert p.tokens.sum() == serial.tokens.sum()
+    long = forest.restore[: forest.traj_offsets[1]]  # the long trajectory's compact tokens, root first
+    cuts = np.intersect1d(p.piece_start, long[1:])
+    assert cuts.size > 0 and (np.searchsorted(long, cuts) % SPREAD_CHUNK == 0).all()
+    assert all(s.units for s in _schedules(p, forest))
+
+
+def test_spreading_never_raises_the_step():
+    """Where groups do not pay (the built-in cost model: a tiny model's microbatch is mostly fixed
+    overhead; or nothing to spread), the plan is the one made without ``context_parallel``, piece for
+    piece; where they do, the predicted step is lower."""
+    rng = np.random.default_rng(3)
+    for world_size in (2, 3):
+        forests = [RolloutForest.from_sequences(busy_rows(world_size))]
+        forests += [
+            RolloutForest.from_sequences([rng.integers(8, 100, n).tolist() for n in rng.integers(10, 400, 6)])
+            for _ in range(3)
+        ]
+        for forest in forests:
+            for make in (cp_planned, spread_planned):
+                off, on = make(forest, world_size, context_parallel=False), make(forest, world_size)
+                assert on.step_seconds <= off.step_seconds
+                if on.groups == 0:
+                    assert all(
+                        np.array_equal(getattr(on, k), getattr(off, k))
+                        for k in ("piece_rank", "piece_slot", "piece_start", "piece_end", "cost")
+                    )
+    busy = RolloutForest.from_sequences(busy_rows(2))
+    assert cp_planned(busy, 2).groups == 0
 
 
 def test_busy_ranks_form_no_group():
@@ -81,13 +132,14 @@ def test_off_by_default(chain):
     assert p.groups == 0 and (p.tokens.sum(axis=1) > 0).sum() == 1
 
 
-CASES = ["qwen3_5:cp2:plain", "qwen3_5:cp2:ddp"]
+CASES = ["qwen3_5:cp2:plain", "qwen3_5:cp2:ddp", "qwen3_5:cpspread2:ddp"]
 
 
 @pytest.mark.slow
 def test_planned_groups_train_exactly(tmp_path, capsys):
-    """plan()'s context-parallel plan on two processes: log-probs and SGD gradients summed over ranks
-    equal the unpatched model's trajectory by trajectory and the single-process engine's."""
+    """plan()'s context-parallel plans on two processes (idle rank; free time beside other rows): log-probs
+    and SGD gradients summed over ranks equal the unpatched model's trajectory by trajectory and the
+    single-process engine's."""
     from test_cross_rank import _check
 
     torchrun("cp_plan_worker.py", 2, str(tmp_path), *CASES, timeout=600)

@@ -1,19 +1,27 @@
-"""Context-parallel groups: a rank's serial pieces spread over idle ranks in one slot.
+"""Context-parallel groups: a long trajectory's serial pieces spread over ranks with time to spare.
 
 A trajectory longer than the budget runs as pieces in successive slots of one rank
-(``split.py``) while ranks without work wait. Here the cost model decides whether to run
-``w`` consecutive microbatches of such a rank at once, in the first of their slots, one on the
-rank and one on each of ``w - 1`` idle ranks: a context-parallel group, whose handoffs the engine
-streams layer call by layer call (``harts_hf.engine.stream``), a wavefront over ``L`` decoder
-layers that takes about ``(L + w - 1) / L`` of its largest span's time. Each moved microbatch keeps
-its tokens and context (the budget holds as before) and is the only unit of its slot on its rank,
-so every span of a group runs at the same call position (``harts_hf.schedule.check_groups``);
-spans keep their DFS order over the ranks, so a group never waits on itself. Readers in later
-slots read the spans across ranks (cross-slot handoffs). Slots left empty on every rank go.
+(``split.py``) while the other ranks wait, idle or with less work in those slots. Two passes make
+context-parallel groups, spans of one slot on several ranks reading each other, whose handoffs the
+engine streams layer call by layer call (``harts_hf.engine.stream``), a wavefront over ``L``
+decoder layers that takes about ``(L + w - 1) / L`` of its largest span's time:
+
+- idle ranks (:func:`group_pieces`): ``w`` consecutive microbatches of a serial rank run at once,
+  in the first of their slots, one on the rank and one on each of ``w - 1`` idle ranks; each moved
+  microbatch keeps its tokens and context (the budget holds as before) and is the only unit of its
+  slot on its rank. Slots left empty on every rank go.
+- free time (:func:`spread_pieces`): in each slot whose costliest microbatch holds a chain piece,
+  the piece is cut into spans water-filled over the microbatches of that slot with time to spare
+  (busy or empty), which hold only its forest, so every span of a group runs at the same call
+  position (``harts_hf.schedule.check_groups``). The slots stay.
+
+Spans keep their DFS order over the ranks, so a group never waits on itself. Readers in later
+slots read the spans across ranks (cross-slot handoffs).
 
 Pricing: every span's cost times the wavefront factor, plus :meth:`CostModel.transfer` of its
 context and one path start in one message (an upper bound: some of it may lie on its own rank).
-``plan`` keeps the plan only when its predicted step is lower and every microbatch fits.
+``plan`` keeps the plan with the lower predicted step, only if lower than without groups and every
+microbatch fits: a plan groups do not speed up is left as it was.
 
 Legend: R ranks, S slots, P pieces, L decoder layers, w ranks in a group.
 """
@@ -30,7 +38,7 @@ from .memory import Budget
 from .pieces import Pieces
 from .planned import Plan
 
-__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "path_spans", "plan_pieces", "with_groups"]
+__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "path_spans", "plan_pieces", "spread_pieces", "with_groups"]
 
 DEFAULT_LAYERS = 24
 """Decoder layers of the cost model's ~1B hybrid model (6 attention + 18 GDN: ``cost.COMM_DEFAULTS``)."""
@@ -177,10 +185,93 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
     )
 
 
-def grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers: int) -> Plan | None:
-    """The plan with context-parallel groups, if it predicts a lower step than ``p``; else None."""
-    made = group_pieces(p, geo, p.chunk_size)
-    if made is None:
+def _water_level(base: np.ndarray, amount: float) -> float:
+    """The level ``T`` at which ``sum(max(0, T - base)) == amount``: each cell filled up to it."""
+    b = np.sort(base)
+    levels = (amount + np.cumsum(b)) / np.arange(1, b.size + 1)
+    return float(levels[np.flatnonzero(np.r_[levels[:-1] <= b[1:], True])[0]])
+
+
+def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
+    """The pieces of ``p`` with, in each slot, the chain piece of its costliest microbatch cut into
+    spans over the ranks with free time in that slot, and the groups (slot, ranks in span order);
+    None if no slot gains a group.
+
+    The piece's cost is water-filled over its rank's other work and the other ranks' microbatches
+    of the slot (an empty one counts its fixed overhead): every member ends at about the same cost.
+    Its rank keeps the first span (the piece's context stays put), the others follow in rank order;
+    cuts lie on chunk-aligned depths (no replay). A member's microbatch must hold only the piece's
+    forest (its spans then run at the same call position) and still fit the budget with the span and
+    its ancestors as context (an upper bound: it may share some)."""
+    base = plan_pieces(p, geo)
+    R, S = p.cost.shape
+    nf = int(p.piece_forest.max()) + 1
+    holds = np.zeros((R, S, nf), dtype=bool)
+    holds[p.piece_rank, p.piece_slot, p.piece_forest] = True
+    depth = geo.token_depth(np.c_[base.lo, base.hi - 1])
+    chain = ~base.replica & (depth[:, 1] - depth[:, 0] == base.hi - 1 - base.lo) & (base.hi - base.lo > chunk)
+    drop = np.zeros(base.lo.size, dtype=bool)
+    spans: list[tuple[int, int, int, int, int, int]] = []  # (rank, slot, lo, hi, branch, place in its microbatch)
+    groups = []
+    for s in range(S):
+        r = int(np.argmax(p.cost[:, s]))
+        mine = np.flatnonzero((p.piece_rank == r) & (p.piece_slot == s) & chain)
+        if mine.size == 0 or holds[r, s].sum() > 1:
+            continue
+        i = int(mine[np.argmax((base.hi - base.lo)[mine])])
+        lo, hi, f = int(base.lo[i]), int(base.hi[i]), int(p.piece_forest[i])
+        ranks = [q for q in range(R) if q == r or not np.delete(holds[q, s], f).any()]
+        own = geo.prefix(np.array([lo, hi]))
+        fill = np.array([p.cost[q, s] if p.tokens[q, s] else p.cost_model.microbatch for q in ranks])
+        fill[ranks.index(r)] -= own[1] - own[0]
+        share = np.maximum(_water_level(fill, own[1] - own[0]) - fill, 0.0)
+        order = [ranks.index(r)] + [j for j, q in enumerate(ranks) if q != r]
+        members, share = [ranks[j] for j in order], share[order]
+        top = int(depth[i, 0])
+        cut = np.floor(geo.token_at(own[0] + np.cumsum(share)[:-1])) - lo + top
+        bounds = np.r_[lo, np.clip(np.round(cut / chunk) * chunk - top + lo, lo, hi).astype(np.int64), hi]
+        kept = np.flatnonzero(np.diff(bounds) > 0)
+        if kept.size < 2:
+            continue
+        members = [members[k] for k in kept]
+        lows, highs = bounds[kept], bounds[kept + 1]
+        moved = np.array([q != r for q in members])  # the spans that land in another rank's microbatch
+        taker = np.array(members)[moved]
+        grown = p.budget.footprint(
+            p.tokens[taker, s] + (highs - lows)[moved], p.context[taker, s] + top + lows[moved] - lo
+        )
+        if (grown > p.budget.tokens).any():
+            continue
+        drop[i] = True
+        spans += [
+            (q, s, int(a), int(b), int(base.branch[i]), i if q == r else -1) for q, a, b in zip(members, lows, highs)
+        ]
+        groups.append((s, members))
+    if not groups:
         return None
-    out = with_groups(build(made[0]), made[1], layers)
-    return out if out is not None and out.step_seconds < p.step_seconds else None
+    keep = np.flatnonzero(~drop)
+    cut = np.array(spans, dtype=np.int64)
+    rank, slot, place = np.r_[base.rank[keep], cut[:, 0]], np.r_[base.slot[keep], cut[:, 1]], np.r_[keep, cut[:, 5]]
+    order = np.lexsort((place, slot, rank))  # a moved span first in its microbatch: it carries the context
+    pieces = Pieces(
+        rank[order],
+        slot[order],
+        np.r_[base.lo[keep], cut[:, 2]][order],
+        np.r_[base.hi[keep], cut[:, 3]][order],
+        np.r_[base.branch[keep], cut[:, 4]][order],
+        np.r_[base.replica[keep], np.zeros(len(spans), dtype=bool)][order],
+        S,
+    )
+    return pieces, groups
+
+
+def grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers: int) -> Plan | None:
+    """The plan with context-parallel groups (idle ranks taking a serial rank's microbatches, or ranks'
+    free time in a slot taking spans of its costliest chain) that predicts the lowest step, if lower
+    than ``p``'s; else None."""
+    best = None
+    for made in (group_pieces(p, geo, p.chunk_size), spread_pieces(p, geo, p.chunk_size)):
+        out = None if made is None else with_groups(build(made[0]), made[1], layers)
+        if out is not None and out.step_seconds < (best or p).step_seconds:
+            best = out
+    return best

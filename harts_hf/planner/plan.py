@@ -27,10 +27,11 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    to their backward within the byte budget, and so are not rerun: what the predicted step charges
    a rerun for, and what the engine keeps.
 6. Context-parallel groups (``groups.py``, with ``context_parallel=True``): a rank's serial pieces
-   (a trajectory longer than the budget) run at once over idle ranks, one slot per group, a
-   wavefront over ``layers`` decoder layers; kept if its predicted step is lower. Then the root
-   chain most ranks recompute (a system prompt) runs once, split over the ranks as a group in a new
-   first slot, and is read across ranks (``shared_root.py``); kept if its predicted step is lower.
+   (a trajectory longer than the budget) run at once over idle ranks, or spread over the free time
+   other ranks have in their slots, one slot per group, a wavefront over ``layers`` decoder layers;
+   kept if its predicted step is lower. Then the root chain most ranks recompute (a system prompt)
+   runs once, split over the ranks as a group in a new first slot, and is read across ranks
+   (``shared_root.py``); kept if its predicted step is lower.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -159,8 +160,8 @@ def plan(
     may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper). ``handoffs``: shared
     chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
     such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
-    ``context_parallel``: a trajectory's serial pieces may run at once over idle ranks (``groups.py``,
-    a wavefront over ``layers`` decoder layers; the same condition to run).
+    ``context_parallel``: a trajectory's serial pieces may run at once over ranks with time to spare
+    (``groups.py``, a wavefront over ``layers`` decoder layers; the same condition to run).
     """
     began = time.perf_counter()
     forests = as_forests(forests)

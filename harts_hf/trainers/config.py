@@ -46,8 +46,8 @@ class HARTSArguments:
             back) where the cost model predicts that faster than recomputing it on each (`harts_hf.planner.handoffs`);
             off by default: checked exact under DDP (the trainers) and FSDP2 (the engine; gloo, CPU), not yet on NCCL.
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
-            Let the plan run a trajectory longer than the budget at once over idle ranks, one span each (a
-            context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
+            Let the plan run a trajectory longer than the budget at once over ranks with time to spare, a span each
+            (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
             share once, cut over them in a first slot (`harts_hf.planner.shared_root`), where the cost model predicts
             that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
     """
@@ -87,8 +87,8 @@ class HARTSArguments:
     harts_context_parallel: bool = field(
         default=False,
         metadata={
-            "help": "Split a trajectory longer than the budget over idle ranks, and a shared prompt over the ranks reading "
-            "it, where the plan predicts faster."
+            "help": "Split a trajectory above the budget over ranks' spare time, and a shared prompt over the ranks "
+            "reading it, where the plan predicts it faster."
         },
     )
 

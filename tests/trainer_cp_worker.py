@@ -1,0 +1,132 @@
+"""Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU), stock then HARTS with
+``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and cost models: ``grpo``,
+``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
+rows on every rank); ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three
+budgets long, its group's rows sharing it, and a short one). Saves each plan's context-parallel groups."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import test_trainer_ddp as ddp
+import test_trainer_exactness
+import torch
+import torch.distributed as dist
+from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
+
+from harts_hf.trainers import step
+
+CASE = "dapo-context-parallel-busy"
+COMPLETION = 16
+PER_RANK = {2: 4, 3: 8}
+"""Rows per rank: as in ``test_planner_groups.test_free_time_forms_groups``, every rank busy before the groups."""
+
+
+def overrides(world_size: int) -> dict:
+    return {
+        "loss_type": "dapo",
+        "harts_context_parallel": True,
+        "harts_cost_model": SPREAD_COST,
+        "harts_chunk_size": SPREAD_CHUNK,
+        "harts_max_tokens_per_microbatch": BUDGET,
+        "harts_memory_model": {"token": 1.0, "context": 0.1},  # cp_plan_worker.SMALL_CONTEXT
+        "per_device_train_batch_size": PER_RANK[world_size],
+        "system": False,
+    }
+
+
+def busy_rollout(prompts: list[str], trainer) -> dict:
+    """``cp_plan_worker.busy_rows`` of the launch, this rank's share: each row's last 16 tokens are
+    its completion, the rest its prompt."""
+    acc = trainer.accelerator
+    rows = busy_rows(acc.num_processes, len(prompts))[acc.process_index * len(prompts) :][: len(prompts)]
+    return {
+        "prompt_ids": [row[:-COMPLETION] for row in rows],
+        "completion_ids": [row[-COMPLETION:] for row in rows],
+        "logprobs": [[0.0] * COMPLETION for _ in rows],
+        "env_mask": [[1] * COMPLETION for _ in rows],
+    }
+
+
+def rloo_prompts() -> list[str]:
+    """Without shuffling, each step's two prompts: one of 405 tokens (``test_trainer_rloo``'s system
+    prompt five times and a task; its 4 rows share it), one of 2."""
+    from test_trainer_rloo import SYSTEM  # here: that module sets an environment variable on import
+
+    return [SYSTEM * 5 + "solve: 12+7=", "ab"] * 4
+
+
+def _rloo(out: Path) -> None:
+    """Stock RLOO, then HARTS, 2 steps each on :func:`rloo_prompts`; rank 0 saves the parameters after
+    every step."""
+    from datasets import Dataset
+    from test_trainer_rloo import length_reward
+    from trainer_args import sgd_args
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from harts_hf.sources.tokenizer import build_tokenizer
+    from harts_hf.trainers import HARTSRLOOConfig, HARTSRLOOTrainer
+
+    torch.set_num_threads(1)
+
+    class Snapshots(TrainerCallback):
+        def __init__(self, model):
+            self.params = [torch.cat([p.detach().flatten().clone() for p in model.parameters()])]
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+
+    harts = {k: v for k, v in overrides(2).items() if k.startswith("harts_")}
+    for name, trainer_cls, config_cls, extra in (
+        ("stock", RLOOTrainer, RLOOConfig, {}),
+        ("harts", HARTSRLOOTrainer, HARTSRLOOConfig, harts),
+    ):
+        args = sgd_args(
+            out / f"rloo-{name}",
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=2,
+            learning_rate=0.05,
+            beta=0.0,
+            shuffle_dataset=False,
+        )
+        trainer = trainer_cls(
+            model=str(out / "qwen3_5"),
+            reward_funcs=length_reward,
+            args=config_cls(**args, **extra),
+            processing_class=build_tokenizer(),
+            train_dataset=Dataset.from_dict({"prompt": rloo_prompts()}),
+        )
+        snaps = Snapshots(trainer.model)
+        trainer.add_callback(snaps)
+        trainer.train()
+        gathered = trainer.accelerator.gather(snaps.params[-1][None])
+        if trainer.accelerator.is_main_process:
+            record = {"params": snaps.params, "ranks_agree": bool((gathered == gathered[0]).all())}
+            torch.save(record, out / f"{name}-rloo.pt")
+
+
+if __name__ == "__main__":  # not on import: the test imports CASE into a process other tests share
+    from harts_hf.trainers.teardown import end_distributed
+
+    out, trainer = Path(sys.argv[1]), sys.argv[2]
+    made, planner = [], step.plan
+
+    def recorded(*args, **kwargs):
+        made.append(planner(*args, **kwargs))
+        return made[-1]
+
+    step.plan = recorded
+    if trainer == "grpo":
+        ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
+        test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
+        ddp._worker(out, [CASE])
+    else:
+        _rloo(out)
+    groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist(), p.num_slots) for p in made]
+    torch.save(groups, out / f"groups-{dist.get_rank()}.pt")
+    end_distributed()
