@@ -147,6 +147,7 @@ def host_headers(separate: bool) -> Iterator[None]:
 
 def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
     """One case on every rank; rank 0 saves what the test compares."""
+    from fsdp2_cpu import hook_gathers
     from tiny_models import as_layout, tiny_model, trainable, trajectory_logprobs
 
     from harts_hf import patch_model, tree_logprobs
@@ -192,7 +193,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
         return loss_fn([torch.where(own[:, None], lps[0], others)])
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=wrapper == "autocast")
-    with autocast, host_headers(wrapper == "hostgroup"):
+    with autocast, host_headers(wrapper == "hostgroup"), hook_gathers() as gathers:
         engine.backward(loss)
     lp = torch.where(own[:, None], seen[0], 0.0)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
@@ -229,6 +230,7 @@ def run_case(family: str, plan_name: str, wrapper: str, out: Path) -> None:
             "single": (single_lp, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]),
             "transfers": len(engine.schedule.transfers),
             "streams": int(streams),
+            "hook_gathers": gathers[0],
             "bytes": sent.tolist(),
         },
         out / f"{family}-{plan_name}-{wrapper}.pt",

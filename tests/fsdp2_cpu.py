@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["fsdp2_trainers", "shard", "without_gradient_sync"]
+__all__ = ["fsdp2_trainers", "hook_gathers", "shard", "without_gradient_sync"]
 
 
 def shard(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -42,6 +42,27 @@ def without_gradient_sync(model: FSDPModule) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def hook_gathers() -> Iterator[list[int]]:
+    """Within it, ``[n]``: the parameter gathers FSDP2 starts from a layer's own forward or backward
+    hook (a collective inside the call), not those made before it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    count, unshard = [0], FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        in_hook = self._training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+        count[0] += in_hook and not self.is_unsharded and self._all_gather_result is None
+        return unshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard = counted
+    try:
+        yield count
+    finally:
+        FSDPParamGroup.unshard = unshard
 
 
 @contextlib.contextmanager

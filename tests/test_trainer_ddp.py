@@ -141,6 +141,7 @@ def _worker(out: Path, cases: list[str]) -> None:
     from datasets import Dataset
     from peft import LoraConfig
     from test_trainer_exactness import PROMPTS, branching_rollout, config_kwargs, id_reward
+    from trainer_args import flat_parameters
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -159,7 +160,7 @@ def _worker(out: Path, cases: list[str]) -> None:
             self.params = []
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+            self.params.append(flat_parameters(model, trained=False))
 
     for case in [c for c in cases if c != RESUME]:
         overrides = dict(CASES[case])
@@ -195,7 +196,7 @@ def _worker(out: Path, cases: list[str]) -> None:
                 return compute(model, inputs)
 
             trainer._compute_loss = counting
-            snaps.params.append(torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()]))
+            snaps.params.append(flat_parameters(trainer.model, trained=False))
             trainer.train()
             gathered = trainer.accelerator.gather(snaps.params[-1][None])
             counts = trainer.accelerator.gather(torch.tensor([rows, real]))  # [2 ranks * 2, microbatches]

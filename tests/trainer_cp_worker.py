@@ -1,27 +1,31 @@
 """Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU), stock then HARTS with
 ``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and cost models: ``grpo``,
 ``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
-rows on every rank); ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three
+rows on every rank), ``grpo-fsdp2`` the same with both trainers' models sharded by FSDP2 (``fsdp2_cpu``); ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three
 budgets long, its group's rows sharing it, and a short one). Saves each plan's context-parallel groups."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
+import pytest
 import test_trainer_ddp as ddp
 import test_trainer_exactness
 import torch
 import torch.distributed as dist
 from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
+from fsdp2_cpu import fsdp2_trainers
 
 from harts_hf.trainers import step
 
 CASE = "dapo-context-parallel-busy"
 COMPLETION = 16
-PER_RANK = {2: 4, 3: 8}
-"""Rows per rank: as in ``test_planner_groups.test_free_time_forms_groups``, every rank busy before the groups."""
+PER_RANK = {2: 2, 3: 4}
+"""Rows per rank: every rank busy before the groups, with time to spare in the long row's slots for spans
+that pay for a wavefront over the tiny model's 3 decoder layers (the plan prices the policy's own)."""
 
 
 def overrides(world_size: int) -> dict:
@@ -121,10 +125,14 @@ if __name__ == "__main__":  # not on import: the test imports CASE into a proces
         return made[-1]
 
     step.plan = recorded
-    if trainer == "grpo":
+    if trainer.startswith("grpo"):
         ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
         test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
-        ddp._worker(out, [CASE])
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            fsdp2_trainers(patch) if trainer == "grpo-fsdp2" else contextlib.nullcontext(),
+        ):
+            ddp._worker(out, [CASE])
     else:
         _rloo(out)
     groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist(), p.num_slots) for p in made]

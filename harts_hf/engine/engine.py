@@ -174,12 +174,6 @@ class TreeEngine:
         if schedule is None or not schedule.serves(plan, rank, tables, calls, self.device):
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule
-        if isinstance(self.hf, FSDPModule) and (schedule.exchange.stream_send or schedule.exchange.stream_receive):
-            raise ValueError(
-                "this plan runs a context-parallel group (spans of one slot on several ranks, streamed layer by "
-                "layer), which FSDP2's per-layer parameter gathers would serialise or deadlock: train it under DDP, "
-                "or plan the long trajectory's pieces in successive slots"
-            )
         self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
         self._joined = False  # whether this engine's ranks met once (_exchanger)
 
@@ -316,14 +310,30 @@ class TreeEngine:
                 else:  # a padding call records nothing any unit reads
                     streams = None if padding or exchanger is None else exchanger.streams
                     handoff = Handoff(Store() if padding else store, unit, grad=True, streams=streams)
+                    self._gather(index)
                     outputs = self._run(unit, handoff, entropy and not padding, router and not padding)
                     run = _GradRun(handoff, outputs[:3])
+                self._gather(index)  # again for its backward: its forward freed each layer's after use
                 if padding:
                     torch.autograd.backward(run.outputs[0], torch.zeros_like(run.outputs[0]))
                 else:
                     self._send_unit(store, run, grads, entropy_grads, router_grads)
             if exchanger is not None:
                 exchanger.after_replay(index, store)
+
+    def _gather(self, index: int) -> None:
+        """Under FSDP2, before call ``index`` of a pass where a context-parallel group streams, gather
+        every parameter at once, on every rank at the same point (``Exchange.group_calls``): FSDP2
+        gathers a layer's parameters when the layer starts (forward and backward), a collective every
+        rank must join, which inside a group's wavefront (the readers a layer behind) would hold each
+        rank at every layer until the others arrive. Gathered, those gathers find nothing to do and the
+        layers free their parameters after use as usual; only the last backward's gradient
+        reduce-scatter still meets at each layer. The price: all parameters held whole at the call's
+        start (the memory FSDP2 saves, for the call's duration)."""
+        if isinstance(self.hf, FSDPModule) and index in self.schedule.exchange.group_calls:
+            for module in self.hf.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
 
     def _exchanger(self) -> Exchanger | None:
         """What moves this pass's cross-rank handoffs (None: the plan has none). Every rank of a plan
@@ -448,6 +458,7 @@ class TreeEngine:
         for i, unit in enumerate(calls):
             grad = i >= len(calls) - keep
             padding = unit is self.schedule.padding
+            self._gather(i)
             with (
                 torch.set_grad_enabled(grad),
                 self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext(),

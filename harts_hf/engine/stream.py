@@ -28,7 +28,9 @@ host metadata on both sides (no device-to-host copy inside a layer: on a GPU the
 NCCL, the headers by gloo).
 
 Collectives inside a model call that need every rank at the same layer (FSDP2's per-layer
-gathers) would serialise the wavefront or deadlock it: the engine refuses a group under FSDP2.
+gathers) would hold the wavefront at every layer: under FSDP2 the engine gathers every parameter
+before a group's call instead (``TreeEngine._gather``); only the last backward's gradient
+reduce-scatter still meets at each layer.
 DDP synchronises in its last backward's callback, after the reader's flush.
 
 Legend: X a value's kept rows, r the rows one reading rank reads.

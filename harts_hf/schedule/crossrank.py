@@ -75,13 +75,16 @@ class Exchange:
     of one slot on several ranks) streams instead, per layer call inside call k, its gradients
     back inside the backward of call k (``harts_hf.engine.stream``): ``stream_receive`` the blocks
     this rank's call k reads so, ``stream_send`` the blocks its call k sends so (peer: the reading
-    rank); none of them is in the other tables."""
+    rank); none of them is in the other tables. ``group_calls``: the calls k at which any rank's
+    group streams (the same on every rank: what every rank must do alike around them, such as
+    FSDP2's parameter gathers)."""
 
     receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     grad_send: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     grad_receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     stream_receive: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     stream_send: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    group_calls: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.receive or self.grad_receive or self.stream_receive or self.stream_send)
@@ -94,19 +97,21 @@ class Exchange:
         grad_receive: set,
         stream_receive: set = frozenset(),
         stream_send: set = frozenset(),
+        group_calls: tuple[int, ...] = (),
     ) -> Exchange:
-        """From sets of (call, peer rank, unit number)."""
+        """From sets of (call, peer rank, unit number), and the group calls."""
         by_call = lambda entries: {
             k: tuple(sorted((peer, u) for c, peer, u in entries if c == k)) for k in sorted({e[0] for e in entries})
         }
-        return cls(*(by_call(e) for e in (receive, grad_send, grad_receive, stream_receive, stream_send)))
+        return cls(*(by_call(e) for e in (receive, grad_send, grad_receive, stream_receive, stream_send)), group_calls)
 
 
-def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray, call: np.ndarray) -> None:
+def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray, call: np.ndarray) -> tuple[int, ...]:
     """A unit may read a unit of another rank in its own slot (a context-parallel group) when both
     run at the same call index (their ranks then run them at once, layer by layer) and no such
     reads close a cycle (each would wait for the other inside the call). ``sources`` [2, r] per
-    unit (producer, row) of its context reads, over every rank's units (every rank checks the same)."""
+    unit (producer, row) of its context reads, over every rank's units (every rank checks the same).
+    Returns the call indices at which a group streams, the same on every rank."""
     edges = {
         (int(p), i)
         for i, s in enumerate(sources)
@@ -141,6 +146,7 @@ def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray
     for u in sorted(readers):
         if u not in state:
             visit(u)
+    return tuple(sorted({int(call[i]) for _, i in edges}))
 
 
 @dataclass(frozen=True, eq=False)

@@ -339,7 +339,7 @@ def compile_rank(
     producers = producer_index(forests, own, ranks, slots)
     _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots, producers)
     call = _call_index(calls, cross)
-    check_groups(sources, ranks, slots, call)
+    group_calls = check_groups(sources, ranks, slots, call)
     # The units whose reads decide this rank's addresses: its own, and every reader of a unit that
     # this rank's units are or read from (a producer's kept rows are what all its readers read).
     mine = np.flatnonzero(ranks == rank)
@@ -406,6 +406,7 @@ def compile_rank(
         {(k, q, p) for (p, q), k in later.items() if ranks[p] == rank},
         {(int(call[p]), int(ranks[p]), p) for p, q in streamed if q == rank},
         {(int(call[p]), q, p) for p, q in streamed if ranks[p] == rank},
+        group_calls,
     )
     owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
     for i, g in enumerate(mine):

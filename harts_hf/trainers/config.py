@@ -49,7 +49,7 @@ class HARTSArguments:
             Let the plan run a trajectory longer than the budget at once over ranks with time to spare, a span each
             (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
             share once, cut over them in a first slot (`harts_hf.planner.shared_root`), where the cost model predicts
-            that faster; off by default: the engine runs such groups under DDP, and refuses them under FSDP2.
+            that faster; off by default. Under FSDP2 a group's call holds every parameter gathered.
     """
 
     harts_enable: bool = field(
