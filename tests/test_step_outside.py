@@ -12,7 +12,7 @@ import pytest
 from tiny_models import tiny_model
 
 from harts_hf.lab.baselines import per_trajectory
-from harts_hf.lab.calibrate import gradient_bytes
+from harts_hf.lab.calibrate import format_cost_model, gradient_bytes
 from harts_hf.planner import CostModel, plan
 from harts_hf.planner.balance import rank_seconds, step_seconds
 from harts_hf.planner.cost import cost_origin
@@ -104,3 +104,11 @@ def test_gradient_bytes_count_the_trainable_parameters():
     frozen = next(model.parameters())
     frozen.requires_grad_(False)
     assert gradient_bytes(model) == total - frozen.numel() * frozen.element_size()
+
+
+def test_calibrate_prints_the_outside_terms():
+    """``harts-hf calibrate`` shows the gradient bytes in bytes, the multi-rank planning, and the
+    seconds outside the model calls at 1, 2 and 8 ranks as the plan prices them."""
+    text = format_cost_model(COST, "cost model of tiny in 1.0 s:")
+    assert "grad_bytes     2.000e+06 B" in text and "step_ranks 8.000e-03 s" in text
+    assert " / ".join(f"{COST.outside(r):.3e}" for r in (1, 2, 8)) in text

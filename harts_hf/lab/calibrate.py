@@ -185,7 +185,7 @@ def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
     values = cost.as_dict()
-    unit = {"context_bytes": "B", "state_bytes": "B"}
+    unit = {"context_bytes": "B", "state_bytes": "B", "grad_bytes": "B"}
     meanings = FEATURE_MEANINGS | COMM_MEANINGS
     shown = {k: v for k, v in values.items() if k in meanings}
     lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in shown.items()})]
