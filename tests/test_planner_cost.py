@@ -144,9 +144,10 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     calls = []
     n = 3  # forests
     # clock increments: a warm-up run per forest (start, forward + backward, no-grad forward), then a
-    # timed one (forest k: 0.04 (k + 1) s and a quarter of that) and its host work (0.002 s)
+    # timed one (forest k: 0.04 (k + 1) s and a quarter of that) and its host work (0.002 s on one
+    # rank, 0.005 s over two)
     warm = [0.05, 0.04, 0.01] * n
-    timed = [x for k in range(n) for x in (0.05, 0.04 * (k + 1), 0.01 * (k + 1), 0.05, 0.002)]
+    timed = [x for k in range(n) for x in (0.05, 0.04 * (k + 1), 0.01 * (k + 1), 0.05, 0.002, 0.05, 0.005)]
     readings = np.cumsum(warm + timed)
 
     def fake_clock():
@@ -165,4 +166,4 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     assert len(calls) == readings.size  # the clock read as above: every timing on CPU time
     assert max(fitted.token, fitted.pair) > 0
     assert fitted.forward_share == pytest.approx(0.25) != FORWARD_SHARE  # measured, not assumed
-    assert fitted.step == pytest.approx(0.002)
+    assert fitted.step == pytest.approx(0.002) and fitted.step_ranks == pytest.approx(0.003)

@@ -16,6 +16,7 @@ import statistics
 import torch
 from trl import GRPOTrainer
 
+from ..planner.cost import cost_origin
 from ..sources import episode_rollout, ledger_dataset, sample_reward
 from ..trainers.config import HARTSGRPOConfig
 from ..trainers.grpo import HARTSGRPOTrainer
@@ -97,6 +98,9 @@ def compare(script_args: AgenticArguments, training_args: HARTSGRPOConfig) -> di
         "median_fwd_bwd_seconds": measured,
         "predicted_fwd_bwd_seconds": predicted,
         "predicted_over_measured": predicted / measured,  # the plan's cost model against this machine
+        # of the prediction, what a step spends outside its model calls (host work, gradient all-reduce)
+        "predicted_outside_seconds": training_args.harts_planner_cost_model.outside(training_args.world_size),
+        "predicted_from": cost_origin(training_args.harts_planner_cost_model),
         "speedup_of_compression": (t_stock / t_harts) / statistics.mean(h["harts/compression"] for h in logs),
         "max_loss_difference": max(abs(a - b) for a, b in zip(stock["losses"], harts["losses"])),
         "threads": torch.get_num_threads(),

@@ -50,8 +50,8 @@ TRIE_MAX_TRAJECTORIES = 8192  # trie packing keeps two [B, B] int32 tables of co
 class Baseline:
     """A baseline's microbatch costs [R, S], redundancy and planning time (or why it was skipped);
     ``plan`` when the baseline's microbatches are a plan of the shared forests (dfs_kcut, exact),
-    else ``cost_model``, whose forward share and per-step term its step is priced with, as ours is
-    (``Plan.step_seconds``)."""
+    else ``cost_model``, whose forward share and seconds outside the model calls (at as many ranks
+    as ``cost`` has rows) its step is priced with, as ours is (``Plan.step_seconds``)."""
 
     cost: np.ndarray | None
     redundancy: float | None
@@ -64,7 +64,9 @@ class Baseline:
     def step_seconds(self) -> float:
         if self.plan is not None:
             return self.plan.step_seconds
-        return step_seconds(self.cost, share=self.cost_model.forward_share) + self.cost_model.step
+        return step_seconds(self.cost, share=self.cost_model.forward_share) + self.cost_model.outside(
+            self.cost.shape[0]
+        )
 
     def record(self) -> dict:
         if self.cost is None:

@@ -7,7 +7,11 @@ rounds, 1); times the same forests' forward alone without grad (what a step's re
 a microbatch it reruns in the backward), whose median share of forward + backward is the cost
 model's ``forward_share``; and what a step does for each forest outside its model calls (build the
 forest from its rows, plan it in two slots, compile the engine's Schedule), whose median is
-``step``. Imports the modeling stack, unlike the rest of the planner.
+``step``, and the same planned over 2 ranks (rank 0's Schedule), whose median excess is
+``step_ranks`` (the planner is pure: one process plans for any number of ranks). ``grad_bytes``
+is counted, not timed: the bytes of the model's trainable parameters, which data parallelism
+all-reduces each step at the communication terms' prices (``--comm`` measures them). Imports the
+modeling stack, unlike the rest of the planner.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from ..sources import caterpillar, deep_chain, grpo_group, random_tree
 from ..trees import min_rounds
 from .plan_report import legend
 
-__all__ = ["binary_tree", "calibrate", "calibration_forests", "forest_features", "format_cost_model"]
+__all__ = [
+    "binary_tree",
+    "calibrate",
+    "calibration_forests",
+    "forest_features",
+    "format_cost_model",
+    "gradient_bytes",
+    "step_host_work",
+]
 
 FEATURE_MEANINGS = {
     "token": "per compact token: projections, MLP/MoE, norms, LM head",
@@ -43,6 +55,7 @@ COMM_MEANINGS = {
     "message": "per message between ranks: its latency",
     "context_bytes": "bytes per handed context token: its K/V in every attention layer",
     "state_bytes": "bytes per handed path start: conv halos, replay rows, linear-attention states",
+    "grad_bytes": "bytes of gradients all-reduced between ranks each step: the trainable parameters'",
 }
 """The communication terms (``harts-hf calibrate --comm`` measures them: ``calibrate_comm.py``)."""
 
@@ -52,6 +65,11 @@ def forest_features(forest: RolloutForest) -> np.ndarray:
     pairs = float((forest.position + 1).sum())
     rounds = float(min_rounds(forest.node_parent)[0].max())
     return np.array([forest.num_compact_tokens, pairs, rounds, 1.0])
+
+
+def gradient_bytes(model: torch.nn.Module) -> float:
+    """Bytes of ``model``'s trainable parameters: the gradients a data-parallel step all-reduces."""
+    return float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
 
 
 def binary_tree(depth: int, node_len: int, *, seed: int = 0, vocab: int = 32000) -> RolloutForest:
@@ -107,7 +125,9 @@ def calibrate(
     runs per forest (``repeats`` sweeps over the forests) after one warm-up run each; its
     ``forward_share``, the median over forests of the fastest no-grad forward (the recording pass
     of a microbatch the step reruns) per fastest forward + backward; its ``step``, the median over
-    forests of the fastest :func:`step_host_work`."""
+    forests of the fastest :func:`step_host_work` on one rank, and ``step_ranks`` the median of what
+    the same over 2 ranks takes more (0 where it takes less); its ``grad_bytes``,
+    :func:`gradient_bytes`."""
     patch_model(model)
     vocab = model.get_input_embeddings().num_embeddings
     forests = list(forests) if forests is not None else calibration_forests(vocab)
@@ -131,35 +151,41 @@ def calibrate(
             torch.cuda.synchronize(device)
         return middle - began, clock() - middle
 
-    def host(forest: RolloutForest) -> float:
+    def host(forest: RolloutForest, world_size: int) -> float:
         began = clock()
-        step_host_work(model, forest)
+        step_host_work(model, forest, world_size)
         return clock() - began
 
     for forest in forests:
         run(forest)
-    seconds = np.full((len(forests), 3), np.inf)  # [forests, (forward + backward, forward, host work)]
+    # [forests, (forward + backward, forward, host work on 1 rank, on 2)]
+    seconds = np.full((len(forests), 4), np.inf)
     for _ in range(repeats):  # sweeps, not runs back to back: a busy spell on a shared machine hits one try of each
-        seconds = np.minimum(seconds, [(*run(forest), host(forest)) for forest in forests])
+        seconds = np.minimum(seconds, [(*run(forest), host(forest, 1), host(forest, 2)) for forest in forests])
     share = float(np.median(seconds[:, 1] / seconds[:, 0]))
     fitted = fit_cost_model(np.stack([forest_features(f) for f in forests]), seconds[:, 0], min(share, 1.0))
-    return dataclasses.replace(fitted, step=float(np.median(seconds[:, 2])))
+    return dataclasses.replace(
+        fitted,
+        step=float(np.median(seconds[:, 2])),
+        step_ranks=max(float(np.median(seconds[:, 3] - seconds[:, 2])), 0.0),
+        grad_bytes=gradient_bytes(model),
+    )
 
 
-def step_host_work(model: torch.nn.Module, forest: RolloutForest) -> None:
+def step_host_work(model: torch.nn.Module, forest: RolloutForest, world_size: int = 1) -> None:
     """What a training step does for ``forest`` besides its model calls: the forest built from its
-    rows, planned (in two slots where its longest trajectory allows) and the engine's Schedule
-    compiled."""
+    rows, planned over ``world_size`` ranks (in two slots where its longest trajectory allows) and
+    rank 0's Schedule compiled."""
     again = RolloutForest.from_sequences(forest.trajectories())
     budget = max(-(-forest.num_compact_tokens // 2), int(forest.lengths.max()))
-    TreeEngine(model, again, plan(again, world_size=1, max_tokens_per_microbatch=budget))
+    TreeEngine(model, again, plan(again, world_size=world_size, max_tokens_per_microbatch=budget))
 
 
 def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
     values = cost.as_dict()
-    unit = {"context_bytes": "B", "state_bytes": "B"}
+    unit = {"context_bytes": "B", "state_bytes": "B", "grad_bytes": "B"}
     meanings = FEATURE_MEANINGS | COMM_MEANINGS
     shown = {k: v for k, v in values.items() if k in meanings}
     lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in shown.items()})]
@@ -169,6 +195,11 @@ def format_cost_model(cost: CostModel, title: str) -> str:
         "the forests), what a slot rerun in the backward costs again"
     )
     lines.append(f"step {cost.step:.3e} s: once a step, outside the model calls (forest, plan, Schedule)")
+    lines.append(f"step_ranks {cost.step_ranks:.3e} s: once a step planned over several ranks, besides step")
+    lines.append(
+        f"outside the model calls at 1 / 2 / 8 ranks: {' / '.join(f'{cost.outside(r):.3e}' for r in (1, 2, 8))} s "
+        "(host work; with several ranks the gradient all-reduce too)"
+    )
     dropped = [name for name in FEATURE_MEANINGS if values[name] == 0]
     if dropped:
         lines.append(

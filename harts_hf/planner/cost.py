@@ -9,9 +9,13 @@
 - one per microbatch: fixed overhead (launch latency, FSDP gathers, optimizer-free bookkeeping).
 
 ``forward_share`` is not a feature: the share of those seconds a microbatch's forward alone takes,
-what rerunning a recorded microbatch costs again in the backward (``balance.py``). Nor is ``step``:
-the seconds a step spends outside its model calls, once (building the forest, planning, compiling
-the Schedule), which a plan's predicted step adds to its slots.
+what rerunning a recorded microbatch costs again in the backward (``balance.py``). Nor are the
+seconds a step spends outside its model calls, once, which a plan's predicted step adds to its
+slots (:meth:`CostModel.outside`): ``step``, the host work of a step on one rank (building the
+forest, planning, compiling the Schedule); ``step_ranks``, what planning it over several ranks adds
+(measured at 2 ranks; at 4 and 8 the planner took no longer on the calibration forests, so it is
+not extrapolated); and the data-parallel gradient all-reduce, ``grad_bytes`` (the trainable
+parameters' bytes) over a ring at the communication terms' prices.
 
 Communication, for cross-rank handoffs (``handoffs.py``): a handed chain moves ``context_bytes`` per
 context token (its K/V in every attention layer) and ``state_bytes`` per path starting under it
@@ -51,8 +55,9 @@ class CostModel:
     and per message between ranks, bytes per handed context token and path start (all >= 0); the
     forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written before
     it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward) and
-    the seconds a step spends outside its model calls (absent: 0), both measured by ``harts-hf
-    calibrate``."""
+    the seconds a step spends outside its model calls (:meth:`outside`: ``step`` on one rank,
+    ``step_ranks`` more planned over several, ``grad_bytes`` all-reduced between them; absent: 0, as
+    a cost model written before they were measured), all measured by ``harts-hf calibrate``."""
 
     token: float
     pair: float
@@ -64,6 +69,8 @@ class CostModel:
     state_bytes: float = COMM_DEFAULTS["state_bytes"]
     forward_share: float = FORWARD_SHARE
     step: float = 0.0
+    step_ranks: float = 0.0
+    grad_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         values = asdict(self)
@@ -102,6 +109,19 @@ class CostModel:
             messages, dtype=np.float64
         )
 
+    def outside(self, world_size: int) -> float:
+        """Predicted seconds a step over ``world_size`` ranks spends outside its model calls: the host
+        work (``step``, and ``step_ranks`` more for a plan over several ranks) and, with several
+        ranks, the gradient all-reduce, a ring (as DDP's over gloo or NCCL): each rank sends 2 (R - 1)
+        / R of ``grad_bytes`` in 2 (R - 1) messages (none where ``grad_bytes`` is 0: not counted)."""
+        if world_size < 1:
+            raise ValueError(f"a step runs on at least one rank, got world_size {world_size}")
+        if world_size == 1:
+            return self.step
+        ring = 2 * (world_size - 1)
+        reduce = ring * (self.byte * self.grad_bytes / world_size + self.message) if self.grad_bytes > 0 else 0.0
+        return self.step + self.step_ranks + reduce
+
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
@@ -120,6 +140,8 @@ def cost_origin(cost_model: CostModel) -> str:
         notes.append("its reruns at an assumed forward share of 1/3 (backward = 2 x forward)")
     if {k: getattr(cost_model, k) for k in COMM_DEFAULTS} == COMM_DEFAULTS:
         notes.append("its communication terms are COMM_DEFAULTS' estimate (harts-hf calibrate --comm measures them)")
+    if cost_model.step_ranks == 0 and cost_model.grad_bytes == 0:  # written before calibrate measured them
+        notes.append("no seconds for planning over several ranks or their gradient all-reduce (assumed 0)")
     return "; ".join(notes)
 
 

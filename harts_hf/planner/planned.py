@@ -134,14 +134,18 @@ class Plan:
     @property
     def step_seconds(self) -> float:
         """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun;
-        and the step's work outside its model calls (``cost_model.step``)."""
-        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
+        and the step's work outside its model calls (``cost_model.outside``)."""
+        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.outside(
+            self.world_size
+        )
 
     @property
     def rank_seconds(self) -> np.ndarray:
         """[R] each rank's predicted forward + backward seconds on its own, reruns and the step's
         work outside its model calls included."""
-        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.step
+        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.outside(
+            self.world_size
+        )
 
     def microbatch(self, rank: int, slot: int) -> list[tuple[int, np.ndarray]]:
         """(forest index, compact indices) of the tokens of slot ``slot`` on rank ``rank``, one
