@@ -37,7 +37,7 @@ def _held(memory: MemoryModel, tokens: np.ndarray, context: np.ndarray, kept: in
 )
 def test_graph_slots_are_the_most_last_slots_the_byte_budget_holds(memory, rng):
     """Every rank keeps the longest run of last slots whose graphs fit the budget's bytes together
-    (the last whatever the budget); DDP's rule reruns the first slot, FSDP2's keeps the last only."""
+    (the last whatever the budget); FSDP2's rule keeps the last only."""
     tokens = rng.integers(0, 120, (6, 5))
     context = rng.integers(0, 300, (6, 5)) * (tokens > 0)
     budget = memory.budget(max_tokens=100)
@@ -48,9 +48,8 @@ def test_graph_slots_are_the_most_last_slots_the_byte_budget_holds(memory, rng):
         assert k == 1 or _held(memory, tokens[r], context[r], k) <= limit
         assert k == 5 or _held(memory, tokens[r], context[r], k + 1) > limit
     assert (kept > 1).any() and (kept < 5).any()  # the draw exercises both sides
-    np.testing.assert_array_equal(graph_slots(memory, budget, tokens, context, "rerun_first"), np.minimum(kept, 4))
     np.testing.assert_array_equal(graph_slots(memory, budget, tokens, context, "last"), np.ones(6))
-    with pytest.raises(ValueError, match="unknown graph rule 'all'; valid: budget, rerun_first, last"):
+    with pytest.raises(ValueError, match="unknown graph rule 'all'; valid: budget, last"):
         graph_slots(memory, budget, tokens, context, "all")
 
 
@@ -70,7 +69,7 @@ def test_a_plan_prices_the_reruns_of_the_slots_that_keep_no_graph():
     its slots plus the forward share of every non-empty slot not kept, as each rank's seconds are,
     and the step's work outside its model calls."""
     forest = grpo_group(prompt_len=40, G=8, max_completion=40, seed=3).forest()
-    for memory, graphs in ((CHECKPOINTED, "budget"), (CHECKPOINTED, "rerun_first"), (MemoryModel(1.0, 1.0), "budget")):
+    for memory, graphs in ((CHECKPOINTED, "budget"), (CHECKPOINTED, "last"), (MemoryModel(1.0, 1.0), "budget")):
         p = plan(
             forest, world_size=2, max_tokens_per_microbatch=100, memory_model=memory, cost_model=COST, graphs=graphs
         )
@@ -81,8 +80,8 @@ def test_a_plan_prices_the_reruns_of_the_slots_that_keep_no_graph():
         slowest = p.cost.max(axis=0).sum() + (0.4 * p.cost * rerun).max(axis=0).sum()
         assert p.step_seconds == pytest.approx(slowest + 0.01)
         np.testing.assert_allclose(p.rank_seconds, p.cost.sum(axis=1) + 0.4 * (p.cost * rerun).sum(axis=1) + 0.01)
-        if graphs == "rerun_first":
-            assert (p.graph_slots < p.num_slots).all()
+        if graphs == "last":
+            assert (p.graph_slots == 1).all()
 
 
 def test_more_slots_where_they_keep_more_graphs_and_only_where_that_lowers_the_step():

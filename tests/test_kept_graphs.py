@@ -1,8 +1,8 @@
 """No avoidable replay: the last model calls keep their graphs from the recording as far as the
 plan's byte budget holds them alive together, and are not rerun; the numbers stay the oracle's
 (token- and sequence-level losses, through the replay and a caller's own backward, with gradient
-checkpointing), and under a data-parallel wrapper call 0 still runs its forward in the sync
-context, right before its backward."""
+checkpointing), and under a data-parallel wrapper every call keeps its graph inside ``no_sync``
+and a closing call syncs."""
 
 from __future__ import annotations
 
@@ -89,14 +89,16 @@ def test_kept_graphs_under_gradient_checkpointing():
     assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), got)
 
 
-def test_call_zero_runs_its_forward_in_the_sync_context(model):
-    """Under ``no_sync``, every kept graph's forward runs inside it (its backward does not sync) and
-    call 0, whose backward syncs, is rerun outside it right before that backward: with a budget
-    that holds every graph, 4 units make 5 calls, not 4."""
+def test_every_call_keeps_its_graph_under_no_sync_and_a_closing_call_syncs(model):
+    """Under ``no_sync``, every kept graph's forward runs inside it (a DDP backward syncs where the
+    forward before it ran outside), call 0 included, and a closing call (every parameter times 0,
+    no model compute) runs its forward and backward outside it, last: the step's only syncing
+    backward. With a budget that holds every graph, 4 units make 4 model calls and the closing one
+    (no rerun), and the numbers are the oracle's."""
     seqs, forest = _forest(1)
     loss_fn = sequence_loss(forest)
     inside = [False]
-    forwards, backwards = [], []
+    events = []
 
     @contextlib.contextmanager
     def no_sync():
@@ -107,28 +109,28 @@ def test_call_zero_runs_its_forward_in_the_sync_context(model):
             inside[0] = False
 
     def forward(run):
-        forwards.append(inside[0])
+        events.append(("forward", inside[0]))
         return run()
 
     # Every backward pass goes through the LM head: record whether it ran inside no_sync.
-    hook = model.get_output_embeddings().weight.register_hook(lambda g: backwards.append(inside[0]))
+    hook = model.get_output_embeddings().weight.register_hook(lambda g: events.append(("backward", inside[0])))
     try:
         got, calls, engine = engine_step(
             model, forest, _plan(forest, max(KEPT)), loss_fn, forward=forward, no_sync=no_sync
         )
     finally:
         hook.remove()
-    forwards = forwards[-len(calls) :]  # the construction's probe call went first
     assert engine.schedule.graph_calls() == 4
-    assert calls == [False, True, True, True, True]  # call 0 without grad, calls 1-3 kept, call 0 rerun
-    assert forwards == [False, True, True, True, False]
-    assert backwards == [True, True, True, False]  # the last backward (call 0's) syncs
+    assert calls == [True] * 5  # calls 0-3 kept, then the closing call
+    recorded = [("forward", True)] * 4
+    assert events[-10:] == recorded + [("backward", True)] * 4 + [("forward", False), ("backward", False)]
     assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), got)
 
 
-def test_a_single_call_under_no_sync_keeps_its_graph_only_in_the_sync_context(model):
-    """A rank's only call under ``no_sync`` keeps its graph where the caller says its context is the
-    sync context (``keep_graph``: TreeEngine.backward), and is rerun otherwise."""
+def test_a_single_call_under_no_sync_keeps_its_graph_and_syncs_in_its_context_or_a_closing_call(model):
+    """A rank's only call under ``no_sync`` keeps its graph: its backward syncs where the caller
+    says its context is the sync context (``keep_graph``: TreeEngine.backward), and a closing call
+    syncs otherwise."""
     _, forest = _forest(2)
     calls = []
     engine = TreeEngine(
@@ -145,7 +147,7 @@ def test_a_single_call_under_no_sync_keeps_its_graph_only_in_the_sync_context(mo
     calls.clear()
     recording = engine.record()
     recording.backward([torch.ones_like(v) for v in recording.logprobs])
-    assert len(calls) == 2  # the recording, then the rerun
+    assert len(calls) == 2  # the recording, then the closing call
 
 
 @pytest.mark.slow

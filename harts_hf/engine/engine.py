@@ -39,8 +39,12 @@ Data parallel: each unit's model call can run as the forward of the wrapper the 
 (``forward``), so DDP / FSDP2 see ordinary forward and backward passes, and every backward pass but
 the last runs inside ``no_sync`` (accelerate's ``accelerator.no_sync(model)``): the step's
 gradients are synchronised once, by the wrapper, in its last backward pass. A kept call runs its
-forward in its backward's context; call 0, whose backward syncs, is then rerun right before it
-(a forward outside ``no_sync`` would make the next backward pass sync).
+forward in its backward's context. Where call 0 keeps its graph too (DDP), every call runs inside
+``no_sync`` (a forward outside it would make the next backward pass sync) and a closing sync call
+follows: a forward of the wrapper, outside ``no_sync``, of every parameter times 0, in whose
+backward the wrapper syncs the gradients the step accumulated (every parameter takes part, no model
+compute), where call 0 was rerun before. Under FSDP2 call 0 is still rerun (its parameter groups
+allow one pending forward with grad before a backward).
 
 Legend: B_f trajectories of forest f, L_f its longest trajectory, P_f its pairs.
 """
@@ -223,9 +227,10 @@ class TreeEngine:
         through the units later (a caller that owns the loss and gathers its gradients first: the
         trainer's HARTS step). Made with grad enabled, the last model calls (as many as the plan's
         budget holds, the last always) run with grad and keep their graphs for that backward instead
-        of being replayed, each in its backward pass's sync context; with ``no_sync``, call 0 is
-        rerun (its backward syncs). ``keep_graph``: the caller's context is the gradient-sync
-        context of the backward, so a rank's only call keeps its graph under ``no_sync`` too.
+        of being replayed, each in its backward pass's sync context; with ``no_sync``, where call 0
+        keeps its graph, all of them inside ``no_sync`` and a closing sync call ends the backward
+        (under FSDP2 call 0 is rerun). ``keep_graph``: the caller's context is the gradient-sync
+        context of the backward, so a rank's only call keeps its graph there, with no closing call.
         ``return_router_logits``: also the MoE layers' router logits of every compact token this
         rank computes (for the router loss), differentiable through the same backward.
         ``statistics``: also these per-token head statistics (``logprobs.PAIR_STATISTICS`` other
@@ -234,10 +239,11 @@ class TreeEngine:
         if return_router_logits:
             validate_router_logits(self.adapter)
         store = Store()
+        keep, closing = self._graph_calls(keep_graph)
         values, ents, routers, stats, kept = self._record(
-            store, return_entropy, return_router_logits, statistics, keep=self._graph_calls(keep_graph)
+            store, return_entropy, return_router_logits, statistics, keep=keep, closing=closing
         )
-        return Recording(self, store, values, ents, routers, stats, kept)
+        return Recording(self, store, values, ents, routers, stats, kept, closing)
 
     def attached_logprobs(
         self, return_entropy: bool = False
@@ -268,23 +274,25 @@ class TreeEngine:
             recording.backward([torch.zeros_like(v) if g is None else g for g, v in zip(grads, lp)])
         return loss.detach()
 
-    def _graph_calls(self, keep_graph: bool) -> int:
-        """How many of the last calls keep their graphs in a recording made now: the calls of the
-        slots the plan keeps (``Plan.graph_slots``, by ``Schedule.graph_calls``), none without grad.
-        The wrapper's rules below cap them whatever the plan says (a plan made with ``graphs=`` for
-        the wrapper prices them: ``planner.graphs.GRAPH_RULES``). Under a data-parallel wrapper
-        (``no_sync``) call 0, whose backward is the last and syncs, runs its forward in that
-        sync context right before its backward (a forward outside ``no_sync`` would make the next
-        backward sync): it is rerun, unless it is the rank's only call and ``keep_graph`` says the
-        caller's context is the sync context. Under FSDP2 only the last call keeps its graph: its
-        parameter groups allow one pending forward with grad before a backward (a second trips
-        their ``pre_backward`` state check)."""
+    def _graph_calls(self, keep_graph: bool) -> tuple[int, bool]:
+        """How many of the last calls keep their graphs in a recording made now, and whether a
+        closing sync call ends its backward: the calls of the slots the plan keeps
+        (``Plan.graph_slots``, by ``Schedule.graph_calls``), none without grad. Under a
+        data-parallel wrapper (``no_sync``) call 0's backward is the last and syncs; where call 0
+        keeps its graph, its forward (which decides a DDP backward's sync) runs inside ``no_sync``
+        as every other, and the closing sync call syncs instead (:meth:`_sync_call`), unless it is
+        the rank's only call and ``keep_graph`` says the caller's context is the sync context.
+        Under FSDP2 only the last call keeps its graph, whatever the plan says: its parameter
+        groups allow one pending forward with grad before a backward (a second trips their
+        ``pre_backward`` state check), so call 0 is rerun there (a plan made with ``graphs=`` for
+        the wrapper prices what each does: ``planner.graphs.GRAPH_RULES``)."""
         if not torch.is_grad_enabled():
-            return 0
+            return 0, False
         keep = min(self.schedule.graph_calls(), 1) if isinstance(self.hf, FSDPModule) else self.schedule.graph_calls()
-        if keep == self.calls and self._no_sync is not None and not (keep_graph and self.calls == 1):
-            keep -= 1
-        return keep
+        every = keep == self.calls and self._no_sync is not None and not (keep_graph and self.calls == 1)
+        if every and isinstance(self.hf, FSDPModule):
+            return keep - 1, False
+        return keep, every
 
     def _replay_units(
         self,
@@ -294,17 +302,18 @@ class TreeEngine:
         router_grads: list[torch.Tensor] | None = None,
         *,
         kept: dict[int, _GradRun] | None = None,
+        closing: bool = False,
     ) -> None:
         """Every model call with grad, in reverse, backpropagating ``grads`` (per forest [P_f]) and,
         given, ``entropy_grads`` (the same, w.r.t. the pairs' entropies) and ``router_grads`` (per
         forest [layers, N_f, E], w.r.t. the router logits); the ``kept`` calls (by call index) from
-        their graphs, the others rerun."""
+        their graphs, the others rerun; then, ``closing``, the sync call."""
         entropy, router = entropy_grads is not None, router_grads is not None
         exchanger = self._exchanger()
         calls, kept = self.schedule.call_order(), kept or {}
         for done, unit in enumerate(reversed(calls)):  # the exact reverse of the recording's order
             index, padding = len(calls) - 1 - done, unit is self.schedule.padding
-            with self._sync_last(done):
+            with self._sync_last(done, closing):
                 if index in kept:
                     run = kept.pop(index)  # its graph goes with its backward
                 else:  # a padding call records nothing any unit reads
@@ -320,6 +329,18 @@ class TreeEngine:
                     self._send_unit(store, run, grads, entropy_grads, router_grads)
             if exchanger is not None:
                 exchanger.after_replay(index, store)
+        if closing:
+            self._sync_call()
+
+    def _sync_call(self) -> None:
+        """The closing sync call, outside ``no_sync``: a forward of the wrapper that returns every
+        trainable parameter's first element times 0, then its backward, so the wrapper syncs there
+        the gradients every earlier backward pass accumulated (every parameter takes part and gains
+        an exact 0; no model compute)."""
+        params = [p for p in self.hf.parameters() if p.requires_grad]
+        if params:
+            zero = self._forward(lambda: torch.stack([p.reshape(-1)[:1].float().sum() for p in params]).sum() * 0)
+            zero.backward()
 
     def _gather(self, index: int) -> None:
         """Under FSDP2, before call ``index`` of a pass where a context-parallel group streams, gather
@@ -367,9 +388,10 @@ class TreeEngine:
             unit_grads.append(router_grads[unit.forest][:, self.schedule.token_index[unit.index]].to(logits.dtype))
         self._send(store, run.handoff, tensors, unit_grads)
 
-    def _sync_last(self, done: int) -> AbstractContextManager:
-        """``no_sync`` for every backward pass of a step but the last (``done`` passes so far)."""
-        last = done == self.calls - 1
+    def _sync_last(self, done: int, closing: bool = False) -> AbstractContextManager:
+        """``no_sync`` for every backward pass of a step but the last (``done`` passes so far), and
+        for the last too where a ``closing`` sync call follows it."""
+        last = done == self.calls - 1 and not closing
         return contextlib.nullcontext() if self._no_sync is None or last else self._no_sync()
 
     def _send(self, store: Store, handoff: Handoff, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -442,6 +464,7 @@ class TreeEngine:
         statistics: tuple[str, ...] = (),
         *,
         keep: int = 0,
+        closing: bool = False,
     ) -> tuple[
         list[torch.Tensor],
         list[torch.Tensor] | None,
@@ -450,8 +473,9 @@ class TreeEngine:
         dict[int, _GradRun],
     ]:
         """Every model call of the rank (its units, then its padding calls) without grad, but the last
-        ``keep``, which run with grad, each in the sync context of its backward pass in the replay,
-        and are returned with their graphs, by call index; the values come detached."""
+        ``keep``, which run with grad, each in the sync context of its backward pass in the replay
+        (``closing``: a sync call follows them all), and are returned with their graphs, by call
+        index; the values come detached."""
         calls = self.schedule.call_order()
         exchanger = self._exchanger()
         lps, ents, routers, stats, kept, like = [], [], [], [], {}, None
@@ -461,7 +485,7 @@ class TreeEngine:
             self._gather(i)
             with (
                 torch.set_grad_enabled(grad),
-                self._sync_last(len(calls) - 1 - i) if grad else contextlib.nullcontext(),
+                self._sync_last(len(calls) - 1 - i, closing) if grad else contextlib.nullcontext(),
             ):
                 streams = None if padding or exchanger is None else exchanger.streams
                 handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True, streams=streams)
@@ -514,8 +538,9 @@ class Recording:
     ``entropies``, None unless asked) per forest [B_f, L_f - 1] in TRL's layout (rows this rank
     does not own are 0), ``router_logits`` (None unless asked) per forest [layers, N_f, E] (0 for the
     tokens other ranks compute), ``statistics`` (the head statistics asked for, by name, in the
-    log-probs' layout), the boundary values the replay reads (``store``) and the runs of the last
-    calls that kept their graphs (``kept``, by call index; empty if none did)."""
+    log-probs' layout), the boundary values the replay reads (``store``), the runs of the last
+    calls that kept their graphs (``kept``, by call index; empty if none did) and whether a closing
+    sync call ends the backward (``closing``: :meth:`TreeEngine._graph_calls`)."""
 
     def __init__(
         self,
@@ -526,8 +551,9 @@ class Recording:
         router_logits: list[torch.Tensor] | None = None,
         statistics: dict[str, list[torch.Tensor]] | None = None,
         kept: dict[int, _GradRun] | None = None,
+        closing: bool = False,
     ):
-        self.engine, self._store, self._kept, self._pending = engine, store, kept, True
+        self.engine, self._store, self._kept, self._closing, self._pending = engine, store, kept, closing, True
         self._autocast = AutocastState.current(engine.device)  # the replay runs the units under it again
         self.values = values  # per forest [P_f] pair values
         self.router_logits = router_logits
@@ -599,7 +625,9 @@ class Recording:
         # Pair gradients where pairs are shared between ranks: summed, then each rank's home pairs.
         grads, entropy_grads = self.engine._share_grads(grads), self.engine._share_grads(entropy_grads)
         with torch.enable_grad(), self._autocast.restored():
-            self.engine._replay_units(self._store, grads, entropy_grads, router_grads, kept=self._kept)
+            self.engine._replay_units(
+                self._store, grads, entropy_grads, router_grads, kept=self._kept, closing=self._closing
+            )
         self._store, self._kept, self._pending = None, None, False
 
 

@@ -9,8 +9,8 @@ the largest of their transient phases (the head's chunk, one layer's backward: t
 at a time) comes on top once. The last slot keeps its graph whatever the budget (one microbatch, as
 in the replay). Empty slots (no unit) save nothing.
 
-A data-parallel wrapper narrows what the budget allows (:data:`GRAPH_RULES`): the engine enforces
-it; the plan prices it.
+FSDP2 narrows what the budget allows (:data:`GRAPH_RULES`): the engine enforces it; the plan
+prices it. DDP does not: where call 0 keeps its graph, a closing call syncs (``harts_hf.engine``).
 
 Legend: R ranks, S slots.
 """
@@ -23,11 +23,9 @@ from .memory import Budget, MemoryModel
 
 __all__ = ["GRAPH_RULES", "graph_slots", "rerun_slots"]
 
-GRAPH_RULES = ("budget", "rerun_first", "last")
-"""What may keep a graph besides the byte budget: ``budget``, any slot it holds; ``rerun_first``,
-never the first slot (DDP under ``no_sync``: call 0's backward syncs, so its forward runs in the
-sync context right before it, a rerun); ``last``, only the last slot (FSDP2: its parameter groups
-allow one pending forward with grad before a backward)."""
+GRAPH_RULES = ("budget", "last")
+"""What may keep a graph besides the byte budget: ``budget``, any slot it holds; ``last``, only the
+last slot (FSDP2: its parameter groups allow one pending forward with grad before a backward)."""
 
 
 def graph_slots(
@@ -39,7 +37,7 @@ def graph_slots(
         raise ValueError(f"unknown graph rule {rule!r}; valid: {', '.join(GRAPH_RULES)}")
     tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
     num_slots = tokens.shape[1]
-    limit = {"budget": num_slots, "rerun_first": max(num_slots - 1, 1), "last": 1}[rule]
+    limit = num_slots if rule == "budget" else 1
     saved = memory.token * tokens + memory.context * context  # [R, S] kept until the backward
     phase = np.where(tokens > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
     held = np.cumsum(saved[:, ::-1], axis=1) + np.maximum.accumulate(phase[:, ::-1], axis=1)  # [R, S] last k + 1

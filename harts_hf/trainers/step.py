@@ -129,8 +129,9 @@ class HARTSStep:
         self.forest = previous.forest if same else RolloutForest.from_sequences(self.sequences)
         unwrapped = acc.unwrap_model(model)
         sharded = any(isinstance(m, FSDPModule) for m in unwrapped.modules())
+        syncs = not inside_forward and acc.num_processes > 1  # the wrapper syncs gradients (one process: none)
         # the graphs the engine may keep under this wrapper (planner.graphs.GRAPH_RULES), priced by the plan
-        graphs = "last" if sharded else "budget" if inside_forward else "rerun_first"
+        graphs = "last" if sharded else "budget"
         self.plan = (
             previous.plan if same else plan(self.forest, world_size=acc.num_processes, graphs=graphs, **plan_options)
         )
@@ -146,14 +147,14 @@ class HARTSStep:
             rank=acc.process_index,
             temperature=temperature,
             forward=None if inside_forward else lambda run: model(harts_call=run),
-            no_sync=None if inside_forward else lambda: acc.no_sync(model),
+            no_sync=(lambda: acc.no_sync(model)) if syncs else None,
             calls=needed if acc.num_processes > 1 else 0,
             schedule=previous.engine.schedule if same else None,
         )
         self.grad = torch.is_grad_enabled()
-        # A rank's only call keeps its graph (no replay) where its backward runs in this forward's
-        # sync context: one process, or a block of one microbatch (no accelerate no_sync around it).
-        keep_graph = acc.num_processes == 1 or len(self.microbatches) == 1
+        # A rank's only call keeps its graph with no closing call where its backward runs in this
+        # forward's sync context: a block of one microbatch (no accelerate no_sync around it).
+        keep_graph = len(self.microbatches) == 1
         routers, stats = None, {}
         with acc.autocast():
             if self.grad or router or statistics:  # a recording: the router logits and statistics come with it
