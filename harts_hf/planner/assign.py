@@ -220,38 +220,43 @@ class _Groups:
     Args:
         members: [G] branches of each group (ids and costs, largest first).
         depth: [G] top chains above each group's branches.
-        need: [G][d] cost of the group's top chains below its first d (root first): what a rank
-            holding those d pays to take a branch of it.
+        reach: [G] cost of those top chains, summed root first: a rank holding the first d of them
+            (their own reach: ``shared_reach`` or a group's ``reach``) pays the difference to take a
+            branch of the group. One number a group, where a table of what each d leaves to pay grows
+            with the square of a deep chain.
         shared: [G] top chains group g shares with group g + 1. Groups are in DFS order of their
             top, so the chains a rank holds on reaching group g are those it shares with the last
             group it took from: the smallest ``shared`` on the way.
+        shared_reach: [G] reach of the ``shared[g]`` chains (0 for none).
     """
 
     members: list[_Branches | None]
     num_branches: int
     depth: list[int]
-    need: list[list[float]]
+    reach: list[float]
     shared: list[int]
+    shared_reach: list[float]
 
 
 def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray) -> _Groups:
-    num_groups, depth = table.shape
+    num_groups = table.shape[0]
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
     ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
-    # need[:, d]: the costs below d summed root first (left to right, as a rank adds them up)
-    cost = np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0)  # [G, L]
-    need = np.zeros((num_groups, depth + 1))
-    for d in range(depth):
-        need[:, d] = np.cumsum(cost[:, d:], axis=1)[:, -1]
+    # reach of every prefix of every path, left to right: rows that share a prefix share its sums
+    reach = np.cumsum(np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0), axis=1)  # [G, L]
+    reach = np.concatenate((np.zeros((num_groups, 1)), reach), axis=1)  # [G, L + 1]: column d, d chains
+    depth = (table >= 0).sum(axis=1)
     same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
     shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
+    rows = np.arange(num_groups)
     return _Groups(
         members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
         num_branches=branch_cost.size,
-        depth=(table >= 0).sum(axis=1).tolist(),
-        need=need.tolist(),
+        depth=depth.tolist(),
+        reach=reach[rows, depth].tolist(),
         shared=shared.tolist(),
+        shared_reach=reach[rows, shared].tolist(),
     )
 
 
@@ -275,24 +280,25 @@ def _take(branches: _Branches, room: float) -> tuple[list[int], float]:
 def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
     """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
     members = list(groups.members)  # leftovers: entries replaced, never mutated
-    depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
+    depth, reach, shared, shared_reach = groups.depth, groups.reach, groups.shared, groups.shared_reach
+    end = len(members)
     rank = [-1] * groups.num_branches
     first = 0
     for r in range(world_size):
-        load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
+        load, held, held_reach, skipped, last = 0.0, 0, 0.0, 0, r == world_size - 1
         for g in range(first, end):
             if g > first and shared[g - 1] < held:
-                held = shared[g - 1]
+                held, held_reach = shared[g - 1], shared_reach[g - 1]
             branches = members[g]
             if branches is None:
                 continue
-            room = capacity - load - need[g][held]
+            room = capacity - load - (reach[g] - held_reach)
             whole = branches.acc[-1]
             if whole <= room and len(branches.ids) < 8:  # the whole group fits (most hold one branch)
                 for i in branches.ids:
                     rank[i] = r
                 load = capacity - (room - whole)  # as ``_take`` leaves it
-                held = depth[g]
+                held, held_reach = depth[g], reach[g]
                 members[g] = branches = None
             elif branches.sizes[-1] <= room:  # the smallest fits: something is taken
                 taken, room = _take(branches, room)
@@ -300,7 +306,7 @@ def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | Non
                 for i in taken:
                     rank[ids[i]] = r
                 load = capacity - room
-                held = depth[g]
+                held, held_reach = depth[g], reach[g]
                 members[g] = branches = None if len(taken) == len(ids) else branches.without(taken)
             if branches is not None and not last:
                 skipped += 1
@@ -472,16 +478,38 @@ def assign_ranks(
     return Assignment(branch_node, branch_cost, branch_group, _paths(table), rank)
 
 
+def _rank_tops(asg: Assignment) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, node) [T] of every top chain each rank computes, once each: the union of the paths of the
+    groups it takes branches from. A rank's groups walked in DFS order of their tops, a path adds what
+    lies below its common prefix with the previous one (two root paths part once and never meet
+    again), so the pairs come without a sort of every (branch, top) pair, which grows with the square
+    of a deep chain."""
+    path_len = np.array([p.size for p in asg.group_path], dtype=np.int64)
+    flat = np.concatenate(asg.group_path + [np.zeros(0, dtype=np.int64)])
+    off = np.cumsum(path_len) - path_len
+    top = np.full(path_len.size, -1)  # [G] group top, -1 for whole trees
+    top[path_len > 0] = flat[(off + path_len - 1)[path_len > 0]]
+    num_groups = path_len.size
+    taken = np.unique(asg.branch_rank * num_groups + asg.branch_group)  # (rank, group) pairs
+    rank, group = taken // num_groups, taken % num_groups
+    order = np.lexsort((top[group], rank))
+    rank, group = rank[order], group[order]
+    prev = np.r_[group[:1], group[:-1]]  # the previous pair's group
+    after = np.r_[False, rank[1:] == rank[:-1]]  # a pair after another of its rank
+    overlap = np.where(after, np.minimum(path_len[group], path_len[prev]), 0)  # [n]
+    pair = np.repeat(np.arange(group.size), overlap)
+    col = np.arange(pair.size) - np.repeat(np.cumsum(overlap) - overlap, overlap)
+    same = flat[off[group[pair]] + col] == flat[off[prev[pair]] + col]
+    common = np.bincount(pair[same], minlength=group.size)
+    new = path_len[group] - common
+    at = np.repeat(off[group] + common - np.cumsum(new) + new, new) + np.arange(new.sum())
+    return np.repeat(rank, new), flat[at]
+
+
 def rank_intervals(geo: Geometry, asg: Assignment, world_size: int, max_tokens: int) -> RankIntervals:
     """Every rank's top chains and branches as sorted DFS intervals; a top's owner is the lowest
     rank that computes it, the others hold replicas."""
-    path_len = np.array([p.size for p in asg.group_path], dtype=np.int64)
-    flat = np.concatenate(asg.group_path + [np.zeros(0, dtype=np.int64)])
-    off = np.concatenate(([0], np.cumsum(path_len)))
-    reps = path_len[asg.branch_group]
-    pos = np.repeat(off[asg.branch_group], reps) + np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-    pairs = np.unique(np.stack([np.repeat(asg.branch_rank, reps), flat[pos]], axis=1), axis=0).reshape(-1, 2)
-    top_rank, top_node = pairs[:, 0], pairs[:, 1]
+    top_rank, top_node = _rank_tops(asg)
     owner = np.full(geo.num_nodes, world_size, dtype=np.int64)
     np.minimum.at(owner, top_node, top_rank)
 
