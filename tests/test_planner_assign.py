@@ -17,7 +17,8 @@ from harts_hf.planner.assign import (
     BRANCH_RULES,
     _Branches,
     _groups,
-    _path_table,
+    _path_costs,
+    _path_nodes,
     _rank_tops,
     _take,
     assign_ranks,
@@ -69,22 +70,25 @@ def _deep_chain(world: int) -> tuple[Geometry, tuple[np.ndarray, np.ndarray, np.
 
 def test_groups_on_a_deep_chain_are_their_paths_summed_root_first():
     """What the capacity search reads (``_groups``) against each group's path walked node by node:
-    its reach summed root first to the bit (rows sharing a prefix share its sums, so a rank's held
-    reach is any of them), the chains it shares with the next group and their reach. What a rank pays
-    to take a branch, its reach less the held reach, is the path's tail to rounding."""
+    its reach summed root first to the bit (paths sharing a prefix share its sums, so a rank's held
+    reach is any of them), the chains it shares with the next group and their reach, its path's cost
+    as numpy sums it (where the search starts). What a rank pays to take a branch, its reach less the
+    held reach, is the path's tail to rounding."""
     geo, (_, branch_group, group_node) = _deep_chain(4)
-    table = _path_table(geo, group_node)
+    node, length = _path_nodes(geo, group_node)
     paths = group_paths(geo, group_node)
     assert len(paths) > 40 and max(p.size for p in paths) > 40
     cost = geo.node_cost.tolist()
     sizes = np.ones(branch_group.size)
-    got = _groups(table, geo.node_cost, sizes, branch_group)
+    got = _groups(geo, group_node, node, sizes, branch_group)
+    path_cost = _path_costs(node, length, geo.node_cost)
     for g, path in enumerate(paths):
         sums = [0.0, *accumulate(cost[v] for v in path)]
         after = paths[g + 1] if g + 1 < len(paths) else []
         shared = next((i for i, (a, b) in enumerate(zip(path, after)) if a != b), min(len(path), len(after)))
         assert (got.depth[g], got.reach[g]) == (path.size, sums[-1])
         assert (got.shared[g], got.shared_reach[g]) == (shared, sums[shared])
+        assert path_cost[g] == geo.node_cost[path].sum()
         for held in range(path.size + 1):
             assert got.reach[g] - sums[held] == pytest.approx(math.fsum(cost[v] for v in path[held:]), rel=1e-12, abs=0)
 

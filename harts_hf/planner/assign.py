@@ -153,37 +153,41 @@ def find_branches(
     return branch_node, branch_group, group_node
 
 
-def _path_table(geo: Geometry, group_node: np.ndarray) -> np.ndarray:
-    """[G, L] top nodes from the root down to each group node, -1 after it (a row of -1 for the
-    whole-tree group): one step up per level for all groups at once."""
-    steps, chain = [], group_node
-    while (chain >= 0).any():
-        steps.append(chain)
-        chain = np.where(chain >= 0, geo.parent[np.maximum(chain, 0)], -1)
-    up = np.array(steps, dtype=np.int64).T.reshape(group_node.size, len(steps))  # group node first
-    col = (up >= 0).sum(axis=1, keepdims=True) - 1 - np.arange(len(steps))  # root first
-    return np.where(col >= 0, np.take_along_axis(up, np.maximum(col, 0), axis=1), -1)
+def _path_nodes(geo: Geometry, group_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(node [S], length [G]): the top nodes from the root down to each group node, packed group after
+    group (none for the whole-tree group). Climbed one level a step, a group only while it has a parent:
+    the work is S, where a [G, L] table is G times the deepest path (the square of a deep chain)."""
+    length = np.where(group_node >= 0, geo.level[np.maximum(group_node, 0)] + 1, 0)
+    real = group_node >= 0
+    node = np.empty(int(length.sum()), dtype=np.int64)
+    at, v = (np.cumsum(length) - 1)[real], group_node[real]
+    while v.size:
+        node[at] = v
+        up = geo.parent[v] >= 0
+        at, v = at[up] - 1, geo.parent[v[up]]
+    return node, length
 
 
-def _paths(table: np.ndarray) -> list[np.ndarray]:
-    """The rows of a path table without their padding."""
-    valid = table >= 0
-    return np.split(table[valid], np.cumsum(valid.sum(axis=1))[:-1])
+def _paths(node: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+    """Each group's path, unpacked."""
+    return np.split(node, np.cumsum(length)[:-1])
 
 
 def group_paths(geo: Geometry, group_node: np.ndarray) -> list[np.ndarray]:
     """Top nodes from the root down to each group node (empty for the whole-tree group)."""
-    return _paths(_path_table(geo, group_node))
+    return _paths(*_path_nodes(geo, group_node))
 
 
-def _path_costs(table: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
+def _path_costs(node: np.ndarray, length: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
     """[G] cost of each group's top chains, one numpy sum per path length: the sums round as
     ``node_cost[path].sum()`` does, so the capacity search starts where it always did."""
-    length = (table >= 0).sum(axis=1)
-    out = np.zeros(table.shape[0])
-    for n in np.unique(length):
-        rows = np.flatnonzero(length == n)
-        out[rows] = node_cost[table[rows, :n]].sum(axis=1)
+    start = np.cumsum(length) - length
+    order = np.argsort(length, kind="stable")
+    bounds = np.flatnonzero(np.diff(length[order], prepend=-1, append=-1))
+    out = np.zeros(length.size)
+    for a, b in pairwise(bounds.tolist()):
+        rows = order[a:b]
+        out[rows] = node_cost[node[start[rows, None] + np.arange(length[rows[0]])]].sum(axis=1)
     return out
 
 
@@ -238,25 +242,38 @@ class _Groups:
     shared_reach: list[float]
 
 
-def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray) -> _Groups:
-    num_groups = table.shape[0]
+def _groups(
+    geo: Geometry, group_node: np.ndarray, node: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray
+) -> _Groups:
+    """``group_node`` [G] in DFS order (-1, the whole-tree group, last); ``node``: their paths' nodes."""
+    num_groups = group_node.size
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
     ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
-    # reach of every prefix of every path, left to right: rows that share a prefix share its sums
-    reach = np.cumsum(np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0), axis=1)  # [G, L]
-    reach = np.concatenate((np.zeros((num_groups, 1)), reach), axis=1)  # [G, L + 1]: column d, d chains
-    depth = (table >= 0).sum(axis=1)
-    same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
-    shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
-    rows = np.arange(num_groups)
+    # reach of every top, root first, a level a step (the first: its cost, as a sum starts)
+    tops, node_cost = np.flatnonzero(np.bincount(node, minlength=geo.num_nodes)), geo.node_cost
+    reach = np.zeros(geo.num_nodes + 1)  # [M + 1]: the last, 0, for no node
+    for k, at in enumerate(by_level(geo.level[tops])):
+        v = tops[at]
+        reach[v] = node_cost[v] if k == 0 else reach[geo.parent[v]] + node_cost[v]
+    # Two group nodes u < v (DFS order) share the tops down to the shallowest node after u up to v, less
+    # one level: its parent is their deepest common top (for u above v, u itself); across trees a
+    # root, level 0, shares none.
+    real = group_node[group_node >= 0]
+    shared, common = np.zeros(num_groups, dtype=np.int64), np.full(num_groups, -1)
+    if real.size > 1:
+        key = geo.level[: real[-1] + 1].astype(np.int64) * geo.num_nodes + np.arange(real[-1] + 1)  # level, node
+        low = np.minimum.reduceat(key, real[:-1] + 1)  # [G' - 1] over (u, v]
+        shared[: real.size - 1] = low // geo.num_nodes
+        common[: real.size - 1] = geo.parent[low % geo.num_nodes]
+    depth = np.where(group_node >= 0, geo.level[np.maximum(group_node, 0)] + 1, 0)
     return _Groups(
         members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
         num_branches=branch_cost.size,
         depth=depth.tolist(),
-        reach=reach[rows, depth].tolist(),
+        reach=reach[group_node].tolist(),
         shared=shared.tolist(),
-        shared_reach=reach[rows, shared].tolist(),
+        shared_reach=reach[common].tolist(),
     )
 
 
@@ -328,40 +345,47 @@ def _bundles(branches: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndar
 
 @dataclass(frozen=True, eq=False)
 class _Tops:
-    """The top chains each branch needs, kept sparse (K tops, P (branch, top) pairs): a dense
-    [U, K] table grows with the square of the forest at large world sizes.
+    """The top chains each branch needs, kept sparse (K tops, S nodes of the groups' paths): a dense
+    [U, K] table grows with the square of the forest at large world sizes, a [G, L] one with the square
+    of a deep chain.
 
     Args:
-        cost: [K] cost of each top chain, in node order. index: [G, L] each group's tops as
-            indices into ``cost``, -1 padded. group: [U] group of each branch.
-        branch, top: [P] every branch paired with each top it needs.
+        cost: [K] cost of each top chain, in node order. index: [S] the groups' paths (``_path_nodes``)
+            as indices into ``cost``; start, length: [G] each group's run of it. group: [U] group of each
+            branch.
     """
 
     cost: np.ndarray
     index: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
     group: np.ndarray
-    branch: np.ndarray
-    top: np.ndarray
 
     @classmethod
-    def of(cls, table: np.ndarray, node_cost: np.ndarray, group: np.ndarray) -> _Tops:
-        tops = np.unique(table[table >= 0])
-        index = np.where(table >= 0, np.searchsorted(tops, table), -1)
-        branch, col = np.nonzero(index[group] >= 0)
-        return cls(node_cost[tops], index, group, branch, index[group[branch], col])
+    def of(cls, node: np.ndarray, length: np.ndarray, node_cost: np.ndarray, group: np.ndarray) -> _Tops:
+        held = np.bincount(node, minlength=node_cost.size) > 0
+        index = np.cumsum(held)[node] - 1
+        return cls(node_cost[held], index, np.cumsum(length) - length, length, group)
+
+    def pairs(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(i, top) [P]: branch u[i] (-1: none) needs top."""
+        g = self.group[np.maximum(u, 0)]
+        n = np.where(u >= 0, self.length[g], 0)
+        i = np.repeat(np.arange(u.size), n)
+        return i, self.index[np.repeat(self.start[g] - np.cumsum(n) + n, n) + np.arange(i.size)]
 
     def rows(self, u: np.ndarray) -> np.ndarray:
         """[n, K] 1 where branch u (-1: none) needs a top."""
-        idx = np.where(u[:, None] >= 0, self.index[self.group[u]], -1)  # [n, L]
-        i, j = np.nonzero(idx >= 0)
+        i, top = self.pairs(u)
         out = np.zeros((u.size, self.cost.size), dtype=np.int64)
-        out[i, idx[i, j]] = 1
+        out[i, top] = 1
         return out
 
     def count(self, rank: np.ndarray, world_size: int) -> np.ndarray:
         """[R, K] branches of each rank needing each top."""
         k = self.cost.size
-        return np.bincount(rank[self.branch] * k + self.top, minlength=world_size * k).reshape(world_size, k)
+        branch, top = self.pairs(np.arange(self.group.size))
+        return np.bincount(rank[branch] * k + top, minlength=world_size * k).reshape(world_size, k)
 
 
 def _trade(
@@ -395,22 +419,14 @@ def _trade(
     return new_a, new_b
 
 
-def _refine(
-    rank: np.ndarray,
-    cost: np.ndarray,
-    group: np.ndarray,
-    table: np.ndarray,
-    node_cost: np.ndarray,
-    world_size: int,
-) -> np.ndarray:
+def _refine(rank: np.ndarray, cost: np.ndarray, tops: _Tops, world_size: int) -> np.ndarray:
     """Local search on the largest rank load: apply the trade that lowers it most (rank a gives one
     of its branches, or two, to another rank and takes nothing, one or two of that rank's branches back;
     never two for two), while one does. Trades of one branch each way come first; pairs only when
-    those are exhausted. Vectorised over the trades of a step."""
-    tops = _Tops.of(table, node_cost, group)
+    those are exhausted. Vectorised over the trades of a step; the counts of tops follow the trades."""
     rank = rank.copy()
+    count = tops.count(rank, world_size)
     for _ in range(4 * rank.size):
-        count = tops.count(rank, world_size)
         held_cost = (count > 0) @ tops.cost  # [R], once a step: every trade of the step reads it
         load = np.bincount(rank, weights=cost, minlength=world_size) + held_cost
         a = int(np.argmax(load))
@@ -437,8 +453,12 @@ def _refine(
         if best is None or best[0] >= load[a] * (1 - 1e-12):
             return rank
         _, g1, g2, t1, t2, b = best
-        rank[[u for u in (g1, g2) if u >= 0]] = b
-        rank[[u for u in (t1, t2) if u >= 0]] = a
+        given, taken = np.array([g1, g2]), np.array([t1, t2])
+        rank[given[given >= 0]] = b
+        rank[taken[taken >= 0]] = a
+        moved = tops.rows(given).sum(axis=0) - tops.rows(taken).sum(axis=0)  # [K]
+        count[a] -= moved
+        count[b] += moved
     return rank
 
 
@@ -455,13 +475,13 @@ def assign_ranks(
     branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
     if node_extra is not None:
         branch_cost = branch_cost + node_extra[branch_node]
-    table = _path_table(geo, group_node)
+    node, length = _path_nodes(geo, group_node)
     node_cost = geo.node_cost
     if world_size == 1:
         rank = np.zeros(branch_node.size, dtype=np.int64)
     else:
-        groups = _groups(table, node_cost, branch_cost, branch_group)
-        path_cost = _path_costs(table, node_cost)
+        groups = _groups(geo, group_node, node, branch_cost, branch_group)
+        path_cost = _path_costs(node, length, node_cost)
         lo = max(geo.total_cost / world_size, float((branch_cost + path_cost[branch_group]).max()))
         hi = lo
         while (rank := _fill(hi, groups, world_size)) is None:
@@ -474,8 +494,8 @@ def assign_ranks(
                 lo = mid
             else:
                 hi, best = mid, got
-        rank = _refine(best, branch_cost, branch_group, table, node_cost, world_size)
-    return Assignment(branch_node, branch_cost, branch_group, _paths(table), rank)
+        rank = _refine(best, branch_cost, _Tops.of(node, length, node_cost, branch_group), world_size)
+    return Assignment(branch_node, branch_cost, branch_group, _paths(node, length), rank)
 
 
 def _rank_tops(asg: Assignment) -> tuple[np.ndarray, np.ndarray]:
