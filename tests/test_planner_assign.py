@@ -80,7 +80,7 @@ def test_groups_on_a_deep_chain_are_their_paths_summed_root_first():
     assert len(paths) > 40 and max(p.size for p in paths) > 40
     cost = geo.node_cost.tolist()
     sizes = np.ones(branch_group.size)
-    got = _groups(geo, group_node, node, sizes, branch_group)
+    got = _groups(geo, group_node, (node, length), sizes, branch_group)
     path_cost = _path_costs(node, length, geo.node_cost)
     for g, path in enumerate(paths):
         sums = [0.0, *accumulate(cost[v] for v in path)]

@@ -23,7 +23,8 @@ is one scalar walk over the groups (a rank starts from the leftovers of the rank
 cannot run ranks side by side); what it reads is built once per search (``_Groups``), and the top
 chains a rank holds follow from the DFS order of the groups, not from a set.
 
-Legend: M nodes, U branches, G groups, R ranks, I intervals.
+Legend: M nodes, U branches, G groups, R ranks, I intervals, K top chains, S nodes of the groups' paths
+(their lengths' sum), L the longest path.
 """
 
 from __future__ import annotations
@@ -243,9 +244,14 @@ class _Groups:
 
 
 def _groups(
-    geo: Geometry, group_node: np.ndarray, node: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray
+    geo: Geometry,
+    group_node: np.ndarray,
+    paths: tuple[np.ndarray, np.ndarray],
+    branch_cost: np.ndarray,
+    branch_group: np.ndarray,
 ) -> _Groups:
-    """``group_node`` [G] in DFS order (-1, the whole-tree group, last); ``node``: their paths' nodes."""
+    """``group_node`` [G] in DFS order (-1, the whole-tree group, last); ``paths``: ``_path_nodes``."""
+    node, depth = paths
     num_groups = group_node.size
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
@@ -256,17 +262,18 @@ def _groups(
     for k, at in enumerate(by_level(geo.level[tops])):
         v = tops[at]
         reach[v] = node_cost[v] if k == 0 else reach[geo.parent[v]] + node_cost[v]
-    # Two group nodes u < v (DFS order) share the tops down to the shallowest node after u up to v, less
-    # one level: its parent is their deepest common top (for u above v, u itself); across trees a
-    # root, level 0, shares none.
+    # Two group nodes u < v (DFS order) share as many tops as the shallowest node after u up to v has
+    # above it (its level): its parent is their deepest common top (u itself when u is above v); across
+    # trees that node is a root, level 0.
     real = group_node[group_node >= 0]
+    if np.any(np.diff(real) <= 0) or np.any(group_node[real.size :] >= 0):
+        raise ValueError("assign_ranks: groups must be in DFS order of their tops, whole trees last (find_branches)")
     shared, common = np.zeros(num_groups, dtype=np.int64), np.full(num_groups, -1)
     if real.size > 1:
         key = geo.level[: real[-1] + 1].astype(np.int64) * geo.num_nodes + np.arange(real[-1] + 1)  # level, node
         low = np.minimum.reduceat(key, real[:-1] + 1)  # [G' - 1] over (u, v]
         shared[: real.size - 1] = low // geo.num_nodes
         common[: real.size - 1] = geo.parent[low % geo.num_nodes]
-    depth = np.where(group_node >= 0, geo.level[np.maximum(group_node, 0)] + 1, 0)
     return _Groups(
         members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
         num_branches=branch_cost.size,
@@ -480,7 +487,7 @@ def assign_ranks(
     if world_size == 1:
         rank = np.zeros(branch_node.size, dtype=np.int64)
     else:
-        groups = _groups(geo, group_node, node, branch_cost, branch_group)
+        groups = _groups(geo, group_node, (node, length), branch_cost, branch_group)
         path_cost = _path_costs(node, length, node_cost)
         lo = max(geo.total_cost / world_size, float((branch_cost + path_cost[branch_group]).max()))
         hi = lo
