@@ -105,3 +105,14 @@ def test_rank_tops_on_a_deep_chain_are_the_union_of_branch_paths(world):
         got = list(zip(rank.tolist(), node.tolist()))
         want = {(r, v) for u, r in enumerate(a.branch_rank.tolist()) for v in a.group_path[a.branch_group[u]].tolist()}
         assert len(got) == len(set(got)) and set(got) == want
+
+
+def test_groups_out_of_dfs_order_are_refused():
+    """The shared tops of neighbour groups are read off the levels between their nodes in DFS order: any
+    other order is refused, not planned on wrong sums."""
+    geo, (branch_node, branch_group, group_node) = _deep_chain(4)
+    last = group_node.size - 1 - (group_node[-1] < 0)  # the deepest top; whole trees stay last
+    swap = np.arange(group_node.size)
+    swap[[0, last]] = swap[[last, 0]]
+    with pytest.raises(ValueError, match="DFS order"):
+        assign_ranks(geo, 4, (branch_node, swap[branch_group], group_node[swap]))
