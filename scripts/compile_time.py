@@ -9,6 +9,8 @@ the kernel faulting in fresh pages, which the first build of a process pays in f
     python scripts/compile_time.py --scale 0.1 --world-size 4
     python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --plan-only --repeat 5
         # issue 36's figure: 14,177 trajectories (315M tokens, 54.6M compact), forest and plan seconds
+    python scripts/compile_time.py --workload deep-chain --set levels=1640 --max-tokens 1024 --model qwen3_5 \
+        --plan-only --repeat 3    # another workload of harts_hf.sources: a chain of 1,640 branch levels
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import resource
 import statistics
 import time
 
+from harts_hf.app.cli import _workload_arg
 from harts_hf.lab.models import build_model
 from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.modeling import patch_model
@@ -35,6 +38,10 @@ def _cpu() -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="swe-like", help="a workload of harts_hf.sources (default swe-like)")
+    parser.add_argument(
+        "--set", action="append", default=[], type=_workload_arg, metavar="KEY=VALUE", help="a generator keyword"
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="swe-like length scale (default 1)")
     parser.add_argument("--num-tasks", type=int, default=5, help="swe-like tasks, 8 samples each (default 5)")
     parser.add_argument("--world-size", type=int, default=8, help="data-parallel ranks (default 8)")
@@ -44,7 +51,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="build and plan this many times (median printed)")
     args = parser.parse_args()
 
-    workload = get_workload("swe-like", scale=args.scale, num_tasks=args.num_tasks)
+    swe = {"scale": args.scale, "num_tasks": args.num_tasks} if args.workload == "swe-like" else {}
+    workload = get_workload(args.workload, **swe | dict(args.set))
     memory = bench_memory_model(args.model) if args.model else None
     builds, plans = [], []
     for _ in range(args.repeat):
@@ -59,7 +67,7 @@ def main() -> None:
         )
         plans.append(time.process_time() - began)
     print(
-        f"swe-like scale {args.scale}, {args.num_tasks} tasks: {workload.num_trajectories:,} trajectories, "
+        f"{args.workload} {swe | dict(args.set)}: {workload.num_trajectories:,} trajectories, "
         f"{workload.num_tokens:,} trajectory tokens, {forest.num_compact_tokens:,} compact"
     )
     print("forest build, CPU s (user + system): " + ", ".join(f"{u:.2f} + {s:.2f}" for u, s in builds))

@@ -23,7 +23,8 @@ is one scalar walk over the groups (a rank starts from the leftovers of the rank
 cannot run ranks side by side); what it reads is built once per search (``_Groups``), and the top
 chains a rank holds follow from the DFS order of the groups, not from a set.
 
-Legend: M nodes, U branches, G groups, R ranks, I intervals.
+Legend: M nodes, U branches, G groups, R ranks, I intervals, K top chains, S nodes of the groups' paths
+(their lengths' sum), L the longest path.
 """
 
 from __future__ import annotations
@@ -153,37 +154,41 @@ def find_branches(
     return branch_node, branch_group, group_node
 
 
-def _path_table(geo: Geometry, group_node: np.ndarray) -> np.ndarray:
-    """[G, L] top nodes from the root down to each group node, -1 after it (a row of -1 for the
-    whole-tree group): one step up per level for all groups at once."""
-    steps, chain = [], group_node
-    while (chain >= 0).any():
-        steps.append(chain)
-        chain = np.where(chain >= 0, geo.parent[np.maximum(chain, 0)], -1)
-    up = np.array(steps, dtype=np.int64).T.reshape(group_node.size, len(steps))  # group node first
-    col = (up >= 0).sum(axis=1, keepdims=True) - 1 - np.arange(len(steps))  # root first
-    return np.where(col >= 0, np.take_along_axis(up, np.maximum(col, 0), axis=1), -1)
+def _path_nodes(geo: Geometry, group_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(node [S], length [G]): the top nodes from the root down to each group node, packed group after
+    group (none for the whole-tree group). Climbed one level a step, a group only while it has a parent:
+    the work is S, where a [G, L] table is G times the deepest path (the square of a deep chain)."""
+    length = np.where(group_node >= 0, geo.level[np.maximum(group_node, 0)] + 1, 0)
+    real = group_node >= 0
+    node = np.empty(int(length.sum()), dtype=np.int64)
+    at, v = (np.cumsum(length) - 1)[real], group_node[real]
+    while v.size:
+        node[at] = v
+        up = geo.parent[v] >= 0
+        at, v = at[up] - 1, geo.parent[v[up]]
+    return node, length
 
 
-def _paths(table: np.ndarray) -> list[np.ndarray]:
-    """The rows of a path table without their padding."""
-    valid = table >= 0
-    return np.split(table[valid], np.cumsum(valid.sum(axis=1))[:-1])
+def _paths(node: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+    """Each group's path, unpacked."""
+    return np.split(node, np.cumsum(length)[:-1])
 
 
 def group_paths(geo: Geometry, group_node: np.ndarray) -> list[np.ndarray]:
     """Top nodes from the root down to each group node (empty for the whole-tree group)."""
-    return _paths(_path_table(geo, group_node))
+    return _paths(*_path_nodes(geo, group_node))
 
 
-def _path_costs(table: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
+def _path_costs(node: np.ndarray, length: np.ndarray, node_cost: np.ndarray) -> np.ndarray:
     """[G] cost of each group's top chains, one numpy sum per path length: the sums round as
     ``node_cost[path].sum()`` does, so the capacity search starts where it always did."""
-    length = (table >= 0).sum(axis=1)
-    out = np.zeros(table.shape[0])
-    for n in np.unique(length):
-        rows = np.flatnonzero(length == n)
-        out[rows] = node_cost[table[rows, :n]].sum(axis=1)
+    start = np.cumsum(length) - length
+    order = np.argsort(length, kind="stable")
+    bounds = np.flatnonzero(np.diff(length[order], prepend=-1, append=-1))
+    out = np.zeros(length.size)
+    for a, b in pairwise(bounds.tolist()):
+        rows = order[a:b]
+        out[rows] = node_cost[node[start[rows, None] + np.arange(length[rows[0]])]].sum(axis=1)
     return out
 
 
@@ -220,38 +225,62 @@ class _Groups:
     Args:
         members: [G] branches of each group (ids and costs, largest first).
         depth: [G] top chains above each group's branches.
-        need: [G][d] cost of the group's top chains below its first d (root first): what a rank
-            holding those d pays to take a branch of it.
+        reach: [G] cost of those top chains, summed root first: a rank holding the first d of them
+            (their own reach: ``shared_reach`` or a group's ``reach``) pays the difference to take a
+            branch of the group. One number a group, where a table of what each d leaves to pay grows
+            with the square of a deep chain.
         shared: [G] top chains group g shares with group g + 1. Groups are in DFS order of their
             top, so the chains a rank holds on reaching group g are those it shares with the last
             group it took from: the smallest ``shared`` on the way.
+        shared_reach: [G] reach of the ``shared[g]`` chains (0 for none).
     """
 
     members: list[_Branches | None]
     num_branches: int
     depth: list[int]
-    need: list[list[float]]
+    reach: list[float]
     shared: list[int]
+    shared_reach: list[float]
 
 
-def _groups(table: np.ndarray, node_cost: np.ndarray, branch_cost: np.ndarray, branch_group: np.ndarray) -> _Groups:
-    num_groups, depth = table.shape
+def _groups(
+    geo: Geometry,
+    group_node: np.ndarray,
+    paths: tuple[np.ndarray, np.ndarray],
+    branch_cost: np.ndarray,
+    branch_group: np.ndarray,
+) -> _Groups:
+    """``group_node`` [G] in DFS order (-1, the whole-tree group, last); ``paths``: ``_path_nodes``."""
+    node, depth = paths
+    num_groups = group_node.size
     by_group = np.lexsort((-branch_cost, branch_group))
     bounds = np.searchsorted(branch_group[by_group], np.arange(num_groups + 1)).tolist()
     ids, sizes = by_group.tolist(), branch_cost[by_group].tolist()
-    # need[:, d]: the costs below d summed root first (left to right, as a rank adds them up)
-    cost = np.where(table >= 0, node_cost[np.maximum(table, 0)], 0.0)  # [G, L]
-    need = np.zeros((num_groups, depth + 1))
-    for d in range(depth):
-        need[:, d] = np.cumsum(cost[:, d:], axis=1)[:, -1]
-    same = (table[:-1] == table[1:]) & (table[:-1] >= 0)  # [G - 1, L]
-    shared = np.append(np.cumprod(same, axis=1).sum(axis=1), 0)
+    # reach of every top, root first, a level a step (the first: its cost, as a sum starts)
+    tops, node_cost = np.flatnonzero(np.bincount(node, minlength=geo.num_nodes)), geo.node_cost
+    reach = np.zeros(geo.num_nodes + 1)  # [M + 1]: the last, 0, for no node
+    for k, at in enumerate(by_level(geo.level[tops])):
+        v = tops[at]
+        reach[v] = node_cost[v] if k == 0 else reach[geo.parent[v]] + node_cost[v]
+    # Two group nodes u < v (DFS order) share as many tops as the shallowest node after u up to v has
+    # above it (its level): its parent is their deepest common top (u itself when u is above v); across
+    # trees that node is a root, level 0.
+    real = group_node[group_node >= 0]
+    if np.any(np.diff(real) <= 0) or np.any(group_node[real.size :] >= 0):
+        raise ValueError("assign_ranks: groups must be in DFS order of their tops, whole trees last (find_branches)")
+    shared, common = np.zeros(num_groups, dtype=np.int64), np.full(num_groups, -1)
+    if real.size > 1:
+        key = geo.level[: real[-1] + 1].astype(np.int64) * geo.num_nodes + np.arange(real[-1] + 1)  # level, node
+        low = np.minimum.reduceat(key, real[:-1] + 1)  # [G' - 1] over (u, v]
+        shared[: real.size - 1] = low // geo.num_nodes
+        common[: real.size - 1] = geo.parent[low % geo.num_nodes]
     return _Groups(
         members=[_Branches.of(ids[a:b], sizes[a:b]) if b > a else None for a, b in pairwise(bounds)],
         num_branches=branch_cost.size,
-        depth=(table >= 0).sum(axis=1).tolist(),
-        need=need.tolist(),
+        depth=depth.tolist(),
+        reach=reach[group_node].tolist(),
         shared=shared.tolist(),
+        shared_reach=reach[common].tolist(),
     )
 
 
@@ -275,24 +304,25 @@ def _take(branches: _Branches, room: float) -> tuple[list[int], float]:
 def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | None:
     """Ranks of the branches at this capacity (see module docstring), or None if they do not fit."""
     members = list(groups.members)  # leftovers: entries replaced, never mutated
-    depth, need, shared, end = groups.depth, groups.need, groups.shared, len(members)
+    depth, reach, shared, shared_reach = groups.depth, groups.reach, groups.shared, groups.shared_reach
+    end = len(members)
     rank = [-1] * groups.num_branches
     first = 0
     for r in range(world_size):
-        load, held, skipped, last = 0.0, 0, 0, r == world_size - 1
+        load, held, held_reach, skipped, last = 0.0, 0, 0.0, 0, r == world_size - 1
         for g in range(first, end):
             if g > first and shared[g - 1] < held:
-                held = shared[g - 1]
+                held, held_reach = shared[g - 1], shared_reach[g - 1]
             branches = members[g]
             if branches is None:
                 continue
-            room = capacity - load - need[g][held]
+            room = capacity - load - (reach[g] - held_reach)
             whole = branches.acc[-1]
             if whole <= room and len(branches.ids) < 8:  # the whole group fits (most hold one branch)
                 for i in branches.ids:
                     rank[i] = r
                 load = capacity - (room - whole)  # as ``_take`` leaves it
-                held = depth[g]
+                held, held_reach = depth[g], reach[g]
                 members[g] = branches = None
             elif branches.sizes[-1] <= room:  # the smallest fits: something is taken
                 taken, room = _take(branches, room)
@@ -300,7 +330,7 @@ def _fill(capacity: float, groups: _Groups, world_size: int) -> np.ndarray | Non
                 for i in taken:
                     rank[ids[i]] = r
                 load = capacity - room
-                held = depth[g]
+                held, held_reach = depth[g], reach[g]
                 members[g] = branches = None if len(taken) == len(ids) else branches.without(taken)
             if branches is not None and not last:
                 skipped += 1
@@ -322,40 +352,47 @@ def _bundles(branches: np.ndarray, rank: np.ndarray, size: int) -> tuple[np.ndar
 
 @dataclass(frozen=True, eq=False)
 class _Tops:
-    """The top chains each branch needs, kept sparse (K tops, P (branch, top) pairs): a dense
-    [U, K] table grows with the square of the forest at large world sizes.
+    """The top chains each branch needs, kept sparse (K tops, S nodes of the groups' paths): a dense
+    [U, K] table grows with the square of the forest at large world sizes, a [G, L] one with the square
+    of a deep chain.
 
     Args:
-        cost: [K] cost of each top chain, in node order. index: [G, L] each group's tops as
-            indices into ``cost``, -1 padded. group: [U] group of each branch.
-        branch, top: [P] every branch paired with each top it needs.
+        cost: [K] cost of each top chain, in node order. index: [S] the groups' paths (``_path_nodes``)
+            as indices into ``cost``; start, length: [G] each group's run of it. group: [U] group of each
+            branch.
     """
 
     cost: np.ndarray
     index: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
     group: np.ndarray
-    branch: np.ndarray
-    top: np.ndarray
 
     @classmethod
-    def of(cls, table: np.ndarray, node_cost: np.ndarray, group: np.ndarray) -> _Tops:
-        tops = np.unique(table[table >= 0])
-        index = np.where(table >= 0, np.searchsorted(tops, table), -1)
-        branch, col = np.nonzero(index[group] >= 0)
-        return cls(node_cost[tops], index, group, branch, index[group[branch], col])
+    def of(cls, node: np.ndarray, length: np.ndarray, node_cost: np.ndarray, group: np.ndarray) -> _Tops:
+        held = np.bincount(node, minlength=node_cost.size) > 0
+        index = np.cumsum(held)[node] - 1
+        return cls(node_cost[held], index, np.cumsum(length) - length, length, group)
+
+    def pairs(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(i, top) [P]: branch u[i] (-1: none) needs top."""
+        g = self.group[np.maximum(u, 0)]
+        n = np.where(u >= 0, self.length[g], 0)
+        i = np.repeat(np.arange(u.size), n)
+        return i, self.index[np.repeat(self.start[g] - np.cumsum(n) + n, n) + np.arange(i.size)]
 
     def rows(self, u: np.ndarray) -> np.ndarray:
         """[n, K] 1 where branch u (-1: none) needs a top."""
-        idx = np.where(u[:, None] >= 0, self.index[self.group[u]], -1)  # [n, L]
-        i, j = np.nonzero(idx >= 0)
+        i, top = self.pairs(u)
         out = np.zeros((u.size, self.cost.size), dtype=np.int64)
-        out[i, idx[i, j]] = 1
+        out[i, top] = 1
         return out
 
     def count(self, rank: np.ndarray, world_size: int) -> np.ndarray:
         """[R, K] branches of each rank needing each top."""
         k = self.cost.size
-        return np.bincount(rank[self.branch] * k + self.top, minlength=world_size * k).reshape(world_size, k)
+        branch, top = self.pairs(np.arange(self.group.size))
+        return np.bincount(rank[branch] * k + top, minlength=world_size * k).reshape(world_size, k)
 
 
 def _trade(
@@ -389,22 +426,14 @@ def _trade(
     return new_a, new_b
 
 
-def _refine(
-    rank: np.ndarray,
-    cost: np.ndarray,
-    group: np.ndarray,
-    table: np.ndarray,
-    node_cost: np.ndarray,
-    world_size: int,
-) -> np.ndarray:
+def _refine(rank: np.ndarray, cost: np.ndarray, tops: _Tops, world_size: int) -> np.ndarray:
     """Local search on the largest rank load: apply the trade that lowers it most (rank a gives one
     of its branches, or two, to another rank and takes nothing, one or two of that rank's branches back;
     never two for two), while one does. Trades of one branch each way come first; pairs only when
-    those are exhausted. Vectorised over the trades of a step."""
-    tops = _Tops.of(table, node_cost, group)
+    those are exhausted. Vectorised over the trades of a step; the counts of tops follow the trades."""
     rank = rank.copy()
+    count = tops.count(rank, world_size)
     for _ in range(4 * rank.size):
-        count = tops.count(rank, world_size)
         held_cost = (count > 0) @ tops.cost  # [R], once a step: every trade of the step reads it
         load = np.bincount(rank, weights=cost, minlength=world_size) + held_cost
         a = int(np.argmax(load))
@@ -431,8 +460,12 @@ def _refine(
         if best is None or best[0] >= load[a] * (1 - 1e-12):
             return rank
         _, g1, g2, t1, t2, b = best
-        rank[[u for u in (g1, g2) if u >= 0]] = b
-        rank[[u for u in (t1, t2) if u >= 0]] = a
+        given, taken = np.array([g1, g2]), np.array([t1, t2])
+        rank[given[given >= 0]] = b
+        rank[taken[taken >= 0]] = a
+        moved = tops.rows(given).sum(axis=0) - tops.rows(taken).sum(axis=0)  # [K]
+        count[a] -= moved
+        count[b] += moved
     return rank
 
 
@@ -449,13 +482,13 @@ def assign_ranks(
     branch_cost = geo.prefix(geo.end[branch_node]) - geo.cum[branch_node]
     if node_extra is not None:
         branch_cost = branch_cost + node_extra[branch_node]
-    table = _path_table(geo, group_node)
+    node, length = _path_nodes(geo, group_node)
     node_cost = geo.node_cost
     if world_size == 1:
         rank = np.zeros(branch_node.size, dtype=np.int64)
     else:
-        groups = _groups(table, node_cost, branch_cost, branch_group)
-        path_cost = _path_costs(table, node_cost)
+        groups = _groups(geo, group_node, (node, length), branch_cost, branch_group)
+        path_cost = _path_costs(node, length, node_cost)
         lo = max(geo.total_cost / world_size, float((branch_cost + path_cost[branch_group]).max()))
         hi = lo
         while (rank := _fill(hi, groups, world_size)) is None:
@@ -468,20 +501,42 @@ def assign_ranks(
                 lo = mid
             else:
                 hi, best = mid, got
-        rank = _refine(best, branch_cost, branch_group, table, node_cost, world_size)
-    return Assignment(branch_node, branch_cost, branch_group, _paths(table), rank)
+        rank = _refine(best, branch_cost, _Tops.of(node, length, node_cost, branch_group), world_size)
+    return Assignment(branch_node, branch_cost, branch_group, _paths(node, length), rank)
+
+
+def _rank_tops(asg: Assignment) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, node) [T] of every top chain each rank computes, once each: the union of the paths of the
+    groups it takes branches from. A rank's groups walked in DFS order of their tops, a path adds what
+    lies below its common prefix with the previous one (two root paths part once and never meet
+    again), so the pairs come without a sort of every (branch, top) pair, which grows with the square
+    of a deep chain."""
+    path_len = np.array([p.size for p in asg.group_path], dtype=np.int64)
+    flat = np.concatenate(asg.group_path + [np.zeros(0, dtype=np.int64)])
+    off = np.cumsum(path_len) - path_len
+    top = np.full(path_len.size, -1)  # [G] group top, -1 for whole trees
+    top[path_len > 0] = flat[(off + path_len - 1)[path_len > 0]]
+    num_groups = path_len.size
+    taken = np.unique(asg.branch_rank * num_groups + asg.branch_group)  # (rank, group) pairs
+    rank, group = taken // num_groups, taken % num_groups
+    order = np.lexsort((top[group], rank))
+    rank, group = rank[order], group[order]
+    prev = np.r_[group[:1], group[:-1]]  # the previous pair's group
+    after = np.r_[False, rank[1:] == rank[:-1]]  # a pair after another of its rank
+    overlap = np.where(after, np.minimum(path_len[group], path_len[prev]), 0)  # [n]
+    pair = np.repeat(np.arange(group.size), overlap)
+    col = np.arange(pair.size) - np.repeat(np.cumsum(overlap) - overlap, overlap)
+    same = flat[off[group[pair]] + col] == flat[off[prev[pair]] + col]
+    common = np.bincount(pair[same], minlength=group.size)
+    new = path_len[group] - common
+    at = np.repeat(off[group] + common - np.cumsum(new) + new, new) + np.arange(new.sum())
+    return np.repeat(rank, new), flat[at]
 
 
 def rank_intervals(geo: Geometry, asg: Assignment, world_size: int, max_tokens: int) -> RankIntervals:
     """Every rank's top chains and branches as sorted DFS intervals; a top's owner is the lowest
     rank that computes it, the others hold replicas."""
-    path_len = np.array([p.size for p in asg.group_path], dtype=np.int64)
-    flat = np.concatenate(asg.group_path + [np.zeros(0, dtype=np.int64)])
-    off = np.concatenate(([0], np.cumsum(path_len)))
-    reps = path_len[asg.branch_group]
-    pos = np.repeat(off[asg.branch_group], reps) + np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-    pairs = np.unique(np.stack([np.repeat(asg.branch_rank, reps), flat[pos]], axis=1), axis=0).reshape(-1, 2)
-    top_rank, top_node = pairs[:, 0], pairs[:, 1]
+    top_rank, top_node = _rank_tops(asg)
     owner = np.full(geo.num_nodes, world_size, dtype=np.int64)
     np.minimum.at(owner, top_node, top_rank)
 

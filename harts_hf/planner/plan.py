@@ -79,14 +79,17 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
 
 def _context_tokens(geo: Geometry, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
     """[num_mb] context tokens of every microbatch: the union of its entries' root paths (computed
-    in earlier slots, of its own rank or, handed over, of another)."""
-    which, lo, hi = geo.path_intervals(entry)
-    mb = entry_mb[which]
-    stride = geo.num_tokens + 1
-    key, inv = np.unique(mb * stride + lo, return_inverse=True)  # one interval per (microbatch, node)
-    top = np.zeros(key.size, dtype=np.int64)
-    np.maximum.at(top, inv, hi)
-    return np.bincount(key // stride, weights=top - key % stride, minlength=num_mb).astype(np.int64)
+    in earlier slots, of its own rank or, handed over, of another). Taken in DFS order, a path adds
+    what lies past its common prefix with the one before (root paths part once and never meet
+    again), so the work is the entries', not their paths' (the square of a deep chain)."""
+    order = np.lexsort((entry, entry_mb))
+    t, mb = entry[order], entry_mb[order]
+    depth = geo.token_depth(t)  # [E] tokens on each root path, the entry excluded
+    after = np.flatnonzero(mb[1:] == mb[:-1]) + 1  # entries after another of their microbatch
+    shared = np.minimum(geo.common_prefix(t[after - 1], t[after]), np.minimum(depth[after - 1], depth[after]))
+    return np.bincount(mb, weights=depth, minlength=num_mb).astype(np.int64) - np.bincount(
+        mb[after], weights=shared, minlength=num_mb
+    ).astype(np.int64)
 
 
 def _replay(
