@@ -31,3 +31,11 @@ def _frozen_heap():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a ``slow`` test first, the rest in their order. CI's xdist workers take whole
+    files in collection order (``--dist loadfile --no-loadscope-reorder``): the long files start at
+    once, and the many short ones left for the end even the two workers out."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

@@ -29,6 +29,7 @@ def test_model_bytes_count_kv_and_states():
     assert model_bytes(patch_model(tiny_model("llama")))[1] == 0
 
 
+@pytest.mark.slow
 def test_calibrate_comm_measures_an_exchange(monkeypatch):
     """One real exchange (two spawned processes, each importing harts_hf: the file's cost), watched
     on its way into the fit: every size measured, and the cost model's terms are its fit."""
