@@ -33,9 +33,9 @@ def test_model_bytes_count_kv_and_states():
 def test_calibrate_comm_measures_an_exchange(monkeypatch):
     """One real exchange (two spawned processes, each importing harts_hf: the file's cost), watched
     on its way into the fit: every size measured, and the cost model's terms are its fit."""
-    exchanges = []
+    exchanges: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def watched(repeats):
+    def watched(repeats: int) -> tuple[np.ndarray, np.ndarray]:
         exchanges.append(measure_exchange(repeats))
         return exchanges[-1]
 
