@@ -27,9 +27,13 @@ def _frozen_heap():
     """Every ``Trainer.train()`` runs full ``gc.collect()`` passes (accelerate's ``free_memory``) over
     the session's heap, hundreds of thousands of objects (torch, transformers, TRL): about a second
     each on a 2-core machine. Frozen while a module runs, what existed before it is skipped and only
-    what its tests allocate is scanned; unfrozen after it, so nothing is kept for good."""
+    what its tests allocate is scanned; unfrozen after it, so nothing is kept for good. Its own garbage
+    is collected before the unfreeze (a pass over its objects only): left to the next module's
+    freeze, a dropped patched model in a reference cycle would stay frozen, keeping its family's
+    kernels wrapped in whichever file an xdist worker runs next (test_modeling_patch)."""
     gc.freeze()
     yield
+    gc.collect()
     gc.unfreeze()
 
 
