@@ -8,6 +8,7 @@ import pytest
 from tiny_models import tiny_model
 
 from harts_hf import patch_model
+from harts_hf.lab import calibrate_comm as calibrate_comm_module
 from harts_hf.lab.calibrate_comm import MESSAGE_BYTES, calibrate_comm, fit_exchange, measure_exchange, model_bytes
 from harts_hf.planner import DEFAULT_COST_MODEL
 
@@ -28,11 +29,22 @@ def test_model_bytes_count_kv_and_states():
     assert model_bytes(patch_model(tiny_model("llama")))[1] == 0
 
 
-def test_calibrate_comm_measures_an_exchange():
-    nbytes, seconds = measure_exchange(repeats=1)
-    assert nbytes.tolist() == list(MESSAGE_BYTES) and (seconds > 0).all()
+@pytest.mark.slow
+def test_calibrate_comm_measures_an_exchange(monkeypatch):
+    """One real exchange (two spawned processes, each importing harts_hf: the file's cost), watched
+    on its way into the fit: every size measured, and the cost model's terms are its fit."""
+    exchanges: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def watched(repeats: int) -> tuple[np.ndarray, np.ndarray]:
+        exchanges.append(measure_exchange(repeats))
+        return exchanges[-1]
+
+    monkeypatch.setattr(calibrate_comm_module, "measure_exchange", watched)
     model = patch_model(tiny_model("qwen3_5"))
     fitted = calibrate_comm(DEFAULT_COST_MODEL, model, repeats=1)
+    [(nbytes, seconds)] = exchanges
+    assert nbytes.tolist() == list(MESSAGE_BYTES) and (seconds > 0).all()
+    assert (fitted.byte, fitted.message) == fit_exchange(nbytes, seconds)
     assert fitted.token == DEFAULT_COST_MODEL.token
     assert (fitted.context_bytes, fitted.state_bytes) == model_bytes(model)
     assert fitted.byte > 0 or fitted.message > 0

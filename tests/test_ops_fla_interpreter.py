@@ -16,6 +16,7 @@ import pytest
 TRITON_SITE = Path(__file__).parents[1] / ".triton"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (TRITON_SITE / "triton").is_dir(), reason="needs triton in .triton/ (README test command)")
 def test_triton_interpreter_cases() -> None:
     here = Path(__file__).parent
