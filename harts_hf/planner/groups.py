@@ -90,6 +90,28 @@ def path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chun
     return bounds if (budget.footprint(np.diff(bounds), top + bounds[:-1] - lo) <= budget.tokens).all() else None
 
 
+def _joined(
+    base: Pieces,
+    keep: np.ndarray,
+    cut: np.ndarray,
+    rank: np.ndarray,
+    slot: np.ndarray,
+    order: np.ndarray,
+    num_slots: int,
+) -> Pieces:
+    """``base``'s pieces ``keep``, then the spans ``cut`` [N, >= 5] (rank, slot, lo, hi, branch; never
+    replicas), placed at ``rank`` and ``slot`` (kept pieces first, as those), sorted by ``order``."""
+    return Pieces(
+        rank[order],
+        slot[order],
+        np.r_[base.lo[keep], cut[:, 2]][order],
+        np.r_[base.hi[keep], cut[:, 3]][order],
+        np.r_[base.branch[keep], cut[:, 4]][order],
+        np.r_[base.replica[keep], np.zeros(len(cut), dtype=bool)][order],
+        num_slots,
+    )
+
+
 def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with serial ranks' microbatches grouped over idle ranks, and the groups
     (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots.
@@ -151,15 +173,7 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
     slot = np.searchsorted(kept, slot)
     groups = [(int(np.searchsorted(kept, s)), ranks) for s, ranks in groups]
     order = np.lexsort((np.arange(rank.size), slot, rank))  # a microbatch keeps its piece order
-    pieces = Pieces(
-        rank[order],
-        slot[order],
-        np.r_[base.lo[keep], cut[:, 2]][order],
-        np.r_[base.hi[keep], cut[:, 3]][order],
-        np.r_[base.branch[keep], cut[:, 4]][order],
-        np.r_[base.replica[keep], np.zeros(len(spans), dtype=bool)][order],
-        kept.size,
-    )
+    pieces = _joined(base, keep, cut, rank, slot, order, kept.size)
     return pieces, groups
 
 
@@ -253,15 +267,7 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     cut = np.array(spans, dtype=np.int64)
     rank, slot, place = np.r_[base.rank[keep], cut[:, 0]], np.r_[base.slot[keep], cut[:, 1]], np.r_[keep, cut[:, 5]]
     order = np.lexsort((place, slot, rank))  # a moved span first in its microbatch: it carries the context
-    pieces = Pieces(
-        rank[order],
-        slot[order],
-        np.r_[base.lo[keep], cut[:, 2]][order],
-        np.r_[base.hi[keep], cut[:, 3]][order],
-        np.r_[base.branch[keep], cut[:, 4]][order],
-        np.r_[base.replica[keep], np.zeros(len(spans), dtype=bool)][order],
-        S,
-    )
+    pieces = _joined(base, keep, cut, rank, slot, order, S)
     return pieces, groups
 
 
