@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from launch import torchrun
@@ -47,6 +48,26 @@ def test_root_group_plan_invariants(ranks):
     tables = model_tables(hf, adapter)
     schedules = [Schedule.compile([forest], p, r, tables, torch.device("cpu")) for r in range(ranks)]
     assert all(s.units for s in schedules)
+
+
+def test_only_the_roots_readers_are_priced():
+    """Beside another tree in the same forest, the root's group is read (and priced: one message a
+    pair of span rank and reading rank) by the ranks holding its tree's later pieces only."""
+    other = np.random.default_rng(5)
+    seqs = shared_prompt(3) + [[1, *other.integers(3, 120, 90).tolist()] for _ in range(3)]
+    forest = RolloutForest.from_sequences(seqs)
+    p = root_planned(forest, 3)
+    assert p.groups == 1 and p.group_ranks == 3
+
+    def root_id(t: int) -> int:
+        while forest.prev[t] >= 0:
+            t = forest.prev[t]
+        return int(forest.tokens[t])
+
+    readers = {int(r) for r, s, t in zip(p.piece_rank, p.piece_slot, p.piece_start) if s > 0 and root_id(t) != 1}
+    others = {int(r) for r, s, t in zip(p.piece_rank, p.piece_slot, p.piece_start) if s > 0 and root_id(t) == 1}
+    assert others - readers  # a rank holding only the other tree
+    assert p.handoffs == sum(q != r for q in range(3) for r in readers)
 
 
 def test_the_cost_model_decides():

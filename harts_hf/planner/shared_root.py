@@ -85,8 +85,8 @@ def _root_transfers(p: Plan, geo: Geometry, root: int, ranks: list[int], bounds:
     """``p`` with the reads of the root's spans by later slots priced and counted as handoffs: each
     rank holding tokens under the root reads every other rank's span rows and the last span's state."""
     forest = int(geo.forest_of(np.array([geo.start[root]]))[0])
-    local_end = int(geo.end[root] - geo.forest_tokens[forest])
-    under = (p.piece_forest == forest) & (p.piece_slot > 0) & (p.piece_start < local_end)
+    local = np.array([geo.start[root], geo.end[root]]) - geo.forest_tokens[forest]  # the root's tree
+    under = (p.piece_forest == forest) & (p.piece_slot > 0) & (p.piece_start >= local[0]) & (p.piece_start < local[1])
     readers = np.unique(p.piece_rank[under])
     span_rows = np.zeros(p.world_size)
     span_rows[ranks] = np.diff(bounds)
