@@ -38,7 +38,16 @@ from .memory import Budget
 from .pieces import Pieces
 from .planned import Plan
 
-__all__ = ["DEFAULT_LAYERS", "group_pieces", "grouped", "path_spans", "plan_pieces", "spread_pieces", "with_groups"]
+__all__ = [
+    "DEFAULT_LAYERS",
+    "group_pieces",
+    "grouped",
+    "joined_pieces",
+    "path_spans",
+    "plan_pieces",
+    "spread_pieces",
+    "with_groups",
+]
 
 DEFAULT_LAYERS = 24
 """Decoder layers of the cost model's ~1B hybrid model (6 attention + 18 GDN: ``cost.COMM_DEFAULTS``)."""
@@ -90,7 +99,7 @@ def path_spans(geo: Geometry, budget: Budget, lo: int, hi: int, count: int, chun
     return bounds if (budget.footprint(np.diff(bounds), top + bounds[:-1] - lo) <= budget.tokens).all() else None
 
 
-def _joined(
+def joined_pieces(
     base: Pieces,
     keep: np.ndarray,
     cut: np.ndarray,
@@ -173,7 +182,7 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
     slot = np.searchsorted(kept, slot)
     groups = [(int(np.searchsorted(kept, s)), ranks) for s, ranks in groups]
     order = np.lexsort((np.arange(rank.size), slot, rank))  # a microbatch keeps its piece order
-    pieces = _joined(base, keep, cut, rank, slot, order, kept.size)
+    pieces = joined_pieces(base, keep, cut, rank, slot, order, kept.size)
     return pieces, groups
 
 
@@ -267,7 +276,7 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     cut = np.array(spans, dtype=np.int64)
     rank, slot, place = np.r_[base.rank[keep], cut[:, 0]], np.r_[base.slot[keep], cut[:, 1]], np.r_[keep, cut[:, 5]]
     order = np.lexsort((place, slot, rank))  # a moved span first in its microbatch: it carries the context
-    pieces = _joined(base, keep, cut, rank, slot, order, S)
+    pieces = joined_pieces(base, keep, cut, rank, slot, order, S)
     return pieces, groups
 
 

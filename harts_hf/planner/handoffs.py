@@ -36,6 +36,7 @@ from .geometry import Geometry
 from .memory import Budget, MemoryModel
 from .node_parts import node_parts_of
 from .pieces import Pieces, merge
+from .planned import Plan
 from .slots import slot_pieces
 
 __all__ = ["Handed", "Transfers", "handed_chains", "handoff_pieces", "transfers"]
@@ -233,6 +234,28 @@ class Transfers:
     messages: int
     bytes: float
 
+    @classmethod
+    def of_pairs(cls, rows: np.ndarray, states: np.ndarray, cost: CostModel) -> Transfers:
+        """The transfers of [R, R] (producer, reader) context rows and path-start states, one
+        message a pair that moves any, priced by ``cost`` and charged to both ranks of a pair."""
+        used = (rows > 0) | (states > 0)
+        pair_seconds = cost.transfer(rows, states, used)
+        seconds = pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)
+        return cls(seconds, int(used.sum()), float(cost.transfer_bytes(rows, states).sum()))
+
+    def onto(self, p: Plan) -> Plan:
+        """``p`` with these transfers charged to its last slot (sent once, not replayed: the slot the
+        step counts once) and counted with its handoffs."""
+        cost = p.cost.copy()
+        cost[:, -1] += self.seconds
+        return dataclasses.replace(
+            p,
+            cost=cost,
+            handoffs=p.handoffs + self.messages,
+            handoff_bytes=p.handoff_bytes + self.bytes,
+            handoff_seconds=max(p.handoff_seconds, float(self.seconds.max())),
+        )
+
 
 def transfers(
     geo: Geometry, pieces: Pieces, handed: Handed, num_slots: int, world_size: int, cost: CostModel
@@ -258,9 +281,7 @@ def transfers(
     pair_states = (handed.producer[geo.node_of(state_key % geo.num_tokens)], state_key // geo.num_tokens)
     # per (producer, reader) pair: rows, states, one message
     pair = lambda src_rank, dst_rank: src_rank * world_size + dst_rank
-    ctx = np.bincount(pair(*pair_rows[:2]), weights=pair_rows[2], minlength=world_size * world_size)
-    states = np.bincount(pair(*pair_states), minlength=world_size * world_size)
-    used = (ctx > 0) | (states > 0)
-    pair_seconds = cost.transfer(ctx, states, used).reshape(world_size, world_size)
-    moved = cost.transfer_bytes(ctx, states).sum()
-    return Transfers(pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0), int(used.sum()), float(moved))
+    shape = (world_size, world_size)
+    ctx = np.bincount(pair(*pair_rows[:2]), weights=pair_rows[2], minlength=world_size * world_size).reshape(shape)
+    states = np.bincount(pair(*pair_states), minlength=world_size * world_size).reshape(shape)
+    return Transfers.of_pairs(ctx, states, cost)

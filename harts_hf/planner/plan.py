@@ -247,12 +247,7 @@ def with_transfers(p: Plan, geo: Geometry, pieces: Pieces, handed: Handed) -> Pl
     if a microbatch's footprint, received context included, exceeds the budget."""
     if not p.fits_budget:
         return None
-    moved = transfers(geo, pieces, handed, p.num_slots, p.world_size, p.cost_model)
-    cost = p.cost.copy()
-    cost[:, -1] += moved.seconds
-    return dataclasses.replace(
-        p, cost=cost, handoffs=moved.messages, handoff_bytes=moved.bytes, handoff_seconds=float(moved.seconds.max())
-    )
+    return transfers(geo, pieces, handed, p.num_slots, p.world_size, p.cost_model).onto(p)
 
 
 def build_plan(

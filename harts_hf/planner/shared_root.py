@@ -26,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .geometry import Geometry
-from .groups import path_spans, plan_pieces, with_groups
+from .groups import joined_pieces, path_spans, plan_pieces, with_groups
+from .handoffs import Transfers
 from .pieces import Pieces
 from .planned import Plan
 
@@ -46,39 +47,24 @@ def _widest_root(geo: Geometry, base: Pieces) -> int | None:
     return int(roots[best]) if copies[best] > 1 else None
 
 
-def _root_pieces(p: Plan, geo: Geometry, root: int) -> tuple[Pieces, list[int], np.ndarray] | None:
-    """The plan's pieces with ``root``'s chain cut over ranks in a new slot 0 and cut off every later
-    piece, the group's ranks (span order) and its span bounds; None if the chain is too short."""
-    base = plan_pieces(p, geo)
+def _root_pieces(p: Plan, geo: Geometry, base: Pieces, root: int) -> tuple[Pieces, list[int], np.ndarray] | None:
+    """The plan's pieces (``base``) with ``root``'s chain cut over ranks in a new slot 0 and cut off
+    every later piece, the group's ranks (span order) and its span bounds; None if the chain is too
+    short."""
     lo, hi = int(geo.start[root]), int(geo.start[root] + geo.length[root])
     width = min(p.world_size, (hi - lo) // p.chunk_size)
     bounds = path_spans(geo, p.budget, lo, hi, width, p.chunk_size) if width > 1 else None
     if bounds is None:
         return None
-    clipped = np.where((base.lo >= lo) & (base.lo < hi), hi, base.lo)  # the root's tokens leave
-    keep = clipped < base.hi
+    later = dataclasses.replace(  # the root's tokens leave every piece, one slot later
+        base, lo=np.where((base.lo >= lo) & (base.lo < hi), hi, base.lo), slot=base.slot + 1
+    )
+    keep = later.lo < later.hi
     ranks = list(range(width))
-    spans = Pieces(
-        rank=np.array(ranks, dtype=np.int64),
-        slot=np.zeros(width, dtype=np.int64),
-        lo=bounds[:-1],
-        hi=bounds[1:],
-        branch=np.full(width, -1, dtype=np.int64),
-        replica=np.zeros(width, dtype=bool),
-        num_slots=p.num_slots + 1,
-    )
-    rank = np.r_[spans.rank, base.rank[keep]]
-    order = np.lexsort((np.arange(rank.size), np.r_[spans.slot, base.slot[keep] + 1], rank))
-    pieces = Pieces(
-        rank[order],
-        np.r_[spans.slot, base.slot[keep] + 1][order],
-        np.r_[spans.lo, clipped[keep]][order],
-        np.r_[spans.hi, base.hi[keep]][order],
-        np.r_[spans.branch, base.branch[keep]][order],
-        np.r_[spans.replica, base.replica[keep]][order],
-        p.num_slots + 1,
-    )
-    return pieces, ranks, bounds
+    spans = np.c_[ranks, np.zeros(width), bounds[:-1], bounds[1:], np.full(width, -1)].astype(np.int64)
+    rank, slot = np.r_[later.rank[keep], spans[:, 0]], np.r_[later.slot[keep], spans[:, 1]]
+    order = np.lexsort((np.arange(rank.size), slot, rank))  # a microbatch keeps its piece order
+    return joined_pieces(later, keep, spans, rank, slot, order, p.num_slots + 1), ranks, bounds
 
 
 def _root_transfers(p: Plan, geo: Geometry, root: int, ranks: list[int], bounds: np.ndarray) -> Plan:
@@ -96,17 +82,7 @@ def _root_transfers(p: Plan, geo: Geometry, root: int, ranks: list[int], bounds:
     states = np.zeros_like(rows)
     states[ranks[-1], readers] = 1.0
     states[ranks[-1], ranks[-1]] = 0.0
-    used = (rows > 0) | (states > 0)
-    pair_seconds = p.cost_model.transfer(rows, states, used)
-    cost = p.cost.copy()
-    cost[:, -1] += pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)
-    return dataclasses.replace(
-        p,
-        cost=cost,
-        handoffs=p.handoffs + int(used.sum()),
-        handoff_bytes=p.handoff_bytes + float(p.cost_model.transfer_bytes(rows, states).sum()),
-        handoff_seconds=max(p.handoff_seconds, float((pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)).max())),
-    )
+    return Transfers.of_pairs(rows, states, p.cost_model).onto(p)
 
 
 def root_grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers: int) -> Plan | None:
@@ -114,8 +90,9 @@ def root_grouped(p: Plan, geo: Geometry, build: Callable[[Pieces], Plan], layers
     predicts a lower step than ``p`` and every microbatch fits; else None."""
     if p.groups or p.handoffs:  # one exchange per plan: the others' pieces assume their own slots
         return None
-    root = _widest_root(geo, plan_pieces(p, geo))
-    made = None if root is None else _root_pieces(p, geo, root)
+    base = plan_pieces(p, geo)
+    root = _widest_root(geo, base)
+    made = None if root is None else _root_pieces(p, geo, base, root)
     if made is None:
         return None
     pieces, ranks, bounds = made
