@@ -26,9 +26,9 @@ import torch.distributed as dist
 from harts_hf import RolloutForest
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.memory import TOKEN_MEMORY, Budget
+from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
-from harts_hf.planner.plan import Plan, build_plan
+from harts_hf.planner.plan import Plan, build_plan, plan
 
 
 def piece_plan(
@@ -81,6 +81,29 @@ def prompt_forest(rng: np.random.Generator) -> list[list[int]]:
     return [prompt + a, prompt + a[:5] + seg(4), prompt + b, prompt + b + seg(20), prompt + c, prompt + [a[0]], seg(7)]
 
 
+def deep_forest(rng: np.random.Generator, levels: int = 12) -> list[list[int]]:
+    """A chain of ``levels`` nodes of 10-30 tokens with a 5-15-token leaf under each (387 tokens):
+    every DFS range of it branches, and a span's context runs through every span before it."""
+    seg = lambda n: [int(t) for t in rng.integers(3, 120, n)]
+    chain, rows = [], []
+    for _ in range(levels):
+        chain = chain + seg(int(rng.integers(10, 31)))
+        rows.append(chain + seg(int(rng.integers(5, 16))))
+    return [*rows, chain]
+
+
+def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
+    """``plan()``'s choice for the deep forest under a 100-token budget, context at a tenth of an own
+    token: its DFS order cut into one span per (slot, rank) (``planner/wavefront.py``)."""
+    return plan(
+        forest,
+        world_size=world_size,
+        max_tokens_per_microbatch=100,
+        memory_model=MemoryModel(token=1.0, context=0.1),
+        context_parallel=True,
+    )
+
+
 def group_plan(forest: RolloutForest, cuts: list[int], ranks: list[int], slots: list[int], world_size: int) -> Plan:
     """The DFS order cut at ``cuts``, piece i on rank ``ranks[i]`` in slot ``slots[i]``: pieces of one
     slot on several ranks form a context-parallel group."""
@@ -108,6 +131,8 @@ PLANS = {
     "cpchain2": (2, "chain", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
     "cpchain3": (3, "chain", lambda f: group_plan(f, [40, 80], [0, 1, 2], [0, 0, 0], 3)),
     "cp2slots": (2, "family", lambda f: group_plan(f, [50, 90, 100], [0, 1, 0, 1], [0, 0, 1, 1], 2)),
+    "cpwave2": (2, "deep", lambda f: wavefront_plan(f, 2)),  # 3 slots of 2 branching spans each
+    "cpwave3": (3, "deep", lambda f: wavefront_plan(f, 3)),  # 2 slots of 3
 }
 
 
@@ -124,6 +149,7 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
         "family": family_forest,
         "prompt": prompt_forest,
         "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
+        "deep": deep_forest,
     }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)
 

@@ -179,6 +179,8 @@ CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
     "kimi_linear:cpchain3:fsdp2",  # parameters gathered before the group's calls, none inside
     "kimi_linear:cpchain3:checkpointing",
     "nemotron_h:cp3:checkpointing",
+    "qwen3_5:cpwave3:plain",  # plan()'s DFS cut of a deep tree: branching spans, two slots of three
+    "kimi_linear:cpwave3:checkpointing",
 ]
 CP_CASES_2 = [
     "qwen3_5:cp2slots:ddp",  # two groups, the first read by the second and replayed (the budget keeps one graph)
@@ -196,6 +198,8 @@ CP_CASES_2 = [
     "minimax:cp2:checkpointing",  # the re-stated mixer forwards under checkpointing
     "jamba:cp2:checkpointing",
     "lfm3:cp2:checkpointing",  # conv and sliding attention
+    "qwen3_5:cpwave2:ddp",  # plan()'s DFS cut: reads within a slot and from the slot before, across ranks
+    "nemotron_h:cpwave2:plain",
 ]
 
 
