@@ -39,6 +39,7 @@ def busy_rows(world_size: int, per_rank: int = 4) -> list[list[int]]:
     return [rng([1, row]).integers(8, 100, 448 if row == 0 else 30).tolist() for row in range(world_size * per_rank)]
 
 
+@cross_rank_worker.without_wavefront
 def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True, **options):
     return plan(
         forest,
