@@ -11,6 +11,7 @@ calls at different positions). Exactness under ``torchrun`` is in ``test_cross_r
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_cut_invariants(world_size):
     assert not p.piece_replica.any() and p.tokens.sum() == forest.num_compact_tokens  # every token once
     spans = _spans(p)
     assert [(s, r) for s, r, _, _ in spans] == sorted((s, r) for s, r, _, _ in spans)
-    assert spans[0][2] == 0 and all(a[3] == b[2] for a, b in zip(spans, spans[1:]))  # the DFS order, slot-major
+    assert spans[0][2] == 0 and all(a[3] == b[2] for a, b in itertools.pairwise(spans))  # the DFS order, slot-major
     assert spans[-1][3] == forest.num_compact_tokens
     assert (p.budget.footprint(p.tokens, p.context) <= p.budget.tokens).all()
     assert (p.tokens > 0).all()  # every rank busy in every slot

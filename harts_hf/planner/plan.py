@@ -31,7 +31,9 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    other ranks have in their slots, one slot per group, a wavefront over ``layers`` decoder layers;
    kept if its predicted step is lower. Then the root chain most ranks recompute (a system prompt)
    runs once, split over the ranks as a group in a new first slot, and is read across ranks
-   (``shared_root.py``); kept if its predicted step is lower.
+   (``shared_root.py``); kept if its predicted step is lower. Last, the forests' whole DFS order
+   cut into one equal-cost span per (slot, rank), every slot a group over branching ranges and no
+   chain recomputed (``wavefront.py``: a tree far deeper than the budget); kept if lower still.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """

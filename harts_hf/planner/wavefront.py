@@ -85,7 +85,10 @@ def _wavefront(cost: np.ndarray, edges: np.ndarray, layers: int) -> np.ndarray:
     return finish
 
 
-def _reads(geo: Geometry, pieces: Pieces, starts: np.ndarray, world_size: int, chunk: int) -> tuple[np.ndarray, ...]:
+Reads = tuple[np.ndarray, ...]
+
+
+def _reads(geo: Geometry, pieces: Pieces, starts: np.ndarray, world_size: int, chunk: int) -> tuple[Reads, Reads]:
     """Every cross-rank read of the spans: (producer span, reader span, rows, forest) [A] of context
     rows, distinct per (reader rank, producer span, node), and (producer span, reader span, forest)
     [E'] of the path-start states, one per (reader rank, state): an entry at depth d reads the state
@@ -162,15 +165,14 @@ def _priced(p: Plan, geo: Geometry, pieces: Pieces, starts: np.ndarray, layers: 
     )
     group = Transfers.of_pairs(*table(inside, s_inside), p.cost_model)
     cost[:, -1] += group.seconds
-    grouped_slots = np.unique(edges[1] // R)
-    members = [np.unique(np.r_[edges[0], edges[1]][np.r_[edges[1], edges[1]] // R == s] % R).size for s in grouped_slots]
+    members = np.bincount(np.unique(edges) // R, minlength=S)  # [S] ranks joined by reads inside each slot
     out = dataclasses.replace(
         p,
         cost=cost,
-        groups=int(grouped_slots.size),
-        group_ranks=max(members, default=0),
+        groups=int((members > 0).sum()),
+        group_ranks=int(members.max()),
         group_bytes=group.bytes,
-        group_layers=layers if grouped_slots.size else 0,
+        group_layers=layers if members.any() else 0,
     )
     return Transfers.of_pairs(*table(~inside, ~s_inside), p.cost_model).onto(out)
 
