@@ -65,7 +65,9 @@ def _versus(record: dict) -> str:
         [] if off is None else [f"no exchange: step {off['step_seconds']:.3g} s, redundancy {off['redundancy']:.4f}"]
     )
     if bound is not None:
-        words.append(f"lower bound max(unique work / R, longest path) {bound['seconds']:.3g} s")
+        words.append(
+            f"lower bound max(unique work / R, longest path) + outside the model calls {bound['seconds']:.3g} s"
+        )
     return "; ".join(words)
 
 
