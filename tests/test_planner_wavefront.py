@@ -28,7 +28,7 @@ from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.wavefront import _wavefront, wavefront_cut
+from harts_hf.planner.wavefront import _pieces, _priced, _span_starts, _wavefront, wavefront_cut
 from harts_hf.schedule import Schedule
 from harts_hf.sources import get_workload
 
@@ -84,9 +84,10 @@ def test_a_deep_chain_runs_each_token_once():
 
 
 def test_refused_where_a_read_joins_calls_at_different_positions():
-    """A small tree, then a chain over two ranks in one slot: rank 0 runs the small tree's call first
+    """A small tree, then a chain, over two ranks in one slot: rank 0 runs the small tree's call first
     and the chain's second, rank 1 the chain's first; a stream between them would wait at different
-    call positions (``check_groups`` refuses it), so the cut is not made."""
+    call positions (``check_groups`` refuses it), so that cut is not priced; the cut the pass keeps
+    (more slots) and ``plan()``'s plan compile on every rank."""
     rng = np.random.default_rng(0)
     forests = [
         RolloutForest.from_sequences([rng.integers(3, 120, 20).tolist()]),
@@ -99,11 +100,17 @@ def test_refused_where_a_read_joins_calls_at_different_positions():
     def build(pieces):
         return build_plan(geo, forests, pieces, DEFAULT_COST_MODEL, budget, memory, 64, time.perf_counter(), 2)
 
-    assert wavefront_cut(geo, budget, 2, 64, build, 24) is None
-    p = plan(forests, world_size=2, max_tokens_per_microbatch=400, memory_model=memory, context_parallel=True)
+    starts = _span_starts(geo, budget, 2, 64)
+    pieces = _pieces(geo, starts, 2)
+    one_slot = build(pieces)
+    assert one_slot.num_slots == 1 and one_slot.fits_budget and starts[1] > 20  # rank 0: both forests
+    assert _priced(one_slot, geo, pieces, starts, 24) is None
     hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
     tables = model_tables(hf, adapter)
-    assert all(Schedule.compile(forests, p, r, tables, torch.device("cpu")).units for r in range(2))
+    kept = wavefront_cut(geo, budget, 2, 64, build, 24)
+    planned = plan(forests, world_size=2, max_tokens_per_microbatch=400, memory_model=memory, context_parallel=True)
+    for p in (kept, planned):
+        assert p is None or all(Schedule.compile(forests, p, r, tables, torch.device("cpu")).units for r in range(2))
 
 
 def test_off_by_default():

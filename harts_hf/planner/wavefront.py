@@ -4,15 +4,18 @@ Why: a tree far deeper than the budget (a chain of branches, an agent's long tru
 leaves) leaves the rank-wise plan two choices, both slow: recompute the chain above every rank's
 leaves (the deep chain 8x the budget on 8 ranks: redundancy 2.2) or run its pieces in sequence on
 one rank while the others wait. Cut in DFS order, every token runs once and every rank gets an
-equal share. A span's ancestors outside it are the root path of its entries (its first token and
-every node part whose parent lies before the span), read across ranks: from earlier slots as
+equal share. A span's ancestors outside it are the root path of its first token (an ancestor of a
+later token that lies before the span is one of those), read across ranks: from earlier slots as
 handoffs, from lower ranks of its own slot streamed layer call by layer call
 (``harts_hf.engine.stream``: a group's wavefront).
 
-Layout: ``R * S`` spans of equal cost (S the fewest slots whose spans fit the budget with their
-context), each cut moved to the nearest chunk-aligned depth its node holds (no replay there); span
-j runs on rank j % R in slot j // R, so a slot is one stretch of the DFS order over the ranks in
-rank order and every read inside a slot goes from a lower rank to a higher one (no cycle).
+Layout: at most ``R * S`` spans: the DFS order cut at equal cost, then again wherever a span holds
+more than its room (the budget less its context, the root path of its first token: a trajectory's
+shallow tokens are cheap, so equal cost alone would overfill the first spans), cuts moved down to
+the chunk grid where their node reaches it (no replay there); span j runs on rank j % R in slot
+j // R, so a slot is one stretch of the DFS order over the ranks in rank order and every read inside
+a slot goes from a lower rank to a higher one (no cycle). S runs up from the fewest slots the budget
+allows while the predicted step drops.
 
 Pricing: a span reading spans of its own slot waits for them layer by layer (:func:`_wavefront`);
 every cross-rank read, values there and gradients back, one message per (producer rank, reader
@@ -41,18 +44,50 @@ from .planned import Plan
 
 __all__ = ["wavefront_cut"]
 
-SLOT_TRIES = 8  # slot counts tried, from the fewest the tokens need, each about a quarter more
+SLOT_TRIES = 8  # slot counts tried at most, from the fewest the budget allows
+PATIENCE = 2  # tries in a row that predict no lower step end the search
 
 
-def _span_starts(geo: Geometry, count: int, chunk: int) -> np.ndarray:
-    """[k <= count] sorted first tokens of ``count`` spans of equal cost (0 first), each cut moved to
-    the nearest chunk-aligned depth inside its node where the node reaches it."""
-    t = np.floor(geo.token_at(geo.total_cost * np.arange(1, count) / count)).astype(np.int64)
-    t = np.clip(t, 0, geo.num_tokens - 1)
+def _aligned(geo: Geometry, t: np.ndarray, chunk: int) -> np.ndarray:
+    """Cuts ``t`` moved down to the chunk grid (depth a multiple of ``chunk``) where their node
+    reaches it (no replay there), else left as they are."""
     node, depth = geo.node_of(t), geo.token_depth(t)
-    aligned = t + np.round(depth / chunk).astype(np.int64) * chunk - depth
-    inside = (aligned >= geo.start[node]) & (aligned < geo.start[node] + geo.length[node])
-    return np.unique(np.r_[0, np.where(inside, aligned, t)])
+    down = t - depth % chunk
+    return np.where((down >= geo.start[node]) & (down > 0), down, t)
+
+
+def _fitting(geo: Geometry, budget: Budget, starts: np.ndarray, chunk: int) -> np.ndarray:
+    """``starts`` with every span longer than its room cut again, until each fits the budget: a DFS
+    range's context is the root path of its first token (every ancestor of a later token that lies
+    before the range is one of its), so span [lo, hi) fits when hi - lo <= room(depth(lo))."""
+    while True:
+        ends = np.r_[starts[1:], geo.num_tokens]
+        room = np.maximum(budget.room(geo.token_depth(starts)), 1)
+        over = ends - starts > room
+        if not over.any():
+            return starts
+        cut = _aligned(geo, (starts + room)[over], chunk)
+        starts = np.unique(np.r_[starts, np.where(cut > starts[over], cut, (starts + room)[over])])
+
+
+def _span_starts(geo: Geometry, budget: Budget, count: int, chunk: int) -> np.ndarray | None:
+    """[k <= count] sorted first tokens of spans that fit ``budget``: the DFS order cut into as many
+    spans of equal cost as leave room, after :func:`_fitting`, for at most ``count`` (cuts on the
+    chunk grid where the node allows); None if the budget alone needs more."""
+    equal = lambda k: _fitting(geo, budget, np.unique(np.r_[0, _aligned(geo, _equal_cost(geo, k), chunk)]), chunk)
+    k = count
+    while k >= 1:  # fewer equal-cost spans by the ones the budget added, until the fitted cut has room
+        fitted = equal(k)
+        if fitted.size <= count:
+            return fitted
+        k -= max(1, min(fitted.size - count, k // 2))
+    return None
+
+
+def _equal_cost(geo: Geometry, count: int) -> np.ndarray:
+    """[count - 1] first tokens of spans 1.. of ``count`` spans of equal cost."""
+    t = np.floor(geo.token_at(geo.total_cost * np.arange(1, count) / count)).astype(np.int64)
+    return np.clip(t, 1, geo.num_tokens - 1)
 
 
 def _pieces(geo: Geometry, starts: np.ndarray, world_size: int) -> Pieces:
@@ -78,8 +113,11 @@ def _wavefront(cost: np.ndarray, edges: np.ndarray, layers: int) -> np.ndarray:
     needs layer l of its producers: it starts a layer after the latest of them started and ends no
     earlier than one of its layers after the last of them ends (L layers of equal time each)."""
     start, finish = np.zeros_like(cost), cost.copy()
-    for reader in np.unique(edges[1]):
-        prod = edges[0, edges[1] == reader]
+    order = np.argsort(edges[1], kind="stable")
+    producers, readers = edges[0, order], edges[1, order]
+    bounds = np.r_[np.unique(readers, return_index=True)[1], readers.size]  # each reader's edges
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # readers in span order: producers done
+        reader, prod = readers[a], producers[a:b]
         start[reader] = (start[prod] + cost[prod] / layers).max()
         finish[reader] = max(start[reader] + cost[reader], finish[prod].max() + cost[reader] / layers)
     return finish
@@ -180,15 +218,19 @@ def _priced(p: Plan, geo: Geometry, pieces: Pieces, starts: np.ndarray, layers: 
 def wavefront_cut(
     geo: Geometry, budget: Budget, world_size: int, chunk: int, build: Callable[[Pieces], Plan], layers: int
 ) -> Plan | None:
-    """The forests' DFS order cut into equal-cost spans over ``world_size`` ranks, slot-major (module
-    docstring), in the fewest slots of :data:`SLOT_TRIES` whose microbatches fit ``budget``, priced;
-    None if none fits or its reads cannot stream."""
-    slots = max(1, math.ceil(geo.num_tokens / (world_size * budget.tokens)))
-    for _ in range(SLOT_TRIES):
-        starts = _span_starts(geo, world_size * slots, chunk)
+    """The forests' DFS order cut into spans over ``world_size`` ranks, slot-major (module
+    docstring), in the fewest slots the budget allows or more, whichever predicts the lowest step
+    (smaller spans even out the ones the budget cuts short; at most :data:`SLOT_TRIES`, ending after
+    :data:`PATIENCE` tries without a lower step); None if none fits or its reads cannot stream."""
+    fewest = math.ceil(_fitting(geo, budget, np.zeros(1, dtype=np.int64), chunk).size / world_size)
+    best, worse = None, 0
+    for slots in range(fewest, fewest + SLOT_TRIES):
+        starts = _span_starts(geo, budget, world_size * slots, chunk)
         pieces = _pieces(geo, starts, world_size)
         made = build(pieces)
-        if made.fits_budget:
-            return _priced(made, geo, pieces, starts, layers)
-        slots += max(1, slots // 4)
-    return None
+        priced = _priced(made, geo, pieces, starts, layers) if made.fits_budget else None
+        if priced is not None and (best is None or priced.step_seconds < best.step_seconds):
+            best, worse = priced, 0
+        elif (worse := worse + 1) == PATIENCE:
+            break
+    return best
