@@ -92,6 +92,23 @@ def test_free_time_forms_groups(world_size, per_rank):
     assert all(s.units for s in _schedules(p, forest))
 
 
+def test_a_chain_read_in_its_own_microbatch_stays_whole():
+    """An RLOO step on 3 ranks: one 407-token prompt shared by 8 rows of short completions, beside 4
+    rows of a 2-token prompt. A rank's last slot holds the prompt's last chain piece with the rows'
+    completions below it; cut into spans, its later spans would run on another rank at the same call
+    while the completions read them (a group waiting on itself, the context miscounted): the piece
+    stays whole, and every rank's schedule compiles."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(8, 100, 407).tolist()
+    rows = [prompt + rng.integers(8, 100, n).tolist() for n in (8, 3, 8, 8)]
+    rows += [[5, 6] + rng.integers(8, 100, 8).tolist() for _ in range(4)]
+    rows += [prompt + rng.integers(8, 100, n).tolist() for n in (8, 5, 8, 4)]
+    forest = RolloutForest.from_sequences(rows)
+    p = spread_planned(forest, 3, layers=3)
+    assert (_owner_counts(p, forest) == 1).all()
+    assert all(s.units for s in _schedules(p, forest))
+
+
 def test_spreading_never_raises_the_step():
     """Where groups do not pay (the built-in cost model: a tiny model's microbatch is mostly fixed
     overhead; or nothing to spread), the plan is the one made without ``context_parallel``, piece for
