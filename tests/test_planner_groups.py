@@ -21,8 +21,10 @@ from test_planner_handoffs import _owner_counts
 from tiny_models import tiny_model
 
 from harts_hf import RolloutForest, patch_model, plan
+from harts_hf.forest import sorted_unique
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
+from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.schedule import Schedule
 
 
@@ -106,6 +108,28 @@ def test_a_chain_read_in_its_own_microbatch_stays_whole():
     forest = RolloutForest.from_sequences(rows)
     p = spread_planned(forest, 3, layers=3)
     assert (_owner_counts(p, forest) == 1).all()
+    assert all(s.units for s in _schedules(p, forest))
+
+
+def test_a_span_below_a_root_its_microbatch_computes():
+    """A DPO step on 2 ranks: rank 0 two pairs of 12-token prompts, rank 1 one such pair and one of a
+    440-token prompt whose first token is the first of a rank-0 prompt (one root). The long chain's
+    spans land in rank 0's microbatches, one beside that root's own piece: the root is on the span's path
+    but computed in the call, not read as context. Each microbatch's context is what its call reads,
+    and every rank's schedule compiles."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(8, 100, n).tolist() for n in (12, 12, 12, 440)]
+    prompts[3][0] = prompts[1][0]
+    rows = []
+    for mine in (prompts[:2], prompts[2:]):  # per rank its pairs: chosen rows, then rejected rows
+        rows += [p + [5, 6, 2] for p in mine] + [p + [7, 2] for p in mine]
+    forest = RolloutForest.from_sequences(rows)
+    p = spread_planned(forest, 2, layers=3)
+    assert p.groups > 0 and _same_slot_reads(p, forest) > 0
+    for r in range(p.world_size):
+        for s in range(p.num_slots):
+            calls = [TreeBatch.from_forest(forest, sorted_unique(tokens)) for _, tokens in p.microbatch(r, s)]
+            assert sum(c.num_context for c in calls) == p.context[r, s]
     assert all(s.units for s in _schedules(p, forest))
 
 

@@ -226,6 +226,16 @@ def _read_below(geo: Geometry, base: Pieces, chains: np.ndarray, microbatch: np.
     return ((lo >= hi) & (lo < below)).any(axis=1)
 
 
+def _computed_later(geo: Geometry, base: Pieces, piece: int, slot: int, num_ranks: int) -> np.ndarray:
+    """[R] whether each rank computes a token of chain piece ``piece`` or of its root path after ``slot``
+    (a replica, a branch's top): a span of it there would read that token from its own later unit, not
+    from the rank computing it in time."""
+    _, lo, hi = geo.path_intervals(np.array([base.hi[piece] - 1]), inclusive=True)
+    later = np.flatnonzero(base.slot > slot)
+    reads = ((base.lo[later, None] < hi[None]) & (lo[None] < base.hi[later, None])).any(axis=1)
+    return np.bincount(base.rank[later[reads]], minlength=num_ranks) > 0
+
+
 def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with, in each slot, the chain piece of its costliest microbatch cut into
     spans over the ranks with free time in that slot, and the groups (slot, ranks in span order);
@@ -236,8 +246,9 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     Its rank keeps the first span (the piece's context stays put), the others follow in rank order;
     cuts lie on chunk-aligned depths (no replay). A piece whose microbatch holds its descendants is
     not cut (:func:`_read_below`). A member's microbatch must hold only the piece's forest (its spans
-    then run at the same call position) and still fit the budget with the span and its ancestors as
-    context (an upper bound: it may share some)."""
+    then run at the same call position), its rank compute none of the span's ancestors in a later slot
+    (:func:`_computed_later`), and its microbatch still fit the budget with the span and its ancestors
+    as context (an upper bound: it may share some)."""
     base = plan_pieces(p, geo)
     R, S = p.cost.shape
     nf = int(p.piece_forest.max()) + 1
@@ -256,7 +267,8 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
             continue
         i = int(mine[np.argmax((base.hi - base.lo)[mine])])
         lo, hi, f = int(base.lo[i]), int(base.hi[i]), int(p.piece_forest[i])
-        ranks = [q for q in range(R) if q == r or not np.delete(holds[q, s], f).any()]
+        late = _computed_later(geo, base, i, s, R)
+        ranks = [q for q in range(R) if q == r or not (np.delete(holds[q, s], f).any() or late[q])]
         own = geo.prefix(np.array([lo, hi]))
         fill = np.array([p.cost[q, s] if p.tokens[q, s] else p.cost_model.microbatch for q in ranks])
         fill[ranks.index(r)] -= own[1] - own[0]
