@@ -3,8 +3,10 @@
 ``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
 rows on every rank), ``grpo-fsdp2`` the same with both trainers' models sharded by FSDP2 (``fsdp2_cpu``);
 ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three budgets long, its group's
-rows sharing it, and shorter ones), ``rloo-fsdp2`` the same sharded. Saves each plan's context-parallel
-groups."""
+rows sharing it, and shorter ones), ``rloo-fsdp2`` the same sharded; ``sft`` and ``dpo`` (``-fsdp2``:
+sharded), the fused-head trainers through ``test_trainer_fused_ddp``'s worker on :data:`FUSED`'s samples
+(each step one row three budgets long, on the first rank then on the last). Saves each plan's
+context-parallel groups."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_trainer_ddp as ddp
 import test_trainer_exactness
 import torch
 import torch.distributed as dist
 from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
+from datasets import Dataset
 from fsdp2_cpu import fsdp2_trainers
 
 from harts_hf.trainers import step
@@ -65,6 +69,51 @@ def rloo_prompts(world_size: int) -> list[str]:
 
     others = {2: ["ab"], 3: ["list: " + SYSTEM * 4, "ab " + SYSTEM]}[world_size]
     return [SYSTEM * 5 + "solve: 12+7=", *others] * 4
+
+
+def sft_rows(world_size: int) -> Dataset:
+    """Tokenized SFT samples, every token scored, two steps' worth in order: :func:`busy_rows` of the
+    launch (``PER_RANK`` a rank), the long one on the first rank, then on the last."""
+    rows = busy_rows(world_size, PER_RANK[world_size])
+    return Dataset.from_dict({"input_ids": rows + rows[1:] + rows[:1]})
+
+
+def dpo_pairs(world_size: int) -> Dataset:
+    """Text preference pairs, two steps' worth in order (``PER_RANK`` a rank): each step one prompt of
+    about 440 tokens (the agent tokenizer's, a character a token: three budgets), on the first rank
+    then on the last, every other prompt 12 tokens long; the answers " yes" and " no", and an EOS."""
+    rng = np.random.default_rng(0)
+    text = lambda n: "".join(rng.choice(list("abcdefghij "), n))
+    size = world_size * PER_RANK[world_size]
+    prompts = [text(440 if i in (0, 2 * size - 1) else 12) for i in range(2 * size)]
+    return Dataset.from_dict({"prompt": prompts, "chosen": [" yes"] * len(prompts), "rejected": [" no"] * len(prompts)})
+
+
+FUSED = {"sft": sft_rows, "dpo": dpo_pairs}
+"""The fused-head trainers' context-parallel case, ``test_trainer_fused_ddp``'s worker over each
+trainer's test case ``FUSED_CASE``: the samples, ``PER_RANK`` a rank, in order, SGD for 2 steps."""
+FUSED_CASE = "busy-context-parallel"
+
+
+def _fused(out: Path, trainer: str) -> None:
+    """``sft`` or ``dpo`` (``-fsdp2``: sharded), stock then HARTS: ``test_trainer_fused_ddp``'s worker
+    on :data:`FUSED`'s samples; its records as ``<kind>-cp-stock.pt`` and ``<kind>-cp-harts.pt``."""
+    import test_trainer_dpo
+    import test_trainer_fused_ddp
+    import test_trainer_sft
+
+    kind, _, wrapper = trainer.partition("-")
+    world = int(os.environ["WORLD_SIZE"])
+    harts = {k: v for k, v in overrides(world).items() if k.startswith("harts_")}
+    case = dict(
+        data=FUSED[kind](world),
+        per_device_train_batch_size=PER_RANK[world],
+        max_steps=2,
+        train_sampling_strategy="sequential",
+        **harts,
+    )
+    (test_trainer_sft if kind == "sft" else test_trainer_dpo).CASES[FUSED_CASE] = case
+    test_trainer_fused_ddp._worker(out, wrapper or "ddp", {f"{kind}-cp": FUSED_CASE})
 
 
 def _rloo(out: Path) -> None:
@@ -122,16 +171,19 @@ if __name__ == "__main__":  # not on import: the test imports CASE into a proces
         return made[-1]
 
     step.plan = recorded
-    with (
-        pytest.MonkeyPatch.context() as patch,
-        fsdp2_trainers(patch) if trainer.endswith("-fsdp2") else contextlib.nullcontext(),
-    ):
-        if trainer.startswith("grpo"):
-            ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
-            test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
-            ddp._worker(out, [CASE])
-        else:
-            _rloo(out)
+    if trainer.startswith(tuple(FUSED)):
+        _fused(out, trainer)
+    else:
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            fsdp2_trainers(patch) if trainer.endswith("-fsdp2") else contextlib.nullcontext(),
+        ):
+            if trainer.startswith("grpo"):
+                ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
+                test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
+                ddp._worker(out, [CASE])
+            else:
+                _rloo(out)
     groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist(), p.num_slots) for p in made]
     torch.save(groups, out / f"groups-{dist.get_rank()}.pt")
     end_distributed()
