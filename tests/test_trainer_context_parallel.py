@@ -3,8 +3,8 @@ is three times the budget, every rank with rows of its own, trains with the long
 ranks' free time in context-parallel groups, exactly like the stock trainer under the same launch: GRPO on
 2 and 3 processes (over ``test_trainer_ddp``'s worker) and under FSDP2 on 2, RLOO generating on 2 and 3
 processes and under FSDP2 on 2 (its old log-probs a no-grad pass over the same kind of plan), SFT and DPO
-on 2 processes under DDP and FSDP2 (over ``test_trainer_fused_ddp``'s worker: each optimizer step one HARTS
-step, DPO's reference a no-grad step on its plan). Worker: ``trainer_cp_worker.py``."""
+on 2 and 3 processes and under FSDP2 on 2 (over ``test_trainer_fused_ddp``'s worker: each optimizer step
+one HARTS step, DPO's reference a no-grad step on its plan). Worker: ``trainer_cp_worker.py``."""
 
 from __future__ import annotations
 
@@ -53,15 +53,19 @@ def test_context_parallel_groups_train_like_stock(tmp_path, trainer, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "sft-fsdp2", "dpo-fsdp2"])
-def test_fused_head_trainers_with_groups_train_like_stock(tmp_path, trainer):
-    """SFT and DPO on 2 processes: each optimizer step's forest (every rank's rows) holds one row three
-    budgets long; its plan spreads it in groups, and the trainer steps as stock's, its logged metrics too."""
+@pytest.mark.parametrize(
+    "trainer, world", [("sft", 2), ("sft", 3), ("sft-fsdp2", 2), ("dpo", 2), ("dpo", 3), ("dpo-fsdp2", 2)]
+)
+def test_fused_head_trainers_with_groups_train_like_stock(tmp_path, trainer, world):
+    """SFT and DPO: each optimizer step's forest (every rank's rows) holds one row three budgets long;
+    its plan spreads it in groups, and the trainer steps as stock's, its logged metrics too."""
     kind = trainer.partition("-")[0]
-    torchrun("trainer_cp_worker.py", 2, str(tmp_path), trainer)
-    _planned_groups(tmp_path, 2)
+    torchrun("trainer_cp_worker.py", world, str(tmp_path), trainer)
+    _planned_groups(tmp_path, world)
     stock, harts = (torch.load(tmp_path / f"{kind}-cp-{run}.pt") for run in ("stock", "harts"))
-    assert stock["world"] == harts["world"] == 2 and stock["sharded"] == harts["sharded"] == trainer.endswith("fsdp2")
+    assert stock["world"] == harts["world"] == world and stock["sharded"] == harts["sharded"] == trainer.endswith(
+        "fsdp2"
+    )
     # one HARTS step per optimizer step, none per microbatch; DPO's reference a no-grad step on its plan
     assert harts["passes"]["per_microbatch"] == 0 and len(harts["passes"]["trained"]) == 2
     assert harts["passes"]["reused"] == (2 if kind == "dpo" else 0)

@@ -78,20 +78,25 @@ def sft_rows(world_size: int) -> Dataset:
     return Dataset.from_dict({"input_ids": rows + rows[1:] + rows[:1]})
 
 
+DPO_PROMPTS = {2: [440, 12, 12, 12], 3: [440, 380, 80]}
+"""A DPO step's prompt lengths, rank-major, ``len // world`` pairs a rank: one prompt three budgets
+long; on 3 ranks the others about 380 and 80 (two short ones let the plan split the long prompt's two
+rows over two ranks, each recomputing the prompt, rather than spread it)."""
+
+
 def dpo_pairs(world_size: int) -> Dataset:
-    """Text preference pairs, two steps' worth in order (``PER_RANK`` a rank): each step one prompt of
-    about 440 tokens (the agent tokenizer's, a character a token: three budgets), on the first rank
-    then on the last, every other prompt 12 tokens long; the answers " yes" and " no", and an EOS."""
+    """Text preference pairs, two steps' worth in order: :data:`DPO_PROMPTS` (the agent tokenizer's
+    tokens, a character each), the long prompt on the first rank, then the same reversed (on the last);
+    the answers " yes" and " no", and an EOS."""
     rng = np.random.default_rng(0)
-    text = lambda n: "".join(rng.choice(list("abcdefghij "), n))
-    size = world_size * PER_RANK[world_size]
-    prompts = [text(440 if i in (0, 2 * size - 1) else 12) for i in range(2 * size)]
+    lengths = DPO_PROMPTS[world_size]
+    prompts = ["".join(rng.choice(list("abcdefghij "), n)) for n in lengths + lengths[::-1]]
     return Dataset.from_dict({"prompt": prompts, "chosen": [" yes"] * len(prompts), "rejected": [" no"] * len(prompts)})
 
 
 FUSED = {"sft": sft_rows, "dpo": dpo_pairs}
 """The fused-head trainers' context-parallel case, ``test_trainer_fused_ddp``'s worker over each
-trainer's test case ``FUSED_CASE``: the samples, ``PER_RANK`` a rank, in order, SGD for 2 steps."""
+trainer's test case ``FUSED_CASE``: two steps' samples in order, SGD."""
 FUSED_CASE = "busy-context-parallel"
 
 
@@ -105,9 +110,10 @@ def _fused(out: Path, trainer: str) -> None:
     kind, _, wrapper = trainer.partition("-")
     world = int(os.environ["WORLD_SIZE"])
     harts = {k: v for k, v in overrides(world).items() if k.startswith("harts_")}
+    data = FUSED[kind](world)
     case = dict(
-        data=FUSED[kind](world),
-        per_device_train_batch_size=PER_RANK[world],
+        data=data,
+        per_device_train_batch_size=len(data) // (2 * world),
         max_steps=2,
         train_sampling_strategy="sequential",
         **harts,
