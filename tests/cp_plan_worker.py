@@ -51,9 +51,9 @@ def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: boo
     )
 
 
-def spread_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True):
+def spread_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True, **options):
     """:func:`cp_planned` under :data:`SPREAD_COST` on the :data:`SPREAD_CHUNK` grid."""
-    options = {"cost_model": CostModel(**SPREAD_COST), "chunk_size": SPREAD_CHUNK}
+    options |= {"cost_model": CostModel(**SPREAD_COST), "chunk_size": SPREAD_CHUNK}
     return cp_planned(forest, world_size, context_parallel, **options)
 
 

@@ -1,5 +1,6 @@
 """The context tokens ``plan`` prices per microbatch (``plan._context_tokens``) against the union of
-its entries' root paths, token by token."""
+its entries' root paths, token by token, and its own tokens on those paths (``plan._own_on_paths``),
+which its call computes rather than reads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from harts_hf.planner import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.plan import _context_tokens
+from harts_hf.planner.node_parts import node_parts_of
+from harts_hf.planner.plan import _context_tokens, _own_on_paths
 from harts_hf.sources import deep_chain, random_tree
 
 
@@ -28,3 +30,29 @@ def test_context_is_the_union_of_entry_paths(shape):
         for i, a, b in zip(which.tolist(), lo.tolist(), hi.tolist()):
             want[mb[i]].update(range(a, b))
         assert _context_tokens(geo, entry, mb, 6).tolist() == [len(w) for w in want]
+
+
+@pytest.mark.parametrize("shape", ["deep_chain", "random_tree"])
+def test_own_tokens_on_entry_paths(shape):
+    """Microbatches of random disjoint pieces (a context-parallel span may land beside an ancestor of
+    it): each microbatch's count of its own tokens on its entries' root paths is the set of its tokens
+    that are strict ancestors of one of its entries, and the context plus it is the union of the paths."""
+    make = {"deep_chain": lambda s: deep_chain(40, fanout=3, seed=s), "random_tree": lambda s: random_tree(60, seed=s)}
+    geo = Geometry.of([make[shape](0).forest(), make[shape](1).forest()], DEFAULT_COST_MODEL)
+    rng = np.random.default_rng(0)
+    for trial in range(10):
+        bounds = np.unique(np.r_[0, rng.integers(1, geo.num_tokens, 40), geo.num_tokens])
+        lo, hi = bounds[:-1], bounds[1:]
+        mb = rng.integers(0, 5 if trial else 1, lo.size)  # microbatch 5 of 6 gets none; first, one holds all
+        parts = node_parts_of(geo, mb, lo, hi, 6)
+        ext = parts.external
+        entry, entry_mb = parts.lo[ext], parts.mb[ext]
+        which, a, b = geo.path_intervals(entry)
+        paths = [set() for _ in range(6)]
+        for i, x, y in zip(which.tolist(), a.tolist(), b.tolist()):
+            paths[entry_mb[i]].update(range(x, y))
+        own = [set() for _ in range(6)]
+        for m, x, y in zip(mb.tolist(), lo.tolist(), hi.tolist()):
+            own[m].update(range(x, y))
+        assert _own_on_paths(geo, parts, 6).tolist() == [len(p & o) for p, o in zip(paths, own)]
+        assert _context_tokens(geo, entry, entry_mb, 6).tolist() == [len(p) for p in paths]

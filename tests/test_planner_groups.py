@@ -21,8 +21,10 @@ from test_planner_handoffs import _owner_counts
 from tiny_models import tiny_model
 
 from harts_hf import RolloutForest, patch_model, plan
+from harts_hf.forest import sorted_unique
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
+from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.schedule import Schedule
 
 
@@ -89,6 +91,45 @@ def test_free_time_forms_groups(world_size, per_rank):
     long = forest.restore[: forest.traj_offsets[1]]  # the long trajectory's compact tokens, root first
     cuts = np.intersect1d(p.piece_start, long[1:])
     assert cuts.size > 0 and (np.searchsorted(long, cuts) % SPREAD_CHUNK == 0).all()
+    assert all(s.units for s in _schedules(p, forest))
+
+
+def test_a_chain_read_in_its_own_microbatch_stays_whole():
+    """An RLOO step on 3 ranks: one 407-token prompt shared by 8 rows of short completions, beside 4
+    rows of a 2-token prompt. A rank's last slot holds the prompt's last chain piece with the rows'
+    completions below it; cut into spans, its later spans would run on another rank at the same call
+    while the completions read them (a group waiting on itself, the context miscounted): the piece
+    stays whole, and every rank's schedule compiles."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(8, 100, 407).tolist()
+    rows = [prompt + rng.integers(8, 100, n).tolist() for n in (8, 3, 8, 8)]
+    rows += [[5, 6] + rng.integers(8, 100, 8).tolist() for _ in range(4)]
+    rows += [prompt + rng.integers(8, 100, n).tolist() for n in (8, 5, 8, 4)]
+    forest = RolloutForest.from_sequences(rows)
+    p = spread_planned(forest, 3, layers=3)
+    assert (_owner_counts(p, forest) == 1).all()
+    assert all(s.units for s in _schedules(p, forest))
+
+
+def test_a_span_below_a_root_its_microbatch_computes():
+    """A DPO step on 2 ranks: rank 0 two pairs of 12-token prompts, rank 1 one such pair and one of a
+    440-token prompt whose first token is the first of a rank-0 prompt (one root). The long chain's
+    spans land in rank 0's microbatches, one beside that root's own piece: the root is on the span's path
+    but computed in the call, not read as context. Each microbatch's context is what its call reads,
+    and every rank's schedule compiles."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(8, 100, n).tolist() for n in (12, 12, 12, 440)]
+    prompts[3][0] = prompts[1][0]
+    rows = []
+    for mine in (prompts[:2], prompts[2:]):  # per rank its pairs: chosen rows, then rejected rows
+        rows += [p + [5, 6, 2] for p in mine] + [p + [7, 2] for p in mine]
+    forest = RolloutForest.from_sequences(rows)
+    p = spread_planned(forest, 2, layers=3)
+    assert p.groups > 0 and _same_slot_reads(p, forest) > 0
+    for r in range(p.world_size):
+        for s in range(p.num_slots):
+            calls = [TreeBatch.from_forest(forest, sorted_unique(tokens)) for _, tokens in p.microbatch(r, s)]
+            assert sum(c.num_context for c in calls) == p.context[r, s]
     assert all(s.units for s in _schedules(p, forest))
 
 

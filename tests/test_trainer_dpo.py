@@ -58,13 +58,14 @@ def train(case: str, harts: bool, model_dir: str, tmp_path, **overrides) -> dict
     config_cls, trainer_cls = (HARTSDPOConfig, HARTSDPOTrainer) if harts else (DPOConfig, DPOTrainer)
     options = {k: v for k, v in (CASES[case] | overrides).items() if harts or not k.startswith("harts_")}
     peft_config, evaluate = options.pop("peft_config", None), options.pop("eval", False)
+    data = options.pop("data", None)  # the case's own pairs, else preference_pairs(8)
     args = sgd_args(tmp_path / f"{case}-{harts}", per_device_train_batch_size=4, max_steps=2, learning_rate=0.5)
     snaps = Snapshots()
     trainer = trainer_cls(
         model=model_dir,
         args=config_cls(**(args | options)),
         processing_class=agent_tokenizer(),
-        train_dataset=preference_pairs(8),
+        train_dataset=preference_pairs(8) if data is None else data,
         eval_dataset=preference_pairs(4) if evaluate else None,
         peft_config=peft_config() if peft_config else None,
         callbacks=[snaps],

@@ -80,7 +80,9 @@ def test_processes_match_stock(launch, tmp_path):
             np.testing.assert_allclose([b[k] for k in KEYS[kind]], [a[k] for k in KEYS[kind]], rtol=TOL, atol=1e-6)
 
 
-def _worker(out: Path, wrapper: str) -> None:
+def _worker(out: Path, wrapper: str, runs: dict[str, str] = CASES) -> None:
+    """Train ``runs`` (run -> its test file's case; an ``sft`` run's in ``test_trainer_sft``, else
+    ``test_trainer_dpo``'s), stock then HARTS, under ``wrapper``; rank 0 saves each run's records."""
     import contextlib
 
     import test_trainer_dpo
@@ -94,7 +96,7 @@ def _worker(out: Path, wrapper: str) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # torchrun's
     model_dir = saved_model(out / f"model-rank{rank}", agent_tokenizer())  # the same tiny model on every rank
-    for kind, case in CASES.items():
+    for kind, case in runs.items():
         options = {"per_device_train_batch_size": PER_DEVICE[world, kind]} if (world, kind) in PER_DEVICE else {}
         for harts in (False, True):
             with pytest.MonkeyPatch.context() as patch:

@@ -71,7 +71,10 @@ def per_turn_samples(conversations: int, turns: int, seed: int = 0) -> list[tupl
     return samples
 
 
-def dataset(kind: str) -> Dataset:
+def dataset(kind: str | Dataset) -> Dataset:
+    """The samples a case's ``data`` names (or, a Dataset, gives)."""
+    if isinstance(kind, Dataset):
+        return kind
     if kind == "conversations":  # TRL's conversational prompt-completion format, tool calls and reasoning
         return Dataset.from_list(turn_samples(agent_conversations(3, turns=2, seed=0)))
     if kind == "messages":  # TRL's conversational language-modeling format: whole conversations

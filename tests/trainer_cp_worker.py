@@ -1,8 +1,12 @@
 """Worker of ``test_trainer_context_parallel.py`` under ``torchrun`` (gloo, CPU), stock then HARTS with
 ``harts_context_parallel=True`` under ``cp_plan_worker``'s budget, memory and cost models: ``grpo``,
 ``test_trainer_ddp``'s GRPO run on :func:`busy_rollout`'s rows (one trajectory three budgets long, short
-rows on every rank), ``grpo-fsdp2`` the same with both trainers' models sharded by FSDP2 (``fsdp2_cpu``); ``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three
-budgets long, its group's rows sharing it, and a short one). Saves each plan's context-parallel groups."""
+rows on every rank), ``grpo-fsdp2`` the same with both trainers' models sharded by FSDP2 (``fsdp2_cpu``);
+``rloo``, RLOO generating from :func:`rloo_prompts` (each step one prompt three budgets long, its group's
+rows sharing it, and shorter ones), ``rloo-fsdp2`` the same sharded; ``sft`` and ``dpo`` (``-fsdp2``:
+sharded), the fused-head trainers through ``test_trainer_fused_ddp``'s worker on :data:`FUSED`'s samples
+(each step one row three budgets long, on the first rank then on the last). Saves each plan's
+context-parallel groups."""
 
 from __future__ import annotations
 
@@ -11,12 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_trainer_ddp as ddp
 import test_trainer_exactness
 import torch
 import torch.distributed as dist
 from cp_plan_worker import BUDGET, SPREAD_CHUNK, SPREAD_COST, busy_rows
+from datasets import Dataset
 from fsdp2_cpu import fsdp2_trainers
 
 from harts_hf.trainers import step
@@ -54,12 +60,66 @@ def busy_rollout(prompts: list[str], trainer) -> dict:
     }
 
 
-def rloo_prompts() -> list[str]:
-    """Without shuffling, each step's two prompts: one of 405 tokens (``test_trainer_rloo``'s system
-    prompt five times and a task; its 4 rows share it), one of 2."""
+def rloo_prompts(world_size: int) -> list[str]:
+    """Without shuffling, each step's prompts, one a rank: one of 405 tokens (``test_trainer_rloo``'s
+    system prompt five times and a task; its 4 rows share it), then on 2 ranks one of 2 tokens; on 3,
+    one of about 330 and one of about 80 (their own trees: on 3 ranks a short third prompt would let
+    the plan split the long tree over two ranks, each recomputing its prompt, rather than spread it)."""
     from test_trainer_rloo import SYSTEM  # here: that module sets an environment variable on import
 
-    return [SYSTEM * 5 + "solve: 12+7=", "ab"] * 4
+    others = {2: ["ab"], 3: ["list: " + SYSTEM * 4, "ab " + SYSTEM]}[world_size]
+    return [SYSTEM * 5 + "solve: 12+7=", *others] * 4
+
+
+def sft_rows(world_size: int) -> Dataset:
+    """Tokenized SFT samples, every token scored, two steps' worth in order: :func:`busy_rows` of the
+    launch (``PER_RANK`` a rank), the long one on the first rank, then on the last."""
+    rows = busy_rows(world_size, PER_RANK[world_size])
+    return Dataset.from_dict({"input_ids": rows + rows[1:] + rows[:1]})
+
+
+DPO_PROMPTS = {2: [440, 12, 12, 12], 3: [440, 380, 80]}
+"""A DPO step's prompt lengths, rank-major, ``len // world`` pairs a rank: one prompt three budgets
+long; on 3 ranks the others about 380 and 80 (two short ones let the plan split the long prompt's two
+rows over two ranks, each recomputing the prompt, rather than spread it)."""
+
+
+def dpo_pairs(world_size: int) -> Dataset:
+    """Text preference pairs, two steps' worth in order: :data:`DPO_PROMPTS` (the agent tokenizer's
+    tokens, a character each), the long prompt on the first rank, then the same reversed (on the last);
+    the answers " yes" and " no", and an EOS."""
+    rng = np.random.default_rng(0)
+    lengths = DPO_PROMPTS[world_size]
+    prompts = ["".join(rng.choice(list("abcdefghij "), n)) for n in lengths + lengths[::-1]]
+    return Dataset.from_dict({"prompt": prompts, "chosen": [" yes"] * len(prompts), "rejected": [" no"] * len(prompts)})
+
+
+FUSED = {"sft": sft_rows, "dpo": dpo_pairs}
+"""The fused-head trainers' context-parallel case, ``test_trainer_fused_ddp``'s worker over each
+trainer's test case ``FUSED_CASE``: two steps' samples in order, SGD."""
+FUSED_CASE = "busy-context-parallel"
+
+
+def _fused(out: Path, trainer: str) -> None:
+    """``sft`` or ``dpo`` (``-fsdp2``: sharded), stock then HARTS: ``test_trainer_fused_ddp``'s worker
+    on :data:`FUSED`'s samples; its records as ``<kind>-cp-stock.pt`` and ``<kind>-cp-harts.pt``."""
+    import test_trainer_dpo
+    import test_trainer_fused_ddp
+    import test_trainer_sft
+
+    kind, _, wrapper = trainer.partition("-")
+    world = int(os.environ["WORLD_SIZE"])
+    harts = {k: v for k, v in overrides(world).items() if k.startswith("harts_")}
+    data = FUSED[kind](world)
+    case = dict(
+        data=data,
+        per_device_train_batch_size=len(data) // (2 * world),
+        max_steps=2,
+        train_sampling_strategy="sequential",
+        **harts,
+    )
+    (test_trainer_sft if kind == "sft" else test_trainer_dpo).CASES[FUSED_CASE] = case
+    test_trainer_fused_ddp._worker(out, wrapper or "ddp", {f"{kind}-cp": FUSED_CASE})
 
 
 def _rloo(out: Path) -> None:
@@ -67,23 +127,15 @@ def _rloo(out: Path) -> None:
     every step."""
     from datasets import Dataset
     from test_trainer_rloo import length_reward
-    from trainer_args import sgd_args
-    from transformers import TrainerCallback
+    from trainer_args import Snapshots, sgd_args
     from trl import RLOOConfig, RLOOTrainer
 
     from harts_hf.sources.tokenizer import build_tokenizer
     from harts_hf.trainers import HARTSRLOOConfig, HARTSRLOOTrainer
 
     torch.set_num_threads(1)
-
-    class Snapshots(TrainerCallback):
-        def __init__(self, model):
-            self.params = [torch.cat([p.detach().flatten().clone() for p in model.parameters()])]
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            self.params.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
-
-    harts = {k: v for k, v in overrides(2).items() if k.startswith("harts_")}
+    world = int(os.environ["WORLD_SIZE"])
+    harts = {k: v for k, v in overrides(world).items() if k.startswith("harts_")}
     for name, trainer_cls, config_cls, extra in (
         ("stock", RLOOTrainer, RLOOConfig, {}),
         ("harts", HARTSRLOOTrainer, HARTSRLOOConfig, harts),
@@ -103,9 +155,9 @@ def _rloo(out: Path) -> None:
             reward_funcs=length_reward,
             args=config_cls(**args, **extra),
             processing_class=build_tokenizer(),
-            train_dataset=Dataset.from_dict({"prompt": rloo_prompts()}),
+            train_dataset=Dataset.from_dict({"prompt": rloo_prompts(world)}),
         )
-        snaps = Snapshots(trainer.model)
+        snaps = Snapshots()
         trainer.add_callback(snaps)
         trainer.train()
         gathered = trainer.accelerator.gather(snaps.params[-1][None])
@@ -125,16 +177,19 @@ if __name__ == "__main__":  # not on import: the test imports CASE into a proces
         return made[-1]
 
     step.plan = recorded
-    if trainer.startswith("grpo"):
-        ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
-        test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
+    if trainer.startswith(tuple(FUSED)):
+        _fused(out, trainer)
+    else:
         with (
             pytest.MonkeyPatch.context() as patch,
-            fsdp2_trainers(patch) if trainer == "grpo-fsdp2" else contextlib.nullcontext(),
+            fsdp2_trainers(patch) if trainer.endswith("-fsdp2") else contextlib.nullcontext(),
         ):
-            ddp._worker(out, [CASE])
-    else:
-        _rloo(out)
+            if trainer.startswith("grpo"):
+                ddp.CASES[CASE] = overrides(int(os.environ["WORLD_SIZE"]))
+                test_trainer_exactness.branching_rollout = busy_rollout  # what ``ddp._worker`` imports for system=False
+                ddp._worker(out, [CASE])
+            else:
+                _rloo(out)
     groups = [(p.groups, p.group_ranks, (p.tokens.sum(axis=1) > 0).tolist(), p.num_slots) for p in made]
     torch.save(groups, out / f"groups-{dist.get_rank()}.pt")
     end_distributed()

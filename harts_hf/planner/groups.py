@@ -13,7 +13,8 @@ decoder layers that takes about ``(L + w - 1) / L`` of its largest span's time:
 - free time (:func:`spread_pieces`): in each slot whose costliest microbatch holds a chain piece,
   the piece is cut into spans water-filled over the microbatches of that slot with time to spare
   (busy or empty), which hold only its forest, so every span of a group runs at the same call
-  position (``harts_hf.schedule.check_groups``). The slots stay.
+  position (``harts_hf.schedule.check_groups``); a piece whose microbatch holds its descendants
+  stays whole (they would read its later spans at their own call). The slots stay.
 
 Spans keep their DFS order over the ranks, so a group never waits on itself. Readers in later
 slots read the spans across ranks (cross-slot handoffs).
@@ -215,6 +216,26 @@ def _water_level(base: np.ndarray, amount: float) -> float:
     return float(levels[np.flatnonzero(np.r_[levels[:-1] <= b[1:], True])[0]])
 
 
+def _read_below(geo: Geometry, base: Pieces, chains: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
+    """[len(chains)] whether a piece of ``microbatch`` (indices into ``base``) descends from each chain
+    piece's last token (lies in ``[hi, end of its subtree)``): it reads the whole chain, so spread, the
+    chain's later spans would be read by its own rank's unit at their call: a group waiting on itself."""
+    hi = base.hi[chains][:, None]
+    below = geo.end[geo.node_of(base.hi[chains] - 1)][:, None]
+    lo = base.lo[microbatch][None]
+    return ((lo >= hi) & (lo < below)).any(axis=1)
+
+
+def _computed_later(geo: Geometry, base: Pieces, piece: int, slot: int, num_ranks: int) -> np.ndarray:
+    """[R] whether each rank computes a token of chain piece ``piece`` or of its root path after ``slot``
+    (a replica, a branch's top): a span of it there would read that token from its own later unit, not
+    from the rank computing it in time."""
+    _, lo, hi = geo.path_intervals(np.array([base.hi[piece] - 1]), inclusive=True)
+    later = np.flatnonzero(base.slot > slot)
+    reads = ((base.lo[later, None] < hi[None]) & (lo[None] < base.hi[later, None])).any(axis=1)
+    return np.bincount(base.rank[later[reads]], minlength=num_ranks) > 0
+
+
 def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with, in each slot, the chain piece of its costliest microbatch cut into
     spans over the ranks with free time in that slot, and the groups (slot, ranks in span order);
@@ -223,9 +244,11 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     The piece's cost is water-filled over its rank's other work and the other ranks' microbatches
     of the slot (an empty one counts its fixed overhead): every member ends at about the same cost.
     Its rank keeps the first span (the piece's context stays put), the others follow in rank order;
-    cuts lie on chunk-aligned depths (no replay). A member's microbatch must hold only the piece's
-    forest (its spans then run at the same call position) and still fit the budget with the span and
-    its ancestors as context (an upper bound: it may share some)."""
+    cuts lie on chunk-aligned depths (no replay). A piece whose microbatch holds its descendants is
+    not cut (:func:`_read_below`). A member's microbatch must hold only the piece's forest (its spans
+    then run at the same call position), its rank compute none of the span's ancestors in a later slot
+    (:func:`_computed_later`), and its microbatch still fit the budget with the span and its ancestors
+    as context (an upper bound: it may share some)."""
     base = plan_pieces(p, geo)
     R, S = p.cost.shape
     nf = int(p.piece_forest.max()) + 1
@@ -239,11 +262,13 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     for s in range(S):
         r = int(np.argmax(p.cost[:, s]))
         mine = np.flatnonzero((p.piece_rank == r) & (p.piece_slot == s) & chain)
+        mine = mine[~_read_below(geo, base, mine, np.flatnonzero((p.piece_rank == r) & (p.piece_slot == s)))]
         if mine.size == 0 or holds[r, s].sum() > 1:
             continue
         i = int(mine[np.argmax((base.hi - base.lo)[mine])])
         lo, hi, f = int(base.lo[i]), int(base.hi[i]), int(p.piece_forest[i])
-        ranks = [q for q in range(R) if q == r or not np.delete(holds[q, s], f).any()]
+        late = _computed_later(geo, base, i, s, R)
+        ranks = [q for q in range(R) if q == r or not (np.delete(holds[q, s], f).any() or late[q])]
         own = geo.prefix(np.array([lo, hi]))
         fill = np.array([p.cost[q, s] if p.tokens[q, s] else p.cost_model.microbatch for q in ranks])
         fill[ranks.index(r)] -= own[1] - own[0]

@@ -95,6 +95,21 @@ def _context_tokens(geo: Geometry, entry: np.ndarray, entry_mb: np.ndarray, num_
     ).astype(np.int64)
 
 
+def _own_on_paths(geo: Geometry, parts: NodeParts, num_mb: int) -> np.ndarray:
+    """[num_mb] tokens every microbatch computes itself on its entries' root paths, which its call reads
+    as its own, not as context: where a context-parallel span lands in a microbatch that computes an
+    ancestor of it (its tree's root, shared with a branch the rank owns). A node part's tokens below
+    the last entry of its microbatch in its subtree (``[t + 1, end of t's node)`` holds t's
+    descendants) are the part's tokens on a path."""
+    ext = parts.external
+    stride = geo.num_tokens + 1
+    entries = np.r_[-1, np.sort(parts.mb[ext] * stride + parts.lo[ext])]  # keyed by microbatch, after a sentinel
+    below = parts.mb * stride + geo.end[geo.node_of(parts.lo)]  # [Q] each part's subtree end, keyed
+    last = entries[np.searchsorted(entries, below) - 1] - parts.mb * stride  # < 0: none in the microbatch
+    on_path = np.clip(np.minimum(parts.hi, last) - parts.lo, 0, None)
+    return np.bincount(parts.mb, weights=on_path, minlength=num_mb).astype(np.int64)
+
+
 def _replay(
     geo: Geometry, pieces: Pieces, parts: NodeParts, entry_parent: np.ndarray, entry_rank: np.ndarray, chunk: int
 ) -> int:
@@ -276,7 +291,7 @@ def build_plan(
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    context = _context_tokens(geo, entry, entry_mb, num_mb)
+    context = _context_tokens(geo, entry, entry_mb, num_mb) - _own_on_paths(geo, parts, num_mb)
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)
