@@ -18,18 +18,21 @@ import numpy as np
 import pytest
 import torch
 from cross_rank_worker import forest_of, wavefront_plan
+from hypothesis import given, settings
 from test_planner_groups import _schedules
+from test_planner_invariants import cases
 from tiny_models import tiny_model
 
 from harts_hf import RolloutForest, patch_model, plan
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
+from harts_hf.ops.rounds import RoundsTable
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
 from harts_hf.planner.wavefront import _pieces, _priced, _span_starts, _wavefront, wavefront_cut
-from harts_hf.schedule import Schedule
+from harts_hf.schedule import Schedule, rank_units
 from harts_hf.sources import get_workload
 
 
@@ -117,3 +120,32 @@ def test_off_by_default():
     _, forest = forest_of("deep")
     p = plan(forest, world_size=3, max_tokens_per_microbatch=100, memory_model=MemoryModel(token=1.0, context=0.1))
     assert p.groups == 0 and p.piece_replica.any()  # the chain recomputed above the ranks' leaves
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_context_parallel_plans_compile_on_random_forests(case):
+    """Whatever pass ``plan()`` keeps with ``context_parallel=True`` on 1-3 forests of every workload
+    shape: every compact token owned once, every microbatch within the budget, every rank's units
+    compile (each read from an earlier slot or a group of its own slot, aligned and acyclic:
+    ``compile_rank`` refuses any other)."""
+    forests, world, budget, chunk, cost, memory = case
+    world = max(world, 2)
+    p = plan(
+        forests,
+        world_size=world,
+        max_tokens_per_microbatch=budget,
+        memory_model=memory,
+        cost_model=cost,
+        chunk_size=chunk,
+        context_parallel=True,
+    )
+    for f, forest in enumerate(forests):
+        owned = np.zeros(forest.num_compact_tokens, dtype=np.int64)
+        mine = (p.piece_forest == f) & ~p.piece_replica
+        for a, b in zip(p.piece_start[mine], p.piece_end[mine]):
+            owned[a:b] += 1
+        assert (owned == 1).all()
+    assert p.fits_budget
+    for r in range(world):
+        assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
