@@ -47,9 +47,11 @@ class HARTSArguments:
             off by default: checked exact under DDP (the trainers) and FSDP2 (the engine; gloo, CPU), not yet on NCCL.
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
             Let the plan run a trajectory longer than the budget at once over ranks with time to spare, a span each
-            (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`), and a prompt several ranks
-            share once, cut over them in a first slot (`harts_hf.planner.shared_root`), where the cost model predicts
-            that faster; off by default. Under FSDP2 a group's call holds every parameter gathered.
+            (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`), a prompt several ranks
+            share once, cut over them in a first slot (`harts_hf.planner.shared_root`), or the whole step's trees cut
+            in DFS order into one span per slot and rank (`harts_hf.planner.wavefront`), where the cost model predicts
+            that faster; off by default. Checked exact for GRPO, RLOO, SFT and DPO under DDP and FSDP2 (gloo, CPU).
+            Under FSDP2 a group's call holds every parameter gathered.
     """
 
     harts_enable: bool = field(
