@@ -200,6 +200,7 @@ CP_CASES_2 = [
     "lfm3:cp2:checkpointing",  # conv and sliding attention
     "qwen3_5:cpwave2:ddp",  # plan()'s DFS cut: reads within a slot and from the slot before, across ranks
     "nemotron_h:cpwave2:plain",
+    "kimi_linear:cpwave2:fsdp2",  # the DFS cut under FSDP2: every slot a group, parameters gathered before each
 ]
 
 
