@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
 import sys
@@ -96,12 +97,14 @@ def deep_forest(rng: np.random.Generator, levels: int = 12) -> list[list[int]]:
 
 def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
     """``plan()``'s choice for the deep forest under a 100-token budget, context at a tenth of an own
-    token: its DFS order cut into one span per (slot, rank) (``planner/wavefront.py``)."""
+    token and a free link (a tiny model's microseconds of compute are no match for a message's
+    latency): its DFS order cut into one span per (slot, rank) (``planner/wavefront.py``)."""
     return plan(
         forest,
         world_size=world_size,
         max_tokens_per_microbatch=100,
         memory_model=MemoryModel(token=1.0, context=0.1),
+        cost_model=dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0),
         context_parallel=True,
     )
 

@@ -235,13 +235,13 @@ class Transfers:
     bytes: float
 
     @classmethod
-    def of_pairs(cls, rows: np.ndarray, states: np.ndarray, cost: CostModel) -> Transfers:
-        """The transfers of [R, R] (producer, reader) context rows and path-start states, one
-        message a pair that moves any, priced by ``cost`` and charged to both ranks of a pair."""
+    def of_pairs(cls, rows: np.ndarray, states: np.ndarray, cost: CostModel, messages: int = 1) -> Transfers:
+        """The transfers of [R, R] (producer, reader) context rows and path-start states, ``messages``
+        a pair that moves any, priced by ``cost`` and charged to both ranks of a pair."""
         used = (rows > 0) | (states > 0)
-        pair_seconds = cost.transfer(rows, states, used)
+        pair_seconds = cost.transfer(rows, states, messages * used)
         seconds = pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)
-        return cls(seconds, int(used.sum()), float(cost.transfer_bytes(rows, states).sum()))
+        return cls(seconds, int(messages * used.sum()), float(cost.transfer_bytes(rows, states).sum()))
 
     def onto(self, p: Plan) -> Plan:
         """``p`` with these transfers charged to its last slot (sent once, not replayed: the slot the

@@ -18,9 +18,9 @@ a slot goes from a lower rank to a higher one (no cycle). S runs up from the few
 allows while the predicted step drops.
 
 Pricing: a span reading spans of its own slot waits for them layer by layer (:func:`_wavefront`);
-every cross-rank read, values there and gradients back, one message per (producer rank, reader
-rank) pair (:class:`~.handoffs.Transfers`): inside a slot counted with the groups, between slots
-with the handoffs. ``plan`` keeps the cut only where it predicts a lower step and every
+every cross-rank read, values there and gradients back (:class:`~.handoffs.Transfers`): inside a
+slot counted with the groups, streamed in :data:`STREAM_MESSAGES` messages a layer per (producer
+rank, reader rank) pair, between slots with the handoffs, one message a pair. ``plan`` keeps the cut only where it predicts a lower step and every
 microbatch fits.
 
 Legend: R ranks, S slots, k spans, P pieces, E entries, A their ancestor intervals split at span
@@ -46,6 +46,9 @@ __all__ = ["wavefront_cut"]
 
 SLOT_TRIES = 8  # slot counts tried at most, from the fewest the budget allows
 PATIENCE = 2  # tries in a row that predict no lower step end the search
+STREAM_MESSAGES = 3
+"""Messages a streamed pair sends per decoder layer at the least: a value's header size, its header
+and the value (``harts_hf.engine.stream``), for one value a layer call."""
 
 
 def _aligned(geo: Geometry, t: np.ndarray, chunk: int) -> np.ndarray:
@@ -201,7 +204,7 @@ def _priced(p: Plan, geo: Geometry, pieces: Pieces, starts: np.ndarray, layers: 
         _pair_table(producer[m], reader[m], rows[m], R),
         _pair_table(s_producer[sm], s_reader[sm], np.ones(int(sm.sum())), R),
     )
-    group = Transfers.of_pairs(*table(inside, s_inside), p.cost_model)
+    group = Transfers.of_pairs(*table(inside, s_inside), p.cost_model, STREAM_MESSAGES * layers)
     cost[:, -1] += group.seconds
     members = np.bincount(np.unique(edges) // R, minlength=S)  # [S] ranks joined by reads inside each slot
     out = dataclasses.replace(
