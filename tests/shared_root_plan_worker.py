@@ -12,9 +12,12 @@ import numpy as np
 from harts_hf import RolloutForest, plan
 from harts_hf.planner import CostModel
 
-CHEAP_CALLS = CostModel(token=2e-5, pair=1e-9, round=1e-4, microbatch=1e-4, context_bytes=1_024.0, state_bytes=20_000.0)
-"""Model calls cheap beside tokens (a large model's regime) and a tiny model's bytes on the wire, so
-splitting a prompt of a few hundred tokens pays."""
+CHEAP_CALLS = CostModel(
+    token=2e-5, pair=1e-9, round=1e-4, microbatch=1e-4, message=0.0, context_bytes=1_024.0, state_bytes=20_000.0
+)
+"""Model calls cheap beside tokens (a large model's regime), a tiny model's bytes on the wire and no
+message latency (a group streams a few messages a layer), so splitting a prompt of a few hundred
+tokens pays."""
 
 
 def shared_prompt(ranks: int = 2) -> list[list[int]]:

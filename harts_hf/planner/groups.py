@@ -20,7 +20,8 @@ Spans keep their DFS order over the ranks, so a group never waits on itself. Rea
 slots read the spans across ranks (cross-slot handoffs).
 
 Pricing: every span's cost times the wavefront factor, plus :meth:`CostModel.transfer` of its
-context and one path start in one message (an upper bound: some of it may lie on its own rank).
+context and one path start, in :data:`STREAM_MESSAGES` messages a layer (an upper bound on the bytes:
+some of them may lie on its own rank).
 ``plan`` keeps the plan with the lower predicted step, only if lower than without groups and every
 microbatch fits: a plan groups do not speed up is left as it was.
 
@@ -41,6 +42,7 @@ from .planned import Plan
 
 __all__ = [
     "DEFAULT_LAYERS",
+    "STREAM_MESSAGES",
     "group_pieces",
     "grouped",
     "joined_pieces",
@@ -52,6 +54,9 @@ __all__ = [
 
 DEFAULT_LAYERS = 24
 """Decoder layers of the cost model's ~1B hybrid model (6 attention + 18 GDN: ``cost.COMM_DEFAULTS``)."""
+STREAM_MESSAGES = 3
+"""Messages a streamed pair sends per decoder layer at the least: a value's header size, its header
+and the value (``harts_hf.engine.stream``), for one value a layer call."""
 
 
 def plan_pieces(p: Plan, geo: Geometry) -> Pieces:
@@ -197,7 +202,7 @@ def with_groups(p: Plan, groups: list[tuple[int, list[int]]], layers: int) -> Pl
     for slot, ranks in groups:
         cost[ranks, slot] *= (layers + len(ranks) - 1) / layers
         ctx = p.context[ranks, slot]
-        cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, ctx > 0)
+        cost[ranks, slot] += p.cost_model.transfer(ctx, ctx > 0, STREAM_MESSAGES * layers * (ctx > 0))
         moved += p.cost_model.transfer_bytes(ctx, ctx > 0).sum()
     return dataclasses.replace(
         p,

@@ -19,7 +19,7 @@ allows while the predicted step drops.
 
 Pricing: a span reading spans of its own slot waits for them layer by layer (:func:`_wavefront`);
 every cross-rank read, values there and gradients back (:class:`~.handoffs.Transfers`): inside a
-slot counted with the groups, streamed in :data:`STREAM_MESSAGES` messages a layer per (producer
+slot counted with the groups, streamed in :data:`~.groups.STREAM_MESSAGES` messages a layer per (producer
 rank, reader rank) pair, between slots with the handoffs, one message a pair. ``plan`` keeps the cut only where it predicts a lower step and every
 microbatch fits.
 
@@ -36,6 +36,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .geometry import Geometry
+from .groups import STREAM_MESSAGES
 from .handoffs import Transfers
 from .memory import Budget
 from .node_parts import node_parts_of
@@ -46,9 +47,6 @@ __all__ = ["wavefront_cut"]
 
 SLOT_TRIES = 8  # slot counts tried at most, from the fewest the budget allows
 PATIENCE = 2  # tries in a row that predict no lower step end the search
-STREAM_MESSAGES = 3
-"""Messages a streamed pair sends per decoder layer at the least: a value's header size, its header
-and the value (``harts_hf.engine.stream``), for one value a layer call."""
 
 
 def _aligned(geo: Geometry, t: np.ndarray, chunk: int) -> np.ndarray:
