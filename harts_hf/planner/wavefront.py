@@ -71,18 +71,17 @@ def _fitting(geo: Geometry, budget: Budget, starts: np.ndarray, chunk: int) -> n
         starts = np.unique(np.r_[starts, np.where(cut > starts[over], cut, (starts + room)[over])])
 
 
-def _span_starts(geo: Geometry, budget: Budget, count: int, chunk: int) -> np.ndarray | None:
-    """[k <= count] sorted first tokens of spans that fit ``budget``: the DFS order cut into as many
-    spans of equal cost as leave room, after :func:`_fitting`, for at most ``count`` (cuts on the
-    chunk grid where the node allows); None if the budget alone needs more."""
+def _span_starts(geo: Geometry, budget: Budget, count: int, chunk: int) -> np.ndarray:
+    """Sorted first tokens of spans that fit ``budget``: the DFS order cut into as many spans of
+    equal cost as leave, after :func:`_fitting`, at most ``count`` (more only where the budget alone
+    needs more); cuts on the chunk grid where the node allows."""
     equal = lambda k: _fitting(geo, budget, np.unique(np.r_[0, _aligned(geo, _equal_cost(geo, k), chunk)]), chunk)
     k = count
-    while k >= 1:  # fewer equal-cost spans by the ones the budget added, until the fitted cut has room
-        fitted = equal(k)
-        if fitted.size <= count:
-            return fitted
+    fitted = equal(k)
+    while fitted.size > count and k > 1:  # fewer equal-cost spans by the ones the budget added
         k -= max(1, min(fitted.size - count, k // 2))
-    return None
+        fitted = equal(k)
+    return fitted
 
 
 def _equal_cost(geo: Geometry, count: int) -> np.ndarray:
