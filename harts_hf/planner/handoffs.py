@@ -39,7 +39,7 @@ from .pieces import Pieces, merge
 from .planned import Plan
 from .slots import slot_pieces
 
-__all__ = ["Handed", "Transfers", "handed_chains", "handoff_pieces", "transfers"]
+__all__ = ["Handed", "Transfers", "handed_chains", "handoff_pieces", "pair_table", "transfers"]
 
 _PIECE_FIELDS = ("rank", "slot", "lo", "hi", "branch", "replica")
 
@@ -280,8 +280,12 @@ def transfers(
     state_key = np.unique(reader[starts] * geo.num_tokens + parent[starts])
     pair_states = (handed.producer[geo.node_of(state_key % geo.num_tokens)], state_key // geo.num_tokens)
     # per (producer, reader) pair: rows, states, one message
-    pair = lambda src_rank, dst_rank: src_rank * world_size + dst_rank
-    shape = (world_size, world_size)
-    ctx = np.bincount(pair(*pair_rows[:2]), weights=pair_rows[2], minlength=world_size * world_size).reshape(shape)
-    states = np.bincount(pair(*pair_states), minlength=world_size * world_size).reshape(shape)
+    ctx = pair_table(*pair_rows, world_size)
+    states = pair_table(*pair_states, np.ones(pair_states[0].size), world_size)
     return Transfers.of_pairs(ctx, states, cost)
+
+
+def pair_table(producer: np.ndarray, reader: np.ndarray, weight: np.ndarray, world_size: int) -> np.ndarray:
+    """[R, R] sums of ``weight`` per (producer rank, reader rank) pair, of reads [n] between ranks."""
+    pair = producer * world_size + reader
+    return np.bincount(pair, weights=weight, minlength=world_size * world_size).reshape(world_size, world_size)

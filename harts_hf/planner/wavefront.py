@@ -37,7 +37,7 @@ import numpy as np
 
 from .geometry import Geometry
 from .groups import STREAM_MESSAGES
-from .handoffs import Transfers
+from .handoffs import Transfers, pair_table
 from .memory import Budget
 from .node_parts import node_parts_of
 from .pieces import Pieces
@@ -163,12 +163,6 @@ def _reads(geo: Geometry, pieces: Pieces, starts: np.ndarray, world_size: int, c
     return rows, (pick(state_from), pick(state_by), geo.forest_of(pick(state)))
 
 
-def _pair_table(producer: np.ndarray, reader: np.ndarray, weight: np.ndarray, world_size: int) -> np.ndarray:
-    """[R, R] (producer rank, reader rank) sums of ``weight`` over reads between spans."""
-    pair = (producer % world_size) * world_size + reader % world_size
-    return np.bincount(pair, weights=weight, minlength=world_size * world_size).reshape(world_size, world_size)
-
-
 def _calls_align(p: Plan, pieces: Pieces, producer: np.ndarray, reader: np.ndarray, forest: np.ndarray) -> bool:
     """Whether each read inside a slot, of ``forest``'s rows, joins units at the same call position
     on both ranks (a rank runs a slot's forests in order, one call each): the engine streams only
@@ -197,9 +191,9 @@ def _priced(p: Plan, geo: Geometry, pieces: Pieces, starts: np.ndarray, layers: 
     span = np.arange(starts.size)
     cost = p.cost.copy()
     cost[span % R, span // R] = _wavefront(p.cost[span % R, span // R], edges, layers)
-    table = lambda m, sm: (
-        _pair_table(producer[m], reader[m], rows[m], R),
-        _pair_table(s_producer[sm], s_reader[sm], np.ones(int(sm.sum())), R),
+    table = lambda m, sm: (  # span j runs on rank j % R
+        pair_table(producer[m] % R, reader[m] % R, rows[m], R),
+        pair_table(s_producer[sm] % R, s_reader[sm] % R, np.ones(int(sm.sum())), R),
     )
     group = Transfers.of_pairs(*table(inside, s_inside), p.cost_model, STREAM_MESSAGES * layers)
     cost[:, -1] += group.seconds
