@@ -132,11 +132,10 @@ def main() -> None:
                 f"  {mode:7s} step {best[0]:.2f} s wall, {best[1]:.2f} s CPU, {best[2]:.2f} s waiting for a CPU "
                 f"(the most of any rank); sent "
                 f"{sent[0] / 1e6:.2f} MB values + {sent[1] / 1e6:.2f} MB gradients per step; {the_plan.num_slots} "
-                f"slots, {the_plan.groups} groups, redundancy {the_plan.redundancy:.3f}"
+                f"slots, up to {(the_plan.tokens > 0).sum(axis=0).max()} ranks busy in one, redundancy {the_plan.redundancy:.3f}"
             )
-        (before, *_), (after, *_) = results.values()
+        (before, _, lp_before, _), (after, _, lp_after, _) = results.values()
         speedup = float(before[0] / after[0])
-        (*_, lp_before, _), (*_, lp_after, _) = results.values()
         diff = float((lp_before - lp_after).abs().max())
         print(f"  speedup (wall) {speedup:.2f}x; max |log-prob {' - '.join(results)}| {diff:.1e}")
     dist.destroy_process_group()

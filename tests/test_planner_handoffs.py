@@ -27,9 +27,11 @@ def forest():
     return RolloutForest.from_sequences(tasks_forest())
 
 
-def _owner_counts(p, forest) -> np.ndarray:
+def _owner_counts(p, forest, f: int = 0) -> np.ndarray:
+    """[N] how many ranks own (not replicate) each compact token of ``forest``, the plan's forest ``f``."""
     count = np.zeros(forest.num_compact_tokens, dtype=np.int64)
-    for s, e, replica in zip(p.piece_start, p.piece_end, p.piece_replica):
+    mine = p.piece_forest == f
+    for s, e, replica in zip(p.piece_start[mine], p.piece_end[mine], p.piece_replica[mine]):
         count[s:e] += not replica
     return count
 

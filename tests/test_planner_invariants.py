@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_planner_handoffs import _owner_counts
 from trees import nasty_tree_params
 
 from harts_hf.forest import RolloutForest
@@ -46,10 +47,7 @@ def check_plan(forests: list[RolloutForest], p: Plan, max_tokens: int) -> None:
         tree = np.cumsum(forest.prev < 0) - 1
         mine = p.piece_forest == f
         assert (tree[p.piece_start[mine]] == tree[p.piece_end[mine] - 1]).all(), "a piece spans two trees"
-        owned = np.zeros(forest.num_compact_tokens, dtype=np.int64)
-        for a, b in zip(p.piece_start[mine & ~p.piece_replica], p.piece_end[mine & ~p.piece_replica]):
-            owned[a:b] += 1
-        assert (owned == 1).all(), "every compact token is owned exactly once"
+        assert (_owner_counts(p, forest, f) == 1).all(), "every compact token is owned exactly once"
         for r in range(R):
             slot = slots[r][f]
             on = np.flatnonzero(slot >= 0)
@@ -165,19 +163,24 @@ def cases(draw) -> tuple[list[RolloutForest], int, int, int, CostModel, MemoryMo
     return forests, world, budget, chunk, cost, memory
 
 
-@settings(max_examples=60)
-@given(cases())
-def test_plan_invariants_hold_on_random_forests(case):
+def case_plan(case, *, world_size: int | None = None, **options) -> Plan:
+    """``plan()`` of a :func:`cases` draw (on ``world_size`` ranks instead of its own, if given)."""
     forests, world, budget, chunk, cost, memory = case
-    p = plan(
+    return plan(
         forests,
-        world_size=world,
+        world_size=world_size or world,
         max_tokens_per_microbatch=budget,
         memory_model=memory,
         cost_model=cost,
         chunk_size=chunk,
+        **options,
     )
-    check_plan(forests, p, budget)
+
+
+@settings(max_examples=60)
+@given(cases())
+def test_plan_invariants_hold_on_random_forests(case):
+    check_plan(case[0], case_plan(case), case[2])
 
 
 @pytest.mark.parametrize("world", [1, 3])

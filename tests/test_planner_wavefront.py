@@ -20,7 +20,8 @@ import torch
 from cross_rank_worker import forest_of, wavefront_plan
 from hypothesis import given, settings
 from test_planner_groups import _schedules
-from test_planner_invariants import cases
+from test_planner_handoffs import _owner_counts
+from test_planner_invariants import case_plan, cases
 from tiny_models import tiny_model
 
 from harts_hf import RolloutForest, patch_model, plan
@@ -129,23 +130,9 @@ def test_context_parallel_plans_compile_on_random_forests(case):
     shape: every compact token owned once, every microbatch within the budget, every rank's units
     compile (each read from an earlier slot or a group of its own slot, aligned and acyclic:
     ``compile_rank`` refuses any other)."""
-    forests, world, budget, chunk, cost, memory = case
-    world = max(world, 2)
-    p = plan(
-        forests,
-        world_size=world,
-        max_tokens_per_microbatch=budget,
-        memory_model=memory,
-        cost_model=cost,
-        chunk_size=chunk,
-        context_parallel=True,
-    )
-    for f, forest in enumerate(forests):
-        owned = np.zeros(forest.num_compact_tokens, dtype=np.int64)
-        mine = (p.piece_forest == f) & ~p.piece_replica
-        for a, b in zip(p.piece_start[mine], p.piece_end[mine]):
-            owned[a:b] += 1
-        assert (owned == 1).all()
+    forests, world, chunk = case[0], max(case[1], 2), case[3]
+    p = case_plan(case, world_size=world, context_parallel=True)
+    assert all((_owner_counts(p, forest, f) == 1).all() for f, forest in enumerate(forests))
     assert p.fits_budget
     for r in range(world):
         assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
