@@ -29,10 +29,11 @@ from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
 from harts_hf.ops.rounds import RoundsTable
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.crossreads import _wavefront, priced
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.wavefront import _pieces, _priced, _span_starts, _wavefront, wavefront_cut
+from harts_hf.planner.wavefront import _pieces, _span_starts, wavefront_cut
 from harts_hf.schedule import Schedule, rank_units
 from harts_hf.sources import get_workload
 
@@ -108,7 +109,7 @@ def test_refused_where_a_read_joins_calls_at_different_positions():
     pieces = _pieces(geo, starts, 2)
     one_slot = build(pieces)
     assert one_slot.num_slots == 1 and one_slot.fits_budget and starts[1] > 20  # rank 0: both forests
-    assert _priced(one_slot, geo, pieces, starts, 24) is None
+    assert priced(one_slot, geo, pieces, 24) is None
     hf, adapter = patched_adapter(patch_model(tiny_model("qwen3_5")))
     tables = model_tables(hf, adapter)
     kept = wavefront_cut(geo, budget, 2, 64, build, 24)
