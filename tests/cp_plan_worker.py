@@ -46,7 +46,7 @@ QUIET_LINK = dataclasses.replace(DEFAULT_COST_MODEL, message=0.0)
 on the built-in link cost more than a tiny model's microseconds of compute."""
 
 
-@cross_rank_worker.without_wavefront
+@cross_rank_worker.without_cuts
 def cp_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True, **options):
     return plan(
         forest,

@@ -109,18 +109,20 @@ def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
     )
 
 
-def without_wavefront(make: Callable[..., Plan]) -> Callable[..., Plan]:
-    """``make`` planning with ``plan()``'s DFS cut left out (``planner/wavefront.py``): it beats the
-    pass a test plans for on some small forests (shared root, idle ranks, free time)."""
+def without_cuts(make: Callable[..., Plan]) -> Callable[..., Plan]:
+    """``make`` planning with ``plan()``'s every-token-once cuts left out (the DFS cut,
+    ``planner/wavefront.py``; the relay, ``planner/relay.py``): they beat the pass a test plans for
+    on some small forests (shared root, idle ranks, free time)."""
     planning = importlib.import_module("harts_hf.planner.plan")  # the module (the package exports the function)
 
     @functools.wraps(make)
     def made(*args, **kwargs) -> Plan:
-        saved, planning.wavefront_cut = planning.wavefront_cut, lambda *_, **__: None
+        saved = planning.wavefront_cut, planning.relay_cut
+        planning.wavefront_cut = planning.relay_cut = lambda *_, **__: None
         try:
             return make(*args, **kwargs)
         finally:
-            planning.wavefront_cut = saved
+            planning.wavefront_cut, planning.relay_cut = saved
 
     return made
 

@@ -28,7 +28,7 @@ def shared_prompt(ranks: int = 2) -> list[list[int]]:
     return [prompt + [int(t) for t in rng.integers(3, 120, 40 + 9 * i)] for i in range(2 * ranks)]
 
 
-@cross_rank_worker.without_wavefront
+@cross_rank_worker.without_cuts
 def root_planned(forest: RolloutForest, world_size: int = 2, context_parallel: bool = True):
     return plan(
         forest,

@@ -116,11 +116,16 @@ class RankIntervals:
 
 
 def find_branches(
-    geo: Geometry, world_size: int, max_tokens: int, rule: BranchRule = BRANCH_RULES[0]
+    geo: Geometry,
+    world_size: int,
+    max_tokens: int,
+    rule: BranchRule = BRANCH_RULES[0],
+    per_rank: float = BRANCHES_PER_RANK,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(branch root nodes [U], group of each branch [U], group top node [G], -1 for whole trees).
 
-    A node is split (becomes a top) when its subtree costs more than a branch may, splitting pays
+    A node is split (becomes a top) when its subtree costs more than a branch may (``1 / per_rank``
+    of a rank's share: a rank takes several, or, where branches are cut between ranks, one), splitting pays
     (its chain plus the largest part its children can be cut into, ``h``, is at most
     ``1 - rule.min_gain`` of its subtree, or below it for a gain of 0: at a gain of a quarter a
     caterpillar's trunk never pays, every rank taking a leaf would recompute the trunk), its tree
@@ -140,7 +145,7 @@ def find_branches(
     has_child = np.bincount(geo.parent[geo.parent >= 0], minlength=m) > 0
     part = own + child_h
     pays = part <= (1 - rule.min_gain) * sub if rule.min_gain > 0 else part < sub
-    big = (sub > geo.total_cost / (BRANCHES_PER_RANK * world_size)) & has_child & pays & (world_size > 1)
+    big = (sub > geo.total_cost / (per_rank * world_size)) & has_child & pays & (world_size > 1)
     top = big if rule.divide_fitting else big & (geo.end - geo.start > max_tokens)[geo.root]
     for ch in levels[1:]:
         top[ch] &= top[geo.parent[ch]]

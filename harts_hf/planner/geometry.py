@@ -132,6 +132,13 @@ class Geometry:
         k = 2 * rem / (beta + np.sqrt(beta * beta + 2 * self.b * rem))  # stable root of f(k) = rem
         return self.start[v] + np.minimum(k, self.length[v])
 
+    def on_grid(self, t: np.ndarray, chunk: int) -> np.ndarray:
+        """Cuts ``t`` moved down to the chunk grid (depth a multiple of ``chunk``) where their node
+        reaches it, else left as they are: a path starting there replays nothing (``ops.rounds``)."""
+        node, depth = self.node_of(t), self.token_depth(t)
+        down = t - depth % chunk
+        return np.where((down >= self.start[node]) & (down > 0), down, t)
+
     def path_cost(self, d: np.ndarray) -> np.ndarray:
         """Cost of a root path of d tokens (depths 0 .. d - 1): what replicating a context costs."""
         d = np.asarray(d, dtype=np.float64)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .memory import Budget, MemoryModel
 
-__all__ = ["GRAPH_RULES", "graph_slots", "rerun_slots"]
+__all__ = ["GRAPH_RULES", "graph_excess", "graph_slots", "rerun_slots"]
 
 GRAPH_RULES = ("budget", "last")
 """What may keep a graph besides the byte budget: ``budget``, any slot it holds; ``last``, only the
@@ -35,16 +35,26 @@ def graph_slots(
     ``tokens`` [R, S] own tokens reading ``context`` [R, S] under ``rule`` (:data:`GRAPH_RULES`)."""
     if rule not in GRAPH_RULES:
         raise ValueError(f"unknown graph rule {rule!r}; valid: {', '.join(GRAPH_RULES)}")
-    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
-    num_slots = tokens.shape[1]
+    num_slots = np.shape(tokens)[1]
     limit = num_slots if rule == "budget" else 1
-    saved = memory.token * tokens + memory.context * context  # [R, S] kept until the backward
-    phase = np.where(tokens > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
-    held = np.cumsum(saved[:, ::-1], axis=1) + np.maximum.accumulate(phase[:, ::-1], axis=1)  # [R, S] last k + 1
-    fits = held <= float(memory(budget.tokens))
+    fits = _held(memory, tokens, context) <= float(memory(budget.tokens))
     fits[:, 0] = True
     kept = np.argmin(np.c_[fits, np.zeros(len(fits), dtype=bool)], axis=1)  # the first that does not fit
     return np.minimum(kept, limit)
+
+
+def _held(memory: MemoryModel, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """[R, S] bytes the last k + 1 slots' graphs hold alive together (k = 0 ..), at their peak."""
+    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    saved = memory.token * tokens + memory.context * context  # [R, S] kept until the backward
+    phase = np.where(tokens > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
+    return np.cumsum(saved[:, ::-1], axis=1) + np.maximum.accumulate(phase[:, ::-1], axis=1)
+
+
+def graph_excess(memory: MemoryModel, budget: Budget, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """[R] bytes by which every slot's graph kept alive would pass the byte budget (<= 0: all fit):
+    what a rank's slots must shed so that none reruns."""
+    return _held(memory, tokens, context)[:, -1] - float(memory(budget.tokens))
 
 
 def rerun_slots(num_slots: int, kept: np.ndarray) -> np.ndarray:

@@ -61,6 +61,7 @@ from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
 from .planned import Plan
+from .relay import relay_cut
 from .shared_root import root_grouped
 from .slots import slot_costs, slot_pieces
 from .wavefront import wavefront_cut
@@ -248,8 +249,11 @@ def plan(
         )
         best = grouped(best, geo, build, layers) or best
         best = root_grouped(best, geo, build, layers) or best
-        cut = wavefront_cut(geo, budget, world_size, chunk_size, build, layers)
-        best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
+        for cut in (
+            wavefront_cut(geo, budget, world_size, chunk_size, build, layers),
+            relay_cut(geo, budget, memory, world_size, chunk_size, build, layers),
+        ):
+            best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
         cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds, memory, graphs)

@@ -43,14 +43,6 @@ SLOT_TRIES = 8  # slot counts tried at most, from the fewest the budget allows
 PATIENCE = 2  # tries in a row that predict no lower step end the search
 
 
-def _aligned(geo: Geometry, t: np.ndarray, chunk: int) -> np.ndarray:
-    """Cuts ``t`` moved down to the chunk grid (depth a multiple of ``chunk``) where their node
-    reaches it (no replay there), else left as they are."""
-    node, depth = geo.node_of(t), geo.token_depth(t)
-    down = t - depth % chunk
-    return np.where((down >= geo.start[node]) & (down > 0), down, t)
-
-
 def _fitting(geo: Geometry, budget: Budget, starts: np.ndarray, chunk: int) -> np.ndarray:
     """``starts`` with every span longer than its room cut again, until each fits the budget: a DFS
     range's context is the root path of its first token (every ancestor of a later token that lies
@@ -61,7 +53,7 @@ def _fitting(geo: Geometry, budget: Budget, starts: np.ndarray, chunk: int) -> n
         over = ends - starts > room
         if not over.any():
             return starts
-        cut = _aligned(geo, (starts + room)[over], chunk)
+        cut = geo.on_grid((starts + room)[over], chunk)
         starts = np.unique(np.r_[starts, np.where(cut > starts[over], cut, (starts + room)[over])])
 
 
@@ -69,7 +61,7 @@ def _span_starts(geo: Geometry, budget: Budget, count: int, chunk: int) -> np.nd
     """Sorted first tokens of spans that fit ``budget``: the DFS order cut into as many spans of
     equal cost as leave, after :func:`_fitting`, at most ``count`` (more only where the budget alone
     needs more); cuts on the chunk grid where the node allows."""
-    equal = lambda k: _fitting(geo, budget, np.unique(np.r_[0, _aligned(geo, _equal_cost(geo, k), chunk)]), chunk)
+    equal = lambda k: _fitting(geo, budget, np.unique(np.r_[0, geo.on_grid(_equal_cost(geo, k), chunk)]), chunk)
     k = count
     fitted = equal(k)
     while fitted.size > count and k > 1:  # fewer equal-cost spans by the ones the budget added
