@@ -32,6 +32,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan, plan
+from harts_hf.planner.relay import relay_cut
 
 
 def piece_plan(
@@ -95,6 +96,29 @@ def deep_forest(rng: np.random.Generator, levels: int = 12) -> list[list[int]]:
     return [*rows, chain]
 
 
+def relay_forest(rng: np.random.Generator) -> list[list[int]]:
+    """A 40-token prompt above six agent segments of 30-90 tokens, each a trunk and a branch off its
+    middle (432 tokens): the relay's tops and branches."""
+    seg = lambda n: [int(t) for t in rng.integers(3, 120, n)]
+    prompt, rows = seg(40), []
+    for n in (70, 45, 90, 30, 60, 55):
+        trunk = prompt + seg(n)
+        rows += [trunk, trunk[: len(prompt) + n // 2] + seg(7)]
+    return rows
+
+
+def relay_plan(forest: RolloutForest, world_size: int) -> Plan:
+    """The relay of the relay forest under a 200-token budget, context at a tenth of an own token and
+    a free link (``planner/relay.py``): the prompt on rank 0 in slot 0, every segment on one rank or
+    cut between two, its head in slot 1 and its tail, on the next rank, in slot 2."""
+    cost = dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0)
+    memory = MemoryModel(token=1.0, context=0.1)
+    budget = memory.budget(max_tokens=200)
+    geo = Geometry.of([forest], cost)
+    build = lambda pieces: build_plan(geo, [forest], pieces, cost, budget, memory, 64, time.perf_counter(), world_size)
+    return relay_cut(geo, budget, memory, world_size, 64, build, layers=4)
+
+
 def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
     """``plan()``'s choice for the deep forest under a 100-token budget, context at a tenth of an own
     token and a free link (a tiny model's microseconds of compute are no match for a message's
@@ -156,6 +180,8 @@ PLANS = {
     "cp2slots": (2, "family", lambda f: group_plan(f, [50, 90, 100], [0, 1, 0, 1], [0, 0, 1, 1], 2)),
     "cpwave2": (2, "deep", lambda f: wavefront_plan(f, 2)),  # 3 slots of 2 branching spans each
     "cpwave3": (3, "deep", lambda f: wavefront_plan(f, 3)),  # 2 slots of 3
+    "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
+    "relay3": (3, "relay", lambda f: relay_plan(f, 3)),  # two segments handed on, rank 0 -> 1 -> 2
 }
 
 
@@ -173,6 +199,7 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
         "prompt": prompt_forest,
         "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
         "deep": deep_forest,
+        "relay": relay_forest,
     }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)
 

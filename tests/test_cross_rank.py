@@ -162,12 +162,15 @@ CASES_3 = [
     "qwen3_5:prompt3:checkpointing",
     "qwen3_5:chain3:autocast",  # bf16 compute, fp32 states: both dtypes on the wire
     "kimi_linear:chain3:fsdp2",  # parameters sharded: FSDP2 gathers between the exchange points
+    "qwen3_5:relay3:plain",  # the relay: heads handed on between slots, rank 0 -> 1 -> 2, the prompt from slot 0
+    "nemotron_h:relay3:checkpointing",
 ]
 CASES_2 = [
     "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
     "jamba:zigzag2:plain",  # Mamba1
     "falcon_h1:prompt2:plain",  # Mamba2 beside attention in one layer
     "qwen3_5:zigzag2:fsdp2",  # FSDP2's gradient sync off in every backward but the last
+    "kimi_linear:relay2:fsdp2",
 ]
 
 

@@ -1,0 +1,123 @@
+"""The relay (``harts_hf/planner/relay.py``): every token once, the tops first as a group, the branches
+packed over groups of ranks, a branch cut between two ranks handed from one's early slot to the next's
+late slot.
+
+Its parts (the packing evens groups within their token caps; a run's ranges keep the caps and cover
+it), its invariants on random forests of every workload shape (every compact token owned once, no
+replica, the budget holds, every same-slot read from a lower rank, every rank's units compile) and
+its choice (an agentic batch at 32 ranks: kept by ``plan()``, no recomputed chain, lower than the
+rank-wise plan). Exactness under ``torchrun`` is in ``test_cross_rank.py`` (``relay2``, ``relay3``:
+heads handed on between slots under DDP-free, checkpointed and FSDP2 runs).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from cross_rank_worker import forest_of, relay_plan
+from hypothesis import given, settings
+from test_planner_handoffs import _owner_counts
+from test_planner_invariants import cases
+
+from harts_hf import plan
+from harts_hf.lab.plan_report import bench_memory_model
+from harts_hf.ops.rounds import RoundsTable
+from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.plan import build_plan
+from harts_hf.planner.relay import _Branches, _pack, _Run, relay_cut
+from harts_hf.schedule import rank_units
+from harts_hf.sources import get_workload
+
+
+def test_packing_evens_the_groups_within_their_caps():
+    """Twelve branches over a group of 2 ranks and one of 3: the load per rank evens out to within
+    the smallest branch, and no group holds more tokens than its cap."""
+    rng = np.random.default_rng(0)
+    cost = rng.uniform(1, 10, 12)
+    tokens = rng.integers(50, 150, 12)
+    b = _Branches(np.arange(12) * 200, np.arange(12) * 200 + tokens, cost, tokens)
+    widths = np.array([2, 3])
+    cap = np.array([2, 3]) * tokens.sum() / 4.6
+    where = _pack(b, widths, np.zeros(2), cap)
+    load = np.bincount(where, weights=cost, minlength=2) / widths
+    assert load.max() - load.min() <= cost.min()
+    assert (np.bincount(where, weights=tokens, minlength=2) <= cap).all()
+
+
+def test_ranges_keep_the_caps_and_cover_the_run():
+    """A run of the relay forest's six segments cut over three ranks: every range within its cap,
+    the ranges end to end over the whole run; uncapped, the costs even out (to the chunk grid)."""
+    _, forest = forest_of("relay")
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    roots = np.flatnonzero(geo.parent == 0)  # the six segments under the prompt
+    lo, hi = geo.start[roots], geo.end[roots]
+    run = _Run(
+        geo, _Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo), np.arange(roots.size), 4
+    )  # cuts on a 4-token grid
+    total = int(run.at[-1])
+    free = run.ranges(np.zeros(3), np.full(3, np.inf))
+    costs = np.diff(run.cost_to(free))
+    assert free[0] == 0 and free[-1] == total and costs.max() < 1.1 * costs.min()
+    cap = np.array([80, 200, 200])
+    capped = run.ranges(np.zeros(3), cap)
+    assert capped[0] == 0 and capped[-1] == total and (np.diff(capped) <= cap).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_relays_hold_on_random_forests(case):
+    """Wherever it makes a plan: every compact token owned once by one piece (no replica), every
+    microbatch within the budget, every rank's units compile (each read from an earlier slot or from
+    a lower rank of its own slot: ``compile_rank`` refuses any other)."""
+    forests, world, budget, chunk, cost, memory = case
+    world = max(world, 2)
+    geo = Geometry.of(forests, cost)
+    budget = memory.budget(max_tokens=budget)
+    build = lambda pieces: build_plan(geo, forests, pieces, cost, budget, memory, chunk, time.perf_counter(), world)
+    p = relay_cut(geo, budget, memory, world, chunk, build, 4)
+    if p is None:
+        return
+    assert not p.piece_replica.any() and p.fits_budget
+    assert all((_owner_counts(p, forest, f) == 1).all() for f, forest in enumerate(forests))
+    for r in range(world):
+        assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
+
+
+def test_plan_keeps_the_relay_on_an_agentic_batch():
+    """SWE-like rollouts (5 tasks, 40 episodes) at half length on 32 ranks: the rank-wise plan
+    recomputes the task prompts and split segments (redundancy > 0.1); ``plan()`` keeps the relay,
+    which computes every token once (its tops, the system and task prompts, in slot 0) and predicts
+    a lower step."""
+    forest = get_workload("swe-like", scale=0.5).forest()
+    kw = {
+        "world_size": 32,
+        "max_tokens_per_microbatch": 32_768,
+        "memory_model": bench_memory_model("qwen3_5", "default"),
+    }
+    rank_wise, kept = plan(forest, **kw), plan(forest, context_parallel=True, **kw)
+    assert rank_wise.redundancy > 0.1
+    assert kept.step_seconds < rank_wise.step_seconds
+    assert not kept.piece_replica.any() and kept.redundancy < 0.01  # replays only
+    tops = kept.piece_slot == 0
+    assert (kept.piece_branch[tops] < 0).all() and (kept.piece_branch[~tops] >= 0).all()
+    assert kept.handoffs > 0
+
+
+def test_the_worker_relays_hand_heads_on():
+    """The cross-rank worker's relays: every segment cut between two ranks has its head in slot 1 and
+    its tail, on the next rank, in slot 2; the prompt alone in slot 0 on rank 0."""
+    _, forest = forest_of("relay")
+    for world in (2, 3):
+        p = relay_plan(forest, world)
+        assert p.num_slots == 3 and p.groups == 0
+        assert p.piece_start[p.piece_slot == 0].tolist() == [0] and p.piece_rank[p.piece_slot == 0].tolist() == [0]
+        branch = p.piece_branch
+        for u in np.unique(branch[branch >= 0]):
+            ranks = np.unique(p.piece_rank[branch == u])
+            if ranks.size == 2:  # cut between two ranks: the first's head before the next's tail
+                head = (branch == u) & (p.piece_rank == ranks[0])
+                tail = (branch == u) & (p.piece_rank == ranks[1])
+                assert ranks[1] == ranks[0] + 1 and p.piece_slot[head].max() < p.piece_slot[tail].min()
+        assert (np.bincount(branch[branch >= 0]) > 0).all()
