@@ -46,7 +46,7 @@ COLUMNS = {
     "handoffs": "messages between ranks carrying handed chains (context rows and states)",
     "GB moved": "bytes those messages move, values there and gradients back",
     "xfer s": "predicted seconds the busiest rank spends on them (in step s)",
-    "cp groups": "context-parallel groups: spans of one slot on several ranks (a trajectory's pieces, a shared prompt, or the DFS order cut over every rank), one slot each",
+    "cp groups": "context-parallel groups: spans of one slot on several ranks (a trajectory's pieces, a shared prompt, the DFS order cut over every rank, or the relay's prompts), one slot each",
     "cp ranks": "ranks in the largest group",
 }
 NO_EXCHANGE = {

@@ -33,7 +33,10 @@ torch, no torch.distributed): every rank computes the same plan and runs its own
    runs once, split over the ranks as a group in a new first slot, and is read across ranks
    (``shared_root.py``); kept if its predicted step is lower. Last, the forests' whole DFS order
    cut into one equal-cost span per (slot, rank), every slot a group over branching ranges and no
-   chain recomputed (``wavefront.py``: a tree far deeper than the budget); kept if lower still.
+   chain recomputed (``wavefront.py``: a tree far deeper than the budget); kept if lower still. And
+   the relay (``relay.py``: an agentic batch), every token once, the tops first as a group, the
+   branches packed over groups of ranks and a branch cut between two ranks handed from one's early
+   slot to the next's late slot; kept if lower still.
 
 Legend: R ranks, S slots, P pieces, D dependencies, F forests, C chunk size.
 """
@@ -249,11 +252,10 @@ def plan(
         )
         best = grouped(best, geo, build, layers) or best
         best = root_grouped(best, geo, build, layers) or best
-        for cut in (
-            wavefront_cut(geo, budget, world_size, chunk_size, build, layers),
-            relay_cut(geo, budget, memory, world_size, chunk_size, build, layers),
-        ):
-            best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
+        cut = wavefront_cut(geo, budget, world_size, chunk_size, build, layers)
+        best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
+        cut = relay_cut(geo, budget, memory, world_size, chunk_size, build, layers, best.step_seconds)
+        best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]
         cuts = handoff_pieces(geo, options, world_size, budget, chunk_size, cost, best.step_seconds, memory, graphs)

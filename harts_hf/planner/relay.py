@@ -26,8 +26,9 @@ Layout, slot 0 then slots 1..S:
 Pricing: ``crossreads.priced`` (a head that spills into its tail's slot streams: a wavefront).
 Every cut lies on the chunk grid where its node reaches it (no replay there). The transfers and
 waits priced on each rank (its *extra*), and each rank's excess over the graph budget (its earlier
-slots would rerun), go back into the cut: the extra comes off the rank's share and the excess off
-its token cap, for :data:`PASSES` passes; the pass predicting the lowest step is kept.
+slots would rerun), go back into the cut: the extra comes off the rank's share (the branches packed
+again once) and the excess off its token cap, for up to :data:`PASSES` passes; the pass predicting
+the lowest step is kept.
 
 Legend: R ranks, U branches, G groups, S slots after the tops' slot, K top nodes.
 """
@@ -53,9 +54,9 @@ __all__ = ["relay_cut"]
 
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
-ORDER_TRIES = 32  # orders of a group's branches tried for cuts that land well
+ORDER_TRIES = 8  # orders of a group's branches tried for cuts that land well
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
-PASSES = 3  # cuts re-made with each rank's priced extra and graph excess
+PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
@@ -102,6 +103,8 @@ def _pack(b: _Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) 
         per = load / widths
         top = int(np.argmax(per))
         mine, others = np.flatnonzero(where == top), np.flatnonzero(where != top)
+        if mine.size == 0:  # its load is its extra alone
+            break
         # a move of u to g, or a swap of u with v (v's group gains u - v): the new busier of the two
         delta = b.cost[mine][:, None] - np.r_[np.zeros(widths.size), b.cost[others]][None, :]  # [m, G + o]
         to = np.r_[np.arange(widths.size), where[others]]
@@ -161,6 +164,9 @@ class _Run:
 
         end = int(self.at[-1])
         low = (self.cum[-1] + extra.sum()) / extra.size * (1 + 1e-9)
+        cuts = np.r_[0, self.at_cost(np.cumsum(np.maximum(low - extra, 0.0)))]  # each rank up to the level
+        if (np.diff(cuts) <= cap).all():
+            return np.r_[cuts[:-1], end]
         cuts = cut(np.array([low]))[:, 0]
         if cuts[-1] < end:  # a cap binds: raise the level
             high = float(self.cum[-1] + extra.max())
@@ -187,7 +193,7 @@ class _Run:
         return out
 
     def starts_branch(self, y: int) -> bool:
-        return bool(np.isin(y, self.at))
+        return bool(self.at[min(int(np.searchsorted(self.at, y)), self.at.size - 1)] == y)
 
 
 @dataclass(frozen=True)
@@ -223,15 +229,14 @@ def _spill(geo: Geometry, ranges: list[_Range], ends: np.ndarray) -> float:
     """Cost of the heads that reach the slot where the next rank's tail starts (they would stream),
     for slots ending where a rank's run reaches the costs ``ends`` [S - 1]: 0 when every handed cut
     crosses between slots."""
-    cost = lambda lo, hi: float(geo.prefix(hi) - geo.prefix(lo))
+    handed = [(mine.head, nxt) for mine, nxt in itertools.pairwise(ranges) if mine.head is not None]
+    if not handed:
+        return 0.0
+    cost = lambda parts: geo.prefix(np.array([p[1] for p in parts])) - geo.prefix(np.array([p[0] for p in parts]))
+    head = cost([h for h, _ in handed])
+    before = np.array([cost(nxt.run()).sum() for _, nxt in handed]) - cost([nxt.tail for _, nxt in handed])
     starts = np.r_[0.0, ends]  # [S] where each slot starts in a run's cost
-    spilled = 0.0
-    for mine, nxt in itertools.pairwise(ranges):
-        if mine.head is None:
-            continue
-        before = sum(cost(*p) for p in nxt.run()) - cost(*nxt.tail)  # the next rank's work before its tail
-        spilled += max(0.0, cost(*mine.head) - starts[np.searchsorted(ends, before, side="right")])
-    return spilled
+    return float(np.maximum(head - starts[np.searchsorted(ends, before, side="right")], 0.0).sum())
 
 
 def _ordered(
@@ -338,28 +343,41 @@ def _passes(
     chunk: int,
     build: Callable[[Pieces], Plan],
     layers: int,
+    beat: float,
 ) -> Plan | None:
-    """The lowest predicted of :data:`PASSES` relays in ``slots`` slots after the tops', each cut with
-    the extra seconds the pass before priced on every rank and its token caps lowered by the pass
-    before's graph excess (at most halved a pass); None if none fits and streams."""
+    """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
+    tops': packed as they come, then packed again with the extra seconds the first pass priced on
+    every rank, then on that packing with each rank's token cap lowered by its graph excess (its
+    context's memory counted: the cap keeps every slot's graph) until none exceeds it; None if none
+    fits and streams, or none can predict a step below ``beat``: the first, unpriced (its cross-rank
+    reads only add), does not, or, priced, its mean rank or a rank's extra alone does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
     extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
     group = lambda v: np.add.reduceat(v, np.r_[0, np.cumsum(widths)[:-1]])  # [R] -> [G] sums
-    best = None
-    for _ in range(PASSES):
-        pieces = _pieces(geo, b, tops, widths, _pack(b, widths, group(extra), group(cap)), extra, cap, shares, chunk)
+    best = where = None
+    for attempt in range(PASSES):
+        where = _pack(b, widths, group(extra), group(cap)) if attempt < 2 else where
+        pieces = _pieces(geo, b, tops, widths, where, extra, cap, shares, chunk)
         if pieces is None:
             break
         made = build(pieces)
+        if attempt == 0 and made.step_seconds >= beat:
+            break
         relay = crossreads.priced(made, geo, pieces, layers) if made.fits_budget else None
         if relay is None:
             break
         if best is None or relay.step_seconds < best.step_seconds:
             best = relay
         over = graph_excess(memory, budget, made.tokens, made.context) / memory.token  # [R] own-token equivalents
-        extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
-        cap = np.where(over > 0, np.maximum(made.tokens.sum(axis=1) - over - chunk, cap / 2), cap)
+        if attempt > 0 and not (over > 0).any():
+            break
+        if attempt == 0:
+            extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
+            if max(relay.cost.sum(axis=1).mean(), extra.max()) >= beat:  # no packing gets below the mean rank
+                break
+        fitted = np.maximum(made.tokens.sum(axis=1) - over - chunk, cap / 2)  # at most halved a pass
+        cap = np.where(over > 0, fitted, cap) if attempt == 0 else np.minimum(cap, fitted)
     return best
 
 
@@ -371,12 +389,13 @@ def relay_cut(
     chunk: int,
     build: Callable[[Pieces], Plan],
     layers: int,
+    beat: float = math.inf,
 ) -> Plan | None:
     """The relay over ``world_size`` ranks (module docstring): the tops' group over each of
     :data:`TOP_SHARES`, in the fewest slots whose microbatches the budget holds (two at least: a head
     before its tail; up to :data:`SLOT_TRIES` more where none fits), whichever predicts the lowest step; None where a
     branch costs more than one rank's share (a chain far deeper than the budget: the DFS cut's case)
-    or no relay fits."""
+    or no relay fits and predicts a step below ``beat``."""
     if world_size < 2:
         return None
     b, top_nodes = _split(geo, world_size, budget)
@@ -389,7 +408,7 @@ def relay_cut(
     for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
         for share in shares:
             tops = _top_pieces(geo, top_nodes, share, chunk) if share else (np.zeros(0, dtype=np.int64),) * 3
-            relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers)
+            relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
             if relay is not None and (best is None or relay.step_seconds < best.step_seconds):
                 best = relay
         if best is not None:

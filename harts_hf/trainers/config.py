@@ -48,9 +48,10 @@ class HARTSArguments:
         harts_context_parallel (`bool`, *optional*, defaults to `False`):
             Let the plan run a trajectory longer than the budget at once over ranks with time to spare, a span each
             (a context-parallel group streamed layer by layer: `harts_hf.planner.groups`), a prompt several ranks
-            share once, cut over them in a first slot (`harts_hf.planner.shared_root`), or the whole step's trees cut
-            in DFS order into one span per slot and rank (`harts_hf.planner.wavefront`), where the cost model predicts
-            that faster; off by default. Checked exact for GRPO, RLOO, SFT and DPO under DDP and FSDP2 (gloo, CPU).
+            share once, cut over them in a first slot (`harts_hf.planner.shared_root`), the whole step's trees cut
+            in DFS order into one span per slot and rank (`harts_hf.planner.wavefront`), or relayed: every token once,
+            a subtree cut between two ranks handed from one's early slot to the next's late slot
+            (`harts_hf.planner.relay`), where the cost model predicts that faster; off by default. Checked exact for GRPO, RLOO, SFT and DPO under DDP and FSDP2 (gloo, CPU).
             Under FSDP2 a group's call holds every parameter gathered.
     """
 
