@@ -35,7 +35,6 @@ Legend: R ranks, U branches, G groups, S slots after the tops' slot, K top nodes
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ __all__ = ["relay_cut"]
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
 ORDER_TRIES = 8  # orders of a group's branches tried for cuts that land well
+ORDER_PATIENCE = 4  # shuffles in a row that spill no less end the search
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
 PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
@@ -225,16 +225,19 @@ def _ranges(run: _Run, cuts: np.ndarray) -> list[_Range] | None:
     return out
 
 
-def _spill(geo: Geometry, ranges: list[_Range], ends: np.ndarray) -> float:
+def _spill(run: _Run, cuts: np.ndarray, ends: np.ndarray) -> float:
     """Cost of the heads that reach the slot where the next rank's tail starts (they would stream),
-    for slots ending where a rank's run reaches the costs ``ends`` [S - 1]: 0 when every handed cut
-    crosses between slots."""
-    handed = [(mine.head, nxt) for mine, nxt in itertools.pairwise(ranges) if mine.head is not None]
-    if not handed:
+    for ``run`` cut at ``cuts`` [w + 1] and slots ending where a rank's run reaches the costs ``ends``
+    [S - 1]: 0 when every handed cut crosses between slots."""
+    at = run.at
+    handed = np.flatnonzero(~np.isin(cuts[1:-1], at)) + 1  # cuts inside a branch: a head, then a tail
+    if handed.size == 0:
         return 0.0
-    cost = lambda parts: geo.prefix(np.array([p[1] for p in parts])) - geo.prefix(np.array([p[0] for p in parts]))
-    head = cost([h for h, _ in handed])
-    before = np.array([cost(nxt.run()).sum() for _, nxt in handed]) - cost([nxt.tail for _, nxt in handed])
+    cut = cuts[handed]
+    start = np.maximum(at[np.searchsorted(at, cut, side="right") - 1], cuts[handed - 1])  # the head's start
+    end = np.minimum(at[np.searchsorted(at, cut, side="right")], cuts[handed + 1])  # the tail's end
+    head = run.cost_to(cut) - run.cost_to(start)
+    before = run.cost_to(cuts[handed + 1]) - run.cost_to(cuts[handed]) - (run.cost_to(end) - run.cost_to(cut))
     starts = np.r_[0.0, ends]  # [S] where each slot starts in a run's cost
     return float(np.maximum(head - starts[np.searchsorted(ends, before, side="right")], 0.0).sum())
 
@@ -250,17 +253,20 @@ def _ordered(
     seed: int,
 ) -> list[_Range] | None:
     """The ranges of one group's branches ``members``: in DFS order, else in the first of
-    :data:`ORDER_TRIES` seeded shuffles whose cuts spill nothing (else the least spilling one);
-    None if every order puts a range inside a branch."""
+    :data:`ORDER_TRIES` seeded shuffles whose cuts spill nothing (else the least spilling one, the
+    search ending after :data:`ORDER_PATIENCE` without less); None if every order puts a range
+    inside a branch."""
     rng = np.random.default_rng(seed)
-    best, least = None, math.inf
+    best, least, stale = None, math.inf, 0
     for attempt in range(ORDER_TRIES):
         run = _Run(geo, b, members if attempt == 0 else rng.permutation(members), chunk)
-        ranges = _ranges(run, run.ranges(extra, cap))
-        spilled = math.inf if ranges is None else _spill(geo, ranges, ends)
+        cuts = run.ranges(extra, cap)
+        ranges = _ranges(run, cuts)
+        spilled = math.inf if ranges is None else _spill(run, cuts, ends)
+        stale = 0 if spilled < least else stale + 1
         if ranges is not None and (best is None or spilled < least):
             best, least = ranges, spilled
-        if least == 0:
+        if least == 0 or (best is not None and stale == ORDER_PATIENCE):
             break
     return best
 
@@ -299,23 +305,24 @@ def _top_pieces(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int) -> tupl
     return np.searchsorted(starts, lo, side="right") - 1, lo, hi
 
 
-def _pieces(
+Rows = list[tuple[int, int, int, int, int]]  # (rank, slot, lo, hi, branch)
+
+
+def _branch_rows(
     geo: Geometry,
     b: _Branches,
-    tops: tuple[np.ndarray, ...],
     widths: np.ndarray,
     where: np.ndarray,
     extra: np.ndarray,
     cap: np.ndarray,
     shares: np.ndarray,
     chunk: int,
-) -> Pieces | None:
-    """The relay's pieces (module docstring): the tops in slot 0 (if any), every group's ranges cut
-    into slots at the same costs on every rank (a rank's ``extra`` [R] counted in its share, so the
+) -> Rows | None:
+    """The branches' pieces, slots from 0: every group's ranges cut into slots of ``shares`` of a mean
+    rank's run at the same costs on every rank (a rank's ``extra`` [R] counted in its share, so the
     last slots even out); None if a group's branches leave a range inside one of them."""
-    first = int(tops[0].size > 0)
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
-    rows = [(int(r), 0, int(lo), int(hi), -1) for r, lo, hi in zip(*tops)]
+    rows = []
     for g, begin in enumerate(np.r_[0, np.cumsum(widths)[:-1]].tolist()):
         ranks, members = np.arange(begin, begin + widths[g]), np.flatnonzero(where == g)
         if members.size == 0:
@@ -325,17 +332,26 @@ def _pieces(
             return None
         for r, mine in zip(ranks.tolist(), ranges):
             for slot, lo, hi in _slotted(geo, mine.run(), ends, chunk):
-                rows.append((r, first + slot, lo, hi, int(np.searchsorted(b.lo, lo, side="right")) - 1))
+                rows.append((r, slot, lo, hi, int(np.searchsorted(b.lo, lo, side="right")) - 1))
+    return rows
+
+
+def _pieces(geo: Geometry, rows: Rows, tops: tuple[np.ndarray, ...], slots: int) -> Pieces:
+    """The relay's pieces: the tops (rank, lo, hi) in slot 0, if any, the branches' ``rows`` after them."""
+    first = int(tops[0].size > 0)
+    rows = [(int(r), 0, int(lo), int(hi), -1) for r, lo, hi in zip(*tops)] + [
+        (r, first + s, lo, hi, u) for r, s, lo, hi, u in rows
+    ]
     rank, slot, lo, hi, branch = (np.array(col, dtype=np.int64) for col in zip(*sorted(rows)))
     if not np.array_equal(np.sort(lo), np.r_[0, np.sort(hi)[:-1]]) or hi.max() != geo.num_tokens:
         raise AssertionError("the relay's pieces do not cover every token once: a planner bug")
-    return Pieces(rank, slot, lo, hi, branch, np.zeros(lo.size, dtype=bool), first + shares.size)
+    return Pieces(rank, slot, lo, hi, branch, np.zeros(lo.size, dtype=bool), first + slots)
 
 
 def _passes(
     geo: Geometry,
     b: _Branches,
-    tops: tuple[np.ndarray, ...],
+    tops: list[tuple[np.ndarray, ...]],
     widths: np.ndarray,
     shares: np.ndarray,
     budget: Budget,
@@ -346,11 +362,12 @@ def _passes(
     beat: float,
 ) -> Plan | None:
     """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
-    tops': packed as they come, then packed again with the extra seconds the first pass priced on
-    every rank, then on that packing with each rank's token cap lowered by its graph excess (its
-    context's memory counted: the cap keeps every slot's graph) until none exceeds it; None if none
-    fits and streams, or none can predict a step below ``beat``: the first, unpriced (its cross-rank
-    reads only add), does not, or, priced, its mean rank or a rank's extra alone does not."""
+    tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept), then packed
+    again with the extra seconds that pass priced on every rank, then on that packing with each rank's
+    token cap lowered by its graph excess (its context's memory counted: the cap keeps every slot's
+    graph) until none exceeds it; None if none fits and streams, or none can predict a step below
+    ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its mean rank
+    or a rank's extra alone does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
     extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
@@ -358,13 +375,18 @@ def _passes(
     best = where = None
     for attempt in range(PASSES):
         where = _pack(b, widths, group(extra), group(cap)) if attempt < 2 else where
-        pieces = _pieces(geo, b, tops, widths, where, extra, cap, shares, chunk)
-        if pieces is None:
+        rows = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk)
+        if rows is None:
             break
-        made = build(pieces)
-        if attempt == 0 and made.step_seconds >= beat:
-            break
-        relay = crossreads.priced(made, geo, pieces, layers) if made.fits_budget else None
+        relay = made = None
+        for layout in tops:
+            pieces = _pieces(geo, rows, layout, shares.size)
+            built = build(pieces)
+            priced = None
+            if built.fits_budget and built.step_seconds < beat:
+                priced = crossreads.priced(built, geo, pieces, layers)
+            if priced is not None and (relay is None or priced.step_seconds < relay.step_seconds):
+                relay, made, tops = priced, built, [layout]
         if relay is None:
             break
         if best is None or relay.step_seconds < best.step_seconds:
@@ -391,9 +413,9 @@ def relay_cut(
     layers: int,
     beat: float = math.inf,
 ) -> Plan | None:
-    """The relay over ``world_size`` ranks (module docstring): the tops' group over each of
-    :data:`TOP_SHARES`, in the fewest slots whose microbatches the budget holds (two at least: a head
-    before its tail; up to :data:`SLOT_TRIES` more where none fits), whichever predicts the lowest step; None where a
+    """The relay over ``world_size`` ranks (module docstring): the tops' group over the ranks of
+    whichever of :data:`TOP_SHARES` predicts the lowest step, in the fewest slots whose microbatches the budget holds (two at least: a head
+    before its tail; up to :data:`SLOT_TRIES` more where none fits); None where a
     branch costs more than one rank's share (a chain far deeper than the budget: the DFS cut's case)
     or no relay fits and predicts a step below ``beat``."""
     if world_size < 2:
@@ -403,14 +425,11 @@ def relay_cut(
         return None
     widths = _widths(world_size)
     fewest = max(2, math.ceil(b.tokens.sum() / world_size / (budget.tokens * CAP_FILL)))
-    shares = sorted({max(1, world_size // s) for s in TOP_SHARES}) if top_nodes.size else [0]
-    best = None
+    none = (np.zeros(0, dtype=np.int64),) * 3
+    shares = sorted({max(1, world_size // s) for s in TOP_SHARES})
+    tops = [_top_pieces(geo, top_nodes, share, chunk) for share in shares] if top_nodes.size else [none]
     for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
-        for share in shares:
-            tops = _top_pieces(geo, top_nodes, share, chunk) if share else (np.zeros(0, dtype=np.int64),) * 3
-            relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
-            if relay is not None and (best is None or relay.step_seconds < best.step_seconds):
-                best = relay
-        if best is not None:
-            return best
+        relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
+        if relay is not None:
+            return relay
     return None
