@@ -13,7 +13,7 @@ import pytest
 from harts_hf.planner import CostModel, MemoryModel, plan
 from harts_hf.planner.balance import FORWARD_SHARE, rank_seconds, step_seconds
 from harts_hf.planner.cost import cost_origin
-from harts_hf.planner.graphs import graph_slots
+from harts_hf.planner.graphs import graph_excess, graph_slots
 from harts_hf.sources import grpo_group
 from harts_hf.trainers.config import HARTSGRPOConfig
 
@@ -49,6 +49,10 @@ def test_graph_slots_are_the_most_last_slots_the_byte_budget_holds(memory, rng):
         assert k == 5 or _held(memory, tokens[r], context[r], k + 1) > limit
     assert (kept > 1).any() and (kept < 5).any()  # the draw exercises both sides
     np.testing.assert_array_equal(graph_slots(memory, budget, tokens, context, "last"), np.ones(6))
+    # the excess of keeping every graph (what the relay takes off a rank's token cap): <= 0 exactly where all fit
+    excess = graph_excess(memory, budget, tokens, context)
+    np.testing.assert_allclose(excess, [_held(memory, tokens[r], context[r], 5) - limit for r in range(6)])
+    np.testing.assert_array_equal(excess <= 0, kept == 5)
     with pytest.raises(ValueError, match="unknown graph rule 'all'; valid: budget, last"):
         graph_slots(memory, budget, tokens, context, "all")
 
