@@ -1,7 +1,8 @@
 """The plan's kept graphs (``planner/graphs.py``): the last slots keep their graphs while the byte
 budget holds them alive together, the predicted step charges a rerun only to the slots that keep
 none (at the cost model's forward share, which a cost model written before it was measured lacks),
-and the planner cuts more, smaller slots where they keep more graphs and that lowers the step."""
+and the planner cuts more, smaller slots where they keep more graphs and that lowers the step; no
+plan within the budget predicts a step below the lower bound with the reruns the budget forces."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from test_planner_invariants import case_plan, cases
 
+from harts_hf.lab.plan_report import lower_bound
 from harts_hf.planner import CostModel, MemoryModel, plan
 from harts_hf.planner.balance import FORWARD_SHARE, rank_seconds, step_seconds
 from harts_hf.planner.cost import cost_origin
@@ -117,3 +121,17 @@ def test_cost_model_json_round_trips_with_and_without_its_forward_share():
     for share in (0.0, 1.5):
         with pytest.raises(ValueError, match="forward_share"):
             CostModel(token=1e-4, pair=0.0, round=0.0, microbatch=0.0, forward_share=share)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases())
+def test_no_plan_within_the_budget_beats_the_bound_with_its_reruns(case):
+    """``lab.plan_report.lower_bound``'s ``with_reruns`` (a rank's kept graphs hold one budget's bytes,
+    so the tokens past every rank's share of them rerun a forward) stays below every plan's predicted
+    step, on forests of every workload shape and budgets far below them; it is the plain bound where
+    the ranks can keep everything."""
+    p = case_plan(case)
+    bound = lower_bound(case[0], p)
+    assert bound["seconds"] <= bound["with_reruns"] <= p.step_seconds * (1 + 1e-9)
+    held = (float(p.memory_model(p.budget.tokens)) - p.memory_model.fixed) / p.memory_model.token
+    assert (bound["rerun"] > 0) == (p.num_compact_tokens > p.world_size * held)
