@@ -58,6 +58,7 @@ ORDER_PATIENCE = 4  # shuffles in a row that spill no less end the search
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
 PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
+REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
 
@@ -366,8 +367,8 @@ def _passes(
     again with the extra seconds that pass priced on every rank, then on that packing with each rank's
     token cap lowered by its graph excess (its context's memory counted: the cap keeps every slot's
     graph) until none exceeds it; None if none fits and streams, or none can predict a step below
-    ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its mean rank
-    or a rank's extra alone does not."""
+    ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its mean rank,
+    a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
     extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
@@ -396,7 +397,7 @@ def _passes(
             break
         if attempt == 0:
             extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
-            if max(relay.cost.sum(axis=1).mean(), extra.max()) >= beat:  # no packing gets below the mean rank
+            if max(relay.cost.sum(axis=1).mean(), extra.max(), REPACK_GAIN * relay.step_seconds) >= beat:
                 break
         fitted = np.maximum(made.tokens.sum(axis=1) - over - chunk, cap / 2)  # at most halved a pass
         cap = np.where(over > 0, fitted, cap) if attempt == 0 else np.minimum(cap, fitted)
