@@ -12,20 +12,25 @@ exactly like the unpatched model and the single-process engine (``cp_plan_worker
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from cp_plan_worker import BUDGET, SMALL_CONTEXT, SPREAD_CHUNK, busy_rows, cp_planned, long_chain, spread_planned
 from launch import torchrun
 from test_planner_handoffs import _owner_counts
+from test_planner_invariants import case_plan
 from tiny_models import tiny_model
 
 from harts_hf import RolloutForest, patch_model, plan
 from harts_hf.forest import sorted_unique
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
+from harts_hf.ops.rounds import RoundsTable
 from harts_hf.ops.tree_batch import TreeBatch
-from harts_hf.schedule import Schedule
+from harts_hf.planner import CostModel, MemoryModel
+from harts_hf.schedule import Schedule, rank_units
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +191,23 @@ def test_planned_groups_train_exactly(tmp_path, capsys):
     torchrun("cp_plan_worker.py", 2, str(tmp_path), *CASES, timeout=600)
     with capsys.disabled():
         print("\n" + "\n".join(_check(tmp_path, CASES)))
+
+
+def test_a_spread_keeps_its_first_span_on_the_pieces_rank():
+    """A chain spread over free time keeps its first span on its own rank, beside its context (found by
+    the random-forest test): water-filled, that rank's share here was nothing, so the spans landed on
+    two other ranks, reading the chain's ancestors from a rank that runs the forest at another call
+    position, and the schedule refused the plan. Three forests on five ranks, attention only."""
+    rng = np.random.default_rng(0)
+    seg = lambda n: rng.integers(3, 30_000, n).tolist()
+    chain = seg(168)
+    deep = [chain[:56] + seg(17), chain[:112] + seg(17), chain + seg(17), chain + seg(73)]
+    trunk = [seg(n) for n in (7, 9, 8, 5, 9, 9, 9, 1, 5)]  # a caterpillar: its trunk, a leg under each node
+    legs = [seg(n) for n in (6, 3, 4, 6, 8, 6, 2, 7)]
+    prefix = list(itertools.accumulate(trunk))  # the trunk down to each node's end
+    rows = [prefix[i] + leg for i, leg in enumerate(legs)] + [prefix[-1] + seg(8), prefix[-1] + seg(2), prefix[-1]]
+    forests = [RolloutForest.from_sequences(s) for s in ([seg(146)], rows, deep)]
+    case = (forests, 5, 842, 8, CostModel(0.0, 1.0, 10.0, 5.0), MemoryModel(token=4.0, context=10.0))
+    p = case_plan(case, context_parallel=True)
+    for r in range(5):
+        rank_units(forests, p, r, frozenset({RoundsTable(8)}), "cpu")  # refused before: ValueError

@@ -284,7 +284,7 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
         cut = np.floor(geo.token_at(own[0] + np.cumsum(share)[:-1])) - lo + top
         bounds = np.r_[lo, np.clip(np.round(cut / chunk) * chunk - top + lo, lo, hi).astype(np.int64), hi]
         kept = np.flatnonzero(np.diff(bounds) > 0)
-        if kept.size < 2:
+        if kept.size < 2 or kept[0] != 0:  # the piece's rank keeps the first span: its context stays put
             continue
         members = [members[k] for k in kept]
         lows, highs = bounds[kept], bounds[kept + 1]
