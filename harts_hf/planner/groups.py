@@ -252,7 +252,7 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     cuts lie on chunk-aligned depths (no replay). A piece whose microbatch holds its descendants is
     not cut (:func:`_read_below`). A member's microbatch must hold only the piece's forest (its spans
     then run at the same call position), its rank compute none of the span's ancestors in a later slot
-    (:func:`_computed_later`), and its microbatch still fit the budget with the span and its ancestors
+    (:func:`_computed_later`) nor any of the piece's tokens (a replica: it would compute them twice), and its microbatch still fit the budget with the span and its ancestors
     as context (an upper bound: it may share some)."""
     base = plan_pieces(p, geo)
     R, S = p.cost.shape
@@ -273,7 +273,8 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
         i = int(mine[np.argmax((base.hi - base.lo)[mine])])
         lo, hi, f = int(base.lo[i]), int(base.hi[i]), int(p.piece_forest[i])
         late = _computed_later(geo, base, i, s, R)
-        ranks = [q for q in range(R) if q == r or not (np.delete(holds[q, s], f).any() or late[q])]
+        held = np.bincount(base.rank[(base.lo < hi) & (lo < base.hi)], minlength=R) > 0  # a copy of its tokens
+        ranks = [q for q in range(R) if q == r or not (np.delete(holds[q, s], f).any() or late[q] or held[q])]
         own = geo.prefix(np.array([lo, hi]))
         fill = np.array([p.cost[q, s] if p.tokens[q, s] else p.cost_model.microbatch for q in ranks])
         fill[ranks.index(r)] -= own[1] - own[0]
