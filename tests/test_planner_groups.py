@@ -31,6 +31,7 @@ from harts_hf.ops.rounds import RoundsTable
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, MemoryModel
 from harts_hf.schedule import Schedule, rank_units
+from harts_hf.sources import deep_chain
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +212,18 @@ def test_a_spread_keeps_its_first_span_on_the_pieces_rank():
     p = case_plan(case, context_parallel=True)
     for r in range(5):
         rank_units(forests, p, r, frozenset({RoundsTable(8)}), "cpu")  # refused before: ValueError
+
+
+def test_a_spread_lands_only_on_ranks_without_a_copy_of_its_tokens():
+    """A chain spread over free time never lands on a rank that holds a replica of its tokens in
+    another slot, which would then compute them twice (found by the random-forest test; the
+    schedule refused the plan): three deep chains of branches on five ranks, an 18-token budget."""
+    rng = np.random.default_rng(5)  # the random-forest test's draw of seed 5
+    forests = [
+        deep_chain(int(rng.integers(2, 45)), fanout=int(rng.integers(2, 4)), seed=5 + k).forest() for k in range(3)
+    ]
+    case = (forests, 5, 18, 4, CostModel(0.0, 1.0, 0.0, 0.0), MemoryModel(token=4.0, context=0.0))
+    p = case_plan(case, context_parallel=True)
+    assert p.groups > 0
+    for r in range(5):
+        rank_units(forests, p, r, frozenset({RoundsTable(4)}), "cpu")  # refused before: ValueError
