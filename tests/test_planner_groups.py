@@ -13,6 +13,7 @@ exactly like the unpatched model and the single-process engine (``cp_plan_worker
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -30,6 +31,12 @@ from harts_hf.modeling.tables import model_tables
 from harts_hf.ops.rounds import RoundsTable
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, MemoryModel
+from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.groups import spread_pieces
+from harts_hf.planner.memory import TOKEN_MEMORY, Budget
+from harts_hf.planner.pieces import Pieces
+from harts_hf.planner.plan import build_plan
 from harts_hf.schedule import Schedule, rank_units
 from harts_hf.sources import deep_chain
 
@@ -227,3 +234,27 @@ def test_a_spread_lands_only_on_ranks_without_a_copy_of_its_tokens():
     assert p.groups > 0
     for r in range(5):
         rank_units(forests, p, r, frozenset({RoundsTable(4)}), "cpu")  # refused before: ValueError
+
+
+def test_a_spread_leaves_a_chain_whose_ancestors_another_rank_owns_in_its_slot():
+    """Rank 0 owns a trunk and runs a second forest first; rank 1 recomputes the trunk and continues it
+    with a long chain; rank 2 idles. Spread over rank 2, the chain's second span would read the trunk
+    from its owner, rank 0, at another call position (found by the random-forest test; the schedule
+    refused the plan): the chain is not spread."""
+    rng = np.random.default_rng(0)
+    seg = lambda n: rng.integers(3, 30_000, n).tolist()
+    trunk = seg(451)
+    forests = [
+        RolloutForest.from_sequences([seg(110)]),
+        RolloutForest.from_sequences([trunk + seg(2000), trunk + seg(11)]),
+    ]
+    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
+    a, t, x = 110, 110 + 451, 110 + 451 + 2000  # forest B: the trunk [a, t), the chain [t, x), a leaf [x, x + 11)
+    rows = [(0, 0, 0, a, 0, False), (0, 0, a, t, -1, False), (0, 0, x, x + 11, 2, False)]
+    rows += [(1, 0, a, t, -1, True), (1, 0, t, x, 1, False)]
+    rank, slot, lo, hi, branch, replica = (np.array(c) for c in zip(*rows))
+    pieces = Pieces(rank, slot, lo, hi, branch, replica, 1)
+    budget = Budget(10_000)
+    base = build_plan(geo, forests, pieces, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 4, time.perf_counter(), 3)
+    assert int(np.argmax(base.cost[:, 0])) == 1 and base.tokens[2, 0] == 0  # the chain's rank is the busiest
+    assert spread_pieces(base, geo, 4) is None

@@ -241,11 +241,21 @@ def _computed_later(geo: Geometry, base: Pieces, piece: int, slot: int, num_rank
     return np.bincount(base.rank[later[reads]], minlength=num_ranks) > 0
 
 
+def _owned_beside(geo: Geometry, base: Pieces, piece: int, rank: int) -> bool:
+    """Whether another rank owns, in the same slot, an ancestor of chain piece ``piece`` (of ``rank``):
+    its spans elsewhere would read it from that rank (the schedule reads a token from its owner), at
+    whatever position that rank runs the forest in the slot, not from the copy beside the first span."""
+    _, lo, hi = geo.path_intervals(np.array([base.lo[piece]]))
+    same = np.flatnonzero(~base.replica & (base.slot == base.slot[piece]) & (base.rank != rank))
+    return bool(((base.lo[same, None] < hi[None]) & (lo[None] < base.hi[same, None])).any())
+
+
 def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with, in each slot, the chain piece of its costliest microbatch cut into
     spans over the ranks with free time in that slot, and the groups (slot, ranks in span order);
     None if no slot gains a group.
 
+    A piece whose ancestors another rank owns in the same slot is not cut (:func:`_owned_beside`).
     The piece's cost is water-filled over its rank's other work and the other ranks' microbatches
     of the slot (an empty one counts its fixed overhead): every member ends at about the same cost.
     Its rank keeps the first span (the piece's context stays put), the others follow in rank order;
@@ -272,6 +282,8 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
             continue
         i = int(mine[np.argmax((base.hi - base.lo)[mine])])
         lo, hi, f = int(base.lo[i]), int(base.hi[i]), int(p.piece_forest[i])
+        if _owned_beside(geo, base, i, r):
+            continue
         late = _computed_later(geo, base, i, s, R)
         held = np.bincount(base.rank[(base.lo < hi) & (lo < base.hi)], minlength=R) > 0  # a copy of its tokens
         ranks = [q for q in range(R) if q == r or not (np.delete(holds[q, s], f).any() or late[q] or held[q])]
