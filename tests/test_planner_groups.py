@@ -33,7 +33,7 @@ from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, MemoryModel
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
-from harts_hf.planner.groups import spread_pieces
+from harts_hf.planner.groups import group_pieces, spread_pieces
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import build_plan
@@ -258,3 +258,34 @@ def test_a_spread_leaves_a_chain_whose_ancestors_another_rank_owns_in_its_slot()
     base = build_plan(geo, forests, pieces, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 4, time.perf_counter(), 3)
     assert int(np.argmax(base.cost[:, 0])) == 1 and base.tokens[2, 0] == 0  # the chain's rank is the busiest
     assert spread_pieces(base, geo, 4) is None
+
+
+def test_idle_ranks_leave_a_serial_rank_that_recomputes_what_another_owns_then():
+    """Rank 0 owns a trunk in slot 0 and runs a second forest first; rank 1 recomputes the trunk and
+    runs a long chain under it over two slots; rank 2 idles. Moved onto rank 2, the chain's later
+    span would read the trunk from its owner, rank 0, at another call position (found by the
+    random-forest test with handoffs; the schedule refused the plan): rank 1 is left serial."""
+    rng = np.random.default_rng(0)
+    seg = lambda n: rng.integers(3, 30_000, n).tolist()
+    trunk = seg(100)
+    forests = [
+        RolloutForest.from_sequences([seg(50)]),
+        RolloutForest.from_sequences([trunk + seg(200), trunk + seg(10)]),
+    ]
+    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
+    rows = [(0, 0, 0, 50, 0, False), (0, 0, 50, 150, -1, False), (0, 0, 350, 360, 2, False)]
+    rows += [(1, 0, 50, 150, -1, True), (1, 0, 150, 250, 1, False), (1, 1, 250, 350, 1, False)]
+    rank, slot, lo, hi, branch, replica = (np.array(c) for c in zip(*rows))
+    base = build_plan(
+        geo,
+        forests,
+        Pieces(rank, slot, lo, hi, branch, replica, 2),
+        DEFAULT_COST_MODEL,
+        Budget(1_000),
+        TOKEN_MEMORY,
+        4,
+        time.perf_counter(),
+        3,
+    )
+    assert base.tokens[2].sum() == 0 and (base.tokens[1] > 0).all()  # rank 1 serial, rank 2 idle
+    assert group_pieces(base, geo, 4) is None

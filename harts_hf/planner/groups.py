@@ -127,9 +127,22 @@ def joined_pieces(
     )
 
 
+def _replicated_beside(base: Pieces, rank: int) -> bool:
+    """Whether ``rank`` recomputes tokens another rank owns in one of ``rank``'s slots or later: its
+    microbatches moved onto idle ranks would read them from that owner (the schedule reads a token
+    from its owner), at whatever position the owner runs the forest in the slot."""
+    copies = np.flatnonzero((base.rank == rank) & base.replica)
+    first = base.slot[base.rank == rank].min()
+    owners = np.flatnonzero(~base.replica & (base.rank != rank) & (base.slot >= first))
+    return bool(
+        ((base.lo[copies, None] < base.hi[owners][None]) & (base.lo[owners][None] < base.hi[copies, None])).any()
+    )
+
+
 def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
     """The pieces of ``p`` with serial ranks' microbatches grouped over idle ranks, and the groups
-    (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots.
+    (new slot, ranks in span order); None if no rank idles or none runs several single-forest slots
+    without recomputing tokens another rank owns then (:func:`_replicated_beside`).
 
     A serial rank whose pieces are one root path is cut again into spans of equal cost, ``w`` per
     group (the fewest groups within the budget), so a group's wavefront waits on no slow span;
@@ -144,6 +157,9 @@ def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple
     if idle.size == 0 or serial.size == 0:
         return None
     base = plan_pieces(p, geo)
+    serial = np.array([r for r in serial.tolist() if not _replicated_beside(base, r)], dtype=np.int64)
+    if serial.size == 0:
+        return None
     own = {int(r): np.flatnonzero(p.piece_rank == r) for r in serial}
     own = {r: mine[np.lexsort((base.lo[mine], p.piece_slot[mine]))] for r, mine in own.items()}
     path = {r: _path(geo, base, mine) for r, mine in own.items()}
