@@ -236,26 +236,33 @@ def test_a_spread_lands_only_on_ranks_without_a_copy_of_its_tokens():
         rank_units(forests, p, r, frozenset({RoundsTable(4)}), "cpu")  # refused before: ValueError
 
 
+def _trunk_beside(other: int, trunk: int, chain: int, leaf: int, rows: list, slots: int, budget: int):
+    """(geometry, plan) of a hand-built 3-rank plan of two forests: one ``other``-token row, and a
+    ``trunk`` continued by a ``chain`` and a ``leaf``; ``rows`` its pieces (rank, slot, global DFS
+    start and end, branch, replica) in ``slots`` slots under a ``budget`` of tokens."""
+    rng = np.random.default_rng(0)
+    seg = lambda n: rng.integers(3, 30_000, n).tolist()
+    shared = seg(trunk)
+    forests = [
+        RolloutForest.from_sequences([seg(other)]),
+        RolloutForest.from_sequences([shared + seg(chain), shared + seg(leaf)]),
+    ]
+    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
+    pieces = Pieces(*(np.array(c) for c in zip(*rows)), slots)
+    return geo, build_plan(
+        geo, forests, pieces, DEFAULT_COST_MODEL, Budget(budget), TOKEN_MEMORY, 4, time.perf_counter(), 3
+    )
+
+
 def test_a_spread_leaves_a_chain_whose_ancestors_another_rank_owns_in_its_slot():
     """Rank 0 owns a trunk and runs a second forest first; rank 1 recomputes the trunk and continues it
     with a long chain; rank 2 idles. Spread over rank 2, the chain's second span would read the trunk
     from its owner, rank 0, at another call position (found by the random-forest test; the schedule
     refused the plan): the chain is not spread."""
-    rng = np.random.default_rng(0)
-    seg = lambda n: rng.integers(3, 30_000, n).tolist()
-    trunk = seg(451)
-    forests = [
-        RolloutForest.from_sequences([seg(110)]),
-        RolloutForest.from_sequences([trunk + seg(2000), trunk + seg(11)]),
-    ]
-    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
     a, t, x = 110, 110 + 451, 110 + 451 + 2000  # forest B: the trunk [a, t), the chain [t, x), a leaf [x, x + 11)
     rows = [(0, 0, 0, a, 0, False), (0, 0, a, t, -1, False), (0, 0, x, x + 11, 2, False)]
     rows += [(1, 0, a, t, -1, True), (1, 0, t, x, 1, False)]
-    rank, slot, lo, hi, branch, replica = (np.array(c) for c in zip(*rows))
-    pieces = Pieces(rank, slot, lo, hi, branch, replica, 1)
-    budget = Budget(10_000)
-    base = build_plan(geo, forests, pieces, DEFAULT_COST_MODEL, budget, TOKEN_MEMORY, 4, time.perf_counter(), 3)
+    geo, base = _trunk_beside(110, 451, 2000, 11, rows, 1, 10_000)
     assert int(np.argmax(base.cost[:, 0])) == 1 and base.tokens[2, 0] == 0  # the chain's rank is the busiest
     assert spread_pieces(base, geo, 4) is None
 
@@ -265,27 +272,8 @@ def test_idle_ranks_leave_a_serial_rank_that_recomputes_what_another_owns_then()
     runs a long chain under it over two slots; rank 2 idles. Moved onto rank 2, the chain's later
     span would read the trunk from its owner, rank 0, at another call position (found by the
     random-forest test with handoffs; the schedule refused the plan): rank 1 is left serial."""
-    rng = np.random.default_rng(0)
-    seg = lambda n: rng.integers(3, 30_000, n).tolist()
-    trunk = seg(100)
-    forests = [
-        RolloutForest.from_sequences([seg(50)]),
-        RolloutForest.from_sequences([trunk + seg(200), trunk + seg(10)]),
-    ]
-    geo = Geometry.of(forests, DEFAULT_COST_MODEL)
     rows = [(0, 0, 0, 50, 0, False), (0, 0, 50, 150, -1, False), (0, 0, 350, 360, 2, False)]
     rows += [(1, 0, 50, 150, -1, True), (1, 0, 150, 250, 1, False), (1, 1, 250, 350, 1, False)]
-    rank, slot, lo, hi, branch, replica = (np.array(c) for c in zip(*rows))
-    base = build_plan(
-        geo,
-        forests,
-        Pieces(rank, slot, lo, hi, branch, replica, 2),
-        DEFAULT_COST_MODEL,
-        Budget(1_000),
-        TOKEN_MEMORY,
-        4,
-        time.perf_counter(),
-        3,
-    )
+    geo, base = _trunk_beside(50, 100, 200, 10, rows, 2, 1_000)
     assert base.tokens[2].sum() == 0 and (base.tokens[1] > 0).all()  # rank 1 serial, rank 2 idle
     assert group_pieces(base, geo, 4) is None

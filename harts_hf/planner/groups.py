@@ -127,6 +127,12 @@ def joined_pieces(
     )
 
 
+def _sharing(base: Pieces, pieces: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """[len(pieces)] whether each of ``pieces`` (indices into ``base``) holds a token of one of the
+    intervals ``lo``-``hi``."""
+    return ((base.lo[pieces, None] < hi[None]) & (lo[None] < base.hi[pieces, None])).any(axis=1)
+
+
 def _replicated_beside(base: Pieces, rank: int) -> bool:
     """Whether ``rank`` recomputes tokens another rank owns in one of ``rank``'s slots or later: its
     microbatches moved onto idle ranks would read them from that owner (the schedule reads a token
@@ -134,9 +140,7 @@ def _replicated_beside(base: Pieces, rank: int) -> bool:
     copies = np.flatnonzero((base.rank == rank) & base.replica)
     first = base.slot[base.rank == rank].min()
     owners = np.flatnonzero(~base.replica & (base.rank != rank) & (base.slot >= first))
-    return bool(
-        ((base.lo[copies, None] < base.hi[owners][None]) & (base.lo[owners][None] < base.hi[copies, None])).any()
-    )
+    return bool(_sharing(base, owners, base.lo[copies], base.hi[copies]).any())
 
 
 def group_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
@@ -253,7 +257,7 @@ def _computed_later(geo: Geometry, base: Pieces, piece: int, slot: int, num_rank
     from the rank computing it in time."""
     _, lo, hi = geo.path_intervals(np.array([base.hi[piece] - 1]), inclusive=True)
     later = np.flatnonzero(base.slot > slot)
-    reads = ((base.lo[later, None] < hi[None]) & (lo[None] < base.hi[later, None])).any(axis=1)
+    reads = _sharing(base, later, lo, hi)
     return np.bincount(base.rank[later[reads]], minlength=num_ranks) > 0
 
 
@@ -263,7 +267,7 @@ def _owned_beside(geo: Geometry, base: Pieces, piece: int, rank: int) -> bool:
     whatever position that rank runs the forest in the slot, not from the copy beside the first span."""
     _, lo, hi = geo.path_intervals(np.array([base.lo[piece]]))
     same = np.flatnonzero(~base.replica & (base.slot == base.slot[piece]) & (base.rank != rank))
-    return bool(((base.lo[same, None] < hi[None]) & (lo[None] < base.hi[same, None])).any())
+    return bool(_sharing(base, same, lo, hi).any())
 
 
 def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tuple[int, list[int]]]] | None:
@@ -278,8 +282,9 @@ def spread_pieces(p: Plan, geo: Geometry, chunk: int) -> tuple[Pieces, list[tupl
     cuts lie on chunk-aligned depths (no replay). A piece whose microbatch holds its descendants is
     not cut (:func:`_read_below`). A member's microbatch must hold only the piece's forest (its spans
     then run at the same call position), its rank compute none of the span's ancestors in a later slot
-    (:func:`_computed_later`) nor any of the piece's tokens (a replica: it would compute them twice), and its microbatch still fit the budget with the span and its ancestors
-    as context (an upper bound: it may share some)."""
+    (:func:`_computed_later`) nor any of the piece's tokens (a replica: it would compute them twice),
+    and its microbatch still fit the budget with the span and its ancestors as context (an upper
+    bound: it may share some)."""
     base = plan_pieces(p, geo)
     R, S = p.cost.shape
     nf = int(p.piece_forest.max()) + 1
