@@ -32,7 +32,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan, plan
-from harts_hf.planner.relay import relay_cut
+from harts_hf.planner.relay import _fanned_tops, relay_cut
 
 
 def piece_plan(
@@ -111,12 +111,42 @@ def relay_plan(forest: RolloutForest, world_size: int) -> Plan:
     """The relay of the relay forest under a 200-token budget, context at a tenth of an own token and
     a free link (``planner/relay.py``): the prompt on rank 0 in slot 0, every segment on one rank or
     cut between two, its head in slot 1 and its tail, on the next rank, in slot 2."""
+    cost, memory, budget, geo, build = _relay_setup(forest, world_size)
+    return relay_cut(geo, budget, memory, world_size, 64, build, 4, cost)
+
+
+def _relay_setup(forest: RolloutForest, world_size: int):
+    """A 200-token budget, context at a tenth of an own token, a free link: (cost, memory, budget,
+    geometry, the plan builder) of the relay's tests."""
     cost = dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0)
     memory = MemoryModel(token=1.0, context=0.1)
     budget = memory.budget(max_tokens=200)
     geo = Geometry.of([forest], cost)
     build = lambda pieces: build_plan(geo, [forest], pieces, cost, budget, memory, 64, time.perf_counter(), world_size)
-    return relay_cut(geo, budget, memory, world_size, 64, build, layers=4)
+    return cost, memory, budget, geo, build
+
+
+def fanned_forest(rng: np.random.Generator) -> list[list[int]]:
+    """A 60-token system prompt above two 20-token task prompts, each above three agent segments of
+    40-70 tokens (a trunk and a branch off its middle; 480 tokens): the relay's tops in two levels."""
+    seg = lambda n: [int(t) for t in rng.integers(3, 120, n)]
+    system, rows = seg(60), []
+    for lengths in ((70, 45, 60), (40, 65, 50)):
+        task = system + seg(20)
+        for n in lengths:
+            trunk = task + seg(n)
+            rows += [trunk, trunk[: len(task) + n // 2] + seg(7)]
+    return rows
+
+
+def fanned_plan(forest: RolloutForest, world_size: int) -> Plan:
+    """The relay of the fanned forest as ``relay_plan``'s, its tops laid out against their fan-out
+    over every rank: the system prompt split over ranks in slot 0 (a context-parallel group), the
+    task prompts whole in slot 1 (reading it handed over), the segments in slots 2 and 3."""
+    cost, memory, budget, geo, build = _relay_setup(forest, world_size)
+    return relay_cut(
+        geo, budget, memory, world_size, 64, build, 4, cost, layouts=(_fanned_tops,), top_ranks=(world_size,)
+    )
 
 
 def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
@@ -182,6 +212,7 @@ PLANS = {
     "cpwave3": (3, "deep", lambda f: wavefront_plan(f, 3)),  # 2 slots of 3
     "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
     "relay3": (3, "relay", lambda f: relay_plan(f, 3)),  # two segments handed on, rank 0 -> 1 -> 2
+    "fanned3": (3, "fanned", lambda f: fanned_plan(f, 3)),  # the system prompt a group in slot 0, tasks in slot 1
 }
 
 
@@ -200,6 +231,7 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
         "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
         "deep": deep_forest,
         "relay": relay_forest,
+        "fanned": fanned_forest,
     }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)
 

@@ -141,7 +141,7 @@ def _check(out, cases) -> list[str]:
         saved = torch.load(out / f"{family}-{plan_name}-{wrapper}.pt")
         got = (saved["logprobs"], saved["grads"])
         assert saved["transfers"] > 0 and saved["bytes"][0] > 0 and saved["bytes"][1] > 0
-        assert (saved["streams"] > 0) == plan_name.startswith("cp")  # a context-parallel group streams
+        assert (saved["streams"] > 0) == plan_name.startswith(("cp", "fanned"))  # a context-parallel group streams
         if wrapper == "autocast":  # bf16 K/V etc. on the wire: the same units on one rank, to fp32 summation order
             _assert_same(saved["single"], got, tol=1e-5)
         else:
@@ -163,7 +163,7 @@ CASES_3 = [
     "qwen3_5:chain3:autocast",  # bf16 compute, fp32 states: both dtypes on the wire
     "kimi_linear:chain3:fsdp2",  # parameters sharded: FSDP2 gathers between the exchange points
     "qwen3_5:relay3:plain",  # the relay: heads handed on between slots, rank 0 -> 1 -> 2, the prompt from slot 0
-    "nemotron_h:relay3:checkpointing",
+    "nemotron_h:fanned3:checkpointing",  # the relay's tops in two slots: the system prompt a group, the tasks after it
 ]
 CASES_2 = [
     "qwen3_5:zigzag2:ddp",  # a rank reads its own earlier unit and the other rank's
@@ -182,6 +182,7 @@ CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
     "kimi_linear:cpchain3:fsdp2",  # parameters gathered before the group's calls, none inside
     "kimi_linear:cpchain3:checkpointing",
     "nemotron_h:cp3:checkpointing",
+    "qwen3_5:fanned3:plain",
     "qwen3_5:cpwave3:plain",  # plan()'s DFS cut of a deep tree: branching spans, two slots of three
     "kimi_linear:cpwave3:checkpointing",
 ]

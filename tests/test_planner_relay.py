@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from cross_rank_worker import forest_of, relay_plan
 from hypothesis import given, settings
 from test_planner_handoffs import _owner_counts
@@ -26,7 +27,7 @@ from harts_hf.ops.rounds import RoundsTable
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.relay import _Branches, _pack, _Run, relay_cut
+from harts_hf.planner.relay import _Branches, _even_tops, _fanned_tops, _pack, _Run, relay_cut
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -65,18 +66,20 @@ def test_ranges_keep_the_caps_and_cover_the_run():
     assert capped[0] == 0 and capped[-1] == total and (np.diff(capped) <= cap).all()
 
 
+@pytest.mark.parametrize("layout", [_even_tops, _fanned_tops])
 @settings(max_examples=40, deadline=None)
-@given(cases())
-def test_relays_hold_on_random_forests(case):
-    """Wherever it makes a plan: every compact token owned once by one piece (no replica), every
-    microbatch within the budget, every rank's units compile (each read from an earlier slot or from
-    a lower rank of its own slot: ``compile_rank`` refuses any other)."""
+@given(case=cases())
+def test_relays_hold_on_random_forests(layout, case):
+    """Wherever it makes a plan, with either layout of the tops: every compact token owned once by
+    one piece (no replica), every microbatch within the budget, every rank's units compile (each
+    read from an earlier slot or from a lower rank of its own slot: ``compile_rank`` refuses any
+    other)."""
     forests, world, budget, chunk, cost, memory = case
     world = max(world, 2)
     geo = Geometry.of(forests, cost)
     budget = memory.budget(max_tokens=budget)
     build = lambda pieces: build_plan(geo, forests, pieces, cost, budget, memory, chunk, time.perf_counter(), world)
-    p = relay_cut(geo, budget, memory, world, chunk, build, 4)
+    p = relay_cut(geo, budget, memory, world, chunk, build, 4, cost, layouts=(layout,))
     if p is None:
         return
     assert not p.piece_replica.any() and p.fits_budget

@@ -254,7 +254,7 @@ def plan(
         best = root_grouped(best, geo, build, layers) or best
         cut = wavefront_cut(geo, budget, world_size, chunk_size, build, layers)
         best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
-        cut = relay_cut(geo, budget, memory, world_size, chunk_size, build, layers, best.step_seconds)
+        cut = relay_cut(geo, budget, memory, world_size, chunk_size, build, layers, cost, best.step_seconds)
         best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]

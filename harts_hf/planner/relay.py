@@ -8,11 +8,14 @@ ranks past the graph budget, so their earlier slots rerun in the backward. The D
 (``wavefront.py``) runs every token once but each span of a slot reads the one before it: a
 wavefront as deep as the slot has ranks.
 
-Layout, slot 0 then slots 1..S:
+Layout, the tops' slots then slots 1..S:
 - the *tops* (``assign.find_branches`` with branches of up to one rank's share: the chains above
-  them, a system prompt and task prompts) run in slot 0, their DFS order cut at equal cost over the
-  first k ranks (a context-parallel group that every later slot reads; k is whichever of
-  :data:`TOP_SHARES` predicts the lowest step);
+  them, a system prompt and task prompts) run first, once, over the first k ranks (k is whichever of
+  :data:`TOP_SHARES` predicts the lowest step), laid out either way (:func:`_even_tops`, in slot 0:
+  their DFS order cut at equal cost, a context-parallel group that every later slot reads; or
+  :func:`_fanned_tops`, against their fan-out: a top every rank reads costs its senders a message
+  to each reader, so at hundreds of ranks the system prompt is spread thin over slot 0 and the task
+  prompts, whole, follow in slot 1);
 - the branches are packed over groups of about :data:`GROUP_RANKS` consecutive ranks (largest first
   onto the least loaded group, then moves and swaps off the busiest: :func:`_pack`), and each
   group's branches, ordered so that every cut between two ranks lands in a branch that both halves
@@ -27,8 +30,8 @@ Pricing: ``crossreads.priced`` (a head that spills into its tail's slot streams:
 Every cut lies on the chunk grid where its node reaches it (no replay there). The transfers and
 waits priced on each rank (its *extra*), and each rank's excess over the graph budget (its earlier
 slots would rerun), go back into the cut: the extra comes off the rank's share (the branches packed
-again once) and the excess off its token cap, for up to :data:`PASSES` passes; the pass predicting
-the lowest step is kept.
+again once, then the ranges cut again with the extra of each pass blended in) and the excess off its
+token cap, for up to :data:`PASSES` passes while they predict lower; the lowest is kept.
 
 Legend: R ranks, U branches, G groups, S slots after the tops' slot, K top nodes.
 """
@@ -43,6 +46,7 @@ import numpy as np
 
 from . import crossreads
 from .assign import BRANCH_RULES, find_branches, group_paths
+from .cost import CostModel
 from .geometry import Geometry
 from .graphs import graph_excess
 from .memory import Budget, MemoryModel
@@ -59,6 +63,7 @@ SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until on
 PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
+EXTRA_BLEND = 0.5  # a later pass's extra: this share of the last pass's priced extra, the rest of the one before
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
 
@@ -290,15 +295,34 @@ def _slotted(geo: Geometry, run: list[tuple[int, int]], ends: np.ndarray, chunk:
     return out
 
 
-def _top_pieces(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int) -> tuple[np.ndarray, ...]:
-    """(rank, lo, hi) of the tops' DFS order cut at equal cost into ``ranks`` spans, span j on rank j."""
+Rows = list[tuple[int, int, int, int, int]]  # (rank, slot, lo, hi, branch)
+Tops = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi) of the tops' pieces
+TopLayout = Callable[[Geometry, np.ndarray, int, int, int, CostModel], Tops]
+
+
+def _cut_tops(
+    geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, send: np.ndarray, whole: np.ndarray
+) -> np.ndarray:
+    """[ranks - 1] tokens cutting the DFS order of ``tops`` [K] at equal weight (a token's cost plus
+    its node's ``send`` [K] seconds per token) into ``ranks`` spans, on the chunk grid where its node
+    reaches it; where a cut lands in a node of ``whole`` [K] (bool), it moves to that node's nearer end."""
     start, length = geo.start[tops], geo.length[tops]
-    cum = np.r_[0.0, np.cumsum(geo.node_cost[tops])]
+    weight = geo.node_cost[tops] + send * length
+    cum = np.r_[0.0, np.cumsum(weight)]
     target = cum[-1] * np.arange(1, ranks) / ranks
     i = np.clip(np.searchsorted(cum, target, side="right") - 1, 0, tops.size - 1)
-    t = np.floor(geo.token_at(geo.cum[tops[i]] + target - cum[i])).astype(np.int64)
+    rem = np.maximum(target - cum[i], 0.0)
+    beta = geo.a + send[i] + geo.b * (geo.depth[tops[i]] + 0.5)  # weight of k tokens: b/2 k^2 + beta k
+    k = 2 * rem / (beta + np.sqrt(beta * beta + 2 * geo.b * rem))
+    t = np.floor(start[i] + np.minimum(k, length[i])).astype(np.int64)
     t = np.clip(geo.on_grid(np.clip(t, start[i], start[i] + length[i] - 1), chunk), start[i], None)
-    starts = np.unique(np.r_[start[0], t])
+    return np.where(whole[i], np.where(rem > cum[i + 1] - target, start[i] + length[i], start[i]), t)
+
+
+def _spans(geo: Geometry, tops: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(rank, lo, hi) of ``tops``' tokens cut at ``cuts``: span j on rank j."""
+    start, length = geo.start[tops], geo.length[tops]
+    starts = np.unique(np.r_[start[0], cuts])
     bounds = np.unique(np.r_[start, start + length, starts])
     lo, hi = bounds[:-1], bounds[1:]
     held = np.isin(geo.node_of(lo), tops)
@@ -306,7 +330,42 @@ def _top_pieces(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int) -> tupl
     return np.searchsorted(starts, lo, side="right") - 1, lo, hi
 
 
-Rows = list[tuple[int, int, int, int, int]]  # (rank, slot, lo, hi, branch)
+def _even_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel) -> Tops:
+    """(rank, slot, lo, hi) of the tops' DFS order cut at equal cost into ``ranks`` spans in slot 0,
+    span j on rank j."""
+    none = np.zeros(tops.size)
+    rank, lo, hi = _spans(geo, tops, _cut_tops(geo, tops, ranks, chunk, none, none.astype(bool)))
+    return rank, np.zeros_like(rank), lo, hi
+
+
+def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel) -> Tops:
+    """(rank, slot, lo, hi) of the tops laid out against their fan-out: a top read by many ranks
+    (a system prompt every rank reads) costs its senders a message and its rows to each reader,
+    so each token weighs its cost plus its sends (readers: the ranks its subtree's share of the
+    work covers, plus one), and the tops' DFS order is cut at equal weight over ``ranks`` ranks.
+    A top weighing more than a span runs in slot 0 with its ancestors, split (its spans stream to
+    each other); the others run in slot 1, reading slot 0 as handoffs (a message a pair, not one a
+    layer), each whole on one span's rank unless it too weighs more than a span there (a cut never
+    chains two of them: each waits only for its own ancestors)."""
+    start, length = geo.start[tops], geo.length[tops]
+    work = geo.prefix(geo.end[tops]) - geo.prefix(start)
+    readers = np.minimum(world_size, np.ceil(work / (geo.total_cost / world_size)) + 1)
+    send = readers * float(cost.transfer(1, 0, 0))
+    weight = geo.node_cost[tops] + send * length
+    split = weight > weight.sum() / ranks
+    first = np.zeros(geo.num_nodes, dtype=bool)
+    first[tops[split]] = True
+    for _ in range(int(geo.level[tops].max()) + 1):  # ancestors of a split top run with it
+        first[geo.parent[first & (geo.parent >= 0)]] = True
+    first = first[tops]
+    out = []
+    for slot, mine in enumerate((first, ~first) if first.any() else (~first,)):
+        if not mine.any():
+            continue
+        cuts = _cut_tops(geo, tops[mine], ranks, chunk, send[mine], weight[mine] <= weight[mine].sum() / ranks)
+        rank, lo, hi = _spans(geo, tops[mine], cuts)
+        out.append((rank, np.full(rank.size, slot), lo, hi))
+    return tuple(np.concatenate(col) for col in zip(*out))
 
 
 def _branch_rows(
@@ -338,9 +397,9 @@ def _branch_rows(
 
 
 def _pieces(geo: Geometry, rows: Rows, tops: tuple[np.ndarray, ...], slots: int) -> Pieces:
-    """The relay's pieces: the tops (rank, lo, hi) in slot 0, if any, the branches' ``rows`` after them."""
-    first = int(tops[0].size > 0)
-    rows = [(int(r), 0, int(lo), int(hi), -1) for r, lo, hi in zip(*tops)] + [
+    """The relay's pieces: the tops (rank, slot, lo, hi) in their slots, if any, the branches' ``rows`` after them."""
+    first = int(tops[1].max()) + 1 if tops[1].size else 0
+    rows = [(int(r), int(s), int(lo), int(hi), -1) for r, s, lo, hi in zip(*tops)] + [
         (r, first + s, lo, hi, u) for r, s, lo, hi, u in rows
     ]
     rank, slot, lo, hi, branch = (np.array(col, dtype=np.int64) for col in zip(*sorted(rows)))
@@ -352,7 +411,7 @@ def _pieces(geo: Geometry, rows: Rows, tops: tuple[np.ndarray, ...], slots: int)
 def _passes(
     geo: Geometry,
     b: _Branches,
-    tops: list[tuple[np.ndarray, ...]],
+    tops: list[Tops],
     widths: np.ndarray,
     shares: np.ndarray,
     budget: Budget,
@@ -364,11 +423,12 @@ def _passes(
 ) -> Plan | None:
     """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
     tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept), then packed
-    again with the extra seconds that pass priced on every rank, then on that packing with each rank's
-    token cap lowered by its graph excess (its context's memory counted: the cap keeps every slot's
-    graph) until none exceeds it; None if none fits and streams, or none can predict a step below
-    ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its mean rank,
-    a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
+    again with the extra seconds that pass priced on every rank, then on that packing cut again, each
+    rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's and its token cap lowered by its
+    graph excess (its context's memory counted: the cap keeps every slot's graph), while a pass
+    predicts lower or a rank exceeds it; None if none fits and streams, or none can predict a step
+    below ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its
+    mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
     extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
@@ -390,15 +450,18 @@ def _passes(
                 relay, made, tops = priced, built, [layout]
         if relay is None:
             break
-        if best is None or relay.step_seconds < best.step_seconds:
-            best = relay
+        lower = best is None or relay.step_seconds < best.step_seconds
+        best = relay if lower else best
         over = graph_excess(memory, budget, made.tokens, made.context) / memory.token  # [R] own-token equivalents
-        if attempt > 0 and not (over > 0).any():
-            break
+        priced_extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
         if attempt == 0:
-            extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
+            extra = priced_extra
             if max(relay.cost.sum(axis=1).mean(), extra.max(), REPACK_GAIN * relay.step_seconds) >= beat:
                 break
+        elif not (lower or (over > 0).any()):
+            break
+        else:
+            extra = EXTRA_BLEND * priced_extra + (1 - EXTRA_BLEND) * extra
         fitted = np.maximum(made.tokens.sum(axis=1) - over - chunk, cap / 2)  # at most halved a pass
         cap = np.where(over > 0, fitted, cap) if attempt == 0 else np.minimum(cap, fitted)
     return best
@@ -412,13 +475,17 @@ def relay_cut(
     chunk: int,
     build: Callable[[Pieces], Plan],
     layers: int,
+    cost: CostModel,
     beat: float = math.inf,
+    layouts: tuple[TopLayout, ...] = (_even_tops, _fanned_tops),
+    top_ranks: tuple[int, ...] | None = None,
 ) -> Plan | None:
-    """The relay over ``world_size`` ranks (module docstring): the tops' group over the ranks of
-    whichever of :data:`TOP_SHARES` predicts the lowest step, in the fewest slots whose microbatches the budget holds (two at least: a head
-    before its tail; up to :data:`SLOT_TRIES` more where none fits); None where a
-    branch costs more than one rank's share (a chain far deeper than the budget: the DFS cut's case)
-    or no relay fits and predicts a step below ``beat``."""
+    """The relay over ``world_size`` ranks (module docstring): the tops laid out by whichever of
+    ``layouts`` over whichever of ``top_ranks`` ranks (default: R / :data:`TOP_SHARES`) predicts the
+    lowest step, priced with ``cost``'s links, the branches in the fewest slots whose microbatches
+    the budget holds (two at least: a head before its tail; up to :data:`SLOT_TRIES` more where none
+    fits); None where a branch costs more than one rank's share (a chain far deeper than the budget:
+    the DFS cut's case) or no relay fits and predicts a step below ``beat``."""
     if world_size < 2:
         return None
     b, top_nodes = _split(geo, world_size, budget)
@@ -426,9 +493,10 @@ def relay_cut(
         return None
     widths = _widths(world_size)
     fewest = max(2, math.ceil(b.tokens.sum() / world_size / (budget.tokens * CAP_FILL)))
-    none = (np.zeros(0, dtype=np.int64),) * 3
-    shares = sorted({max(1, world_size // s) for s in TOP_SHARES})
-    tops = [_top_pieces(geo, top_nodes, share, chunk) for share in shares] if top_nodes.size else [none]
+    none = (np.zeros(0, dtype=np.int64),) * 4
+    top_ranks = top_ranks or tuple(sorted({max(1, world_size // s) for s in TOP_SHARES}))
+    laid = lambda layout, k: layout(geo, top_nodes, k, chunk, world_size, cost)
+    tops = [laid(layout, k) for layout in layouts for k in top_ranks] if top_nodes.size else [none]
     for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
         relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
         if relay is not None:
