@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from test_planner_handoffs import _owner_counts
 from test_planner_invariants import cases
 
-from harts_hf import plan
+from harts_hf import RolloutForest, plan
 from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.ops.rounds import RoundsTable
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
@@ -86,6 +86,32 @@ def test_relays_hold_on_random_forests(layout, case):
     assert all((_owner_counts(p, forest, f) == 1).all() for f, forest in enumerate(forests))
     for r in range(world):
         assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
+
+
+def test_fanned_tops_spread_the_prompt_every_rank_reads():
+    """A 4,096-token system prompt above 32 task prompts of 256 tokens, each above two segments, on
+    64 ranks, the tops over 16: every top token once; the system prompt, which all 64 ranks read,
+    split in slot 0 over more ranks than the even cut gives it; each task prompt, read by a few,
+    whole on one rank in slot 1."""
+    rng = np.random.default_rng(0)
+    tokens = lambda n: rng.integers(3, 30_000, n).tolist()
+    system, rows = tokens(4096), []
+    for _ in range(32):
+        task = system + tokens(256)
+        rows += [task + tokens(int(n)) for n in rng.integers(1_000, 3_000, 2)]
+    forest = RolloutForest.from_sequences(rows)
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    tops = np.flatnonzero(geo.level <= 1)  # the system prompt, then the tasks
+    rank, slot, lo, hi = _fanned_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
+    order = np.argsort(lo)
+    assert (hi[order][:-1] <= lo[order][1:]).all() and (hi - lo).sum() == geo.length[tops].sum()
+    assert np.isin(geo.node_of(lo), tops).all()
+    in_system = hi <= 4096
+    assert (slot[in_system] == 0).all() and (slot[~in_system] == 1).all()
+    even_rank, _, even_lo, even_hi = _even_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
+    assert np.unique(rank[in_system]).size > np.unique(even_rank[even_hi <= 4096]).size
+    task_of = geo.node_of(lo[~in_system])
+    assert np.unique(task_of).size == 32 and all(np.unique(rank[~in_system][task_of == t]).size == 1 for t in task_of)
 
 
 def test_plan_keeps_the_relay_on_an_agentic_batch():
