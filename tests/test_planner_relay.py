@@ -108,7 +108,7 @@ def test_fanned_tops_spread_the_prompt_every_rank_reads():
     assert np.isin(geo.node_of(lo), tops).all()
     in_system = hi <= 4096
     assert (slot[in_system] == 0).all() and (slot[~in_system] == 1).all()
-    even_rank, _, even_lo, even_hi = _even_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
+    even_rank, _, _, even_hi = _even_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
     assert np.unique(rank[in_system]).size > np.unique(even_rank[even_hi <= 4096]).size
     task_of = geo.node_of(lo[~in_system])
     assert np.unique(task_of).size == 32 and all(np.unique(rank[~in_system][task_of == t]).size == 1 for t in task_of)
