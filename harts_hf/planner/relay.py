@@ -33,7 +33,7 @@ slots would rerun), go back into the cut: the extra comes off the rank's share (
 again once, then the ranges cut again with the extra of each pass blended in) and the excess off its
 token cap, for up to :data:`PASSES` passes while they predict lower; the lowest is kept.
 
-Legend: R ranks, U branches, G groups, S slots after the tops' slot, K top nodes.
+Legend: R ranks, U branches, G groups, S slots after the tops' slots, K top nodes.
 """
 
 from __future__ import annotations
@@ -359,9 +359,7 @@ def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_
         first[geo.parent[first & (geo.parent >= 0)]] = True
     first = first[tops]
     out = []
-    for slot, mine in enumerate((first, ~first) if first.any() else (~first,)):
-        if not mine.any():
-            continue
+    for slot, mine in enumerate(m for m in (first, ~first) if m.any()):
         cuts = _cut_tops(geo, tops[mine], ranks, chunk, send[mine], weight[mine] <= weight[mine].sum() / ranks)
         rank, lo, hi = _spans(geo, tops[mine], cuts)
         out.append((rank, np.full(rank.size, slot), lo, hi))
@@ -396,7 +394,7 @@ def _branch_rows(
     return rows
 
 
-def _pieces(geo: Geometry, rows: Rows, tops: tuple[np.ndarray, ...], slots: int) -> Pieces:
+def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
     """The relay's pieces: the tops (rank, slot, lo, hi) in their slots, if any, the branches' ``rows`` after them."""
     first = int(tops[1].max()) + 1 if tops[1].size else 0
     rows = [(int(r), int(s), int(lo), int(hi), -1) for r, s, lo, hi in zip(*tops)] + [
