@@ -15,8 +15,8 @@ from test_planner_invariants import check_plan
 from harts_hf import RolloutForest
 from harts_hf.app.cli import main
 from harts_hf.lab import plan_record
-from harts_hf.lab.plan_report import record_table
 from harts_hf.lab.baselines import dfs_kcut, exact, per_trajectory, trie_packing
+from harts_hf.lab.plan_report import record_table
 from harts_hf.planner import DEFAULT_COST_MODEL, TOKEN_MEMORY, Budget, plan
 from harts_hf.sources import caterpillar, grpo_group, random_tree
 
@@ -29,6 +29,7 @@ FIELDS = {
     "step_seconds",
     "context_parallel",
     "step_seconds_from",
+    "slot_seconds",
     "plan_seconds",
     "handoffs",
     "lower_bound",

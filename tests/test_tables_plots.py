@@ -68,8 +68,11 @@ def small_plan():
 
 
 def test_plan_table_ends_in_its_legend(small_plan):
-    _, _, record = small_plan
+    _, ours, record = small_plan
     text = record_table(record)
+    (by_slot,) = [line for line in text.splitlines() if line.startswith("step by slot")]
+    slowest = [float(pair.split("/")[0]) for pair in by_slot.split(": ")[1].split()]
+    assert len(slowest) == ours.num_slots and sum(slowest) <= ours.step_seconds + 1e-9  # replays add to the sum
     gap = GAP if record["baselines"]["exact"].get("gap") is not None else {}
     assert_legend_below(text, PLAN_COLUMNS | PLANNERS | gap, "planner")
     assert set(PLANNERS) == {"harts", *record["baselines"]}  # every row of the table is explained

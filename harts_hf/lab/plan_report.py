@@ -55,6 +55,7 @@ NO_EXCHANGE = {
     "no_exchange": "harts with cross-rank handoffs and context-parallel groups off: every shared chain recomputed "
     "where it is read, every piece of a trajectory on one rank"
 }
+SLOTS_SHOWN = 12  # slots of harts' step printed one by one
 GAP = {"gap": "harts' largest rank cost above the exact solver's proven lower bound (0% = optimal)"}
 
 
@@ -147,6 +148,14 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _by_slot(seconds: dict, shown: int = SLOTS_SHOWN) -> str:
+    """Where harts' step goes: each slot's slowest rank (what the lockstep step sums) beside its mean
+    rank, the first ``shown`` slots."""
+    pairs = [f"{a:.3f}/{b:.3f}" for a, b in zip(seconds["slowest"], seconds["mean"])]
+    more = f" ... ({len(pairs) - shown} more)" if len(pairs) > shown else ""
+    return f"step by slot, slowest/mean rank (s): {' '.join(pairs[:shown])}{more}"
+
+
 def record_table(record: dict) -> str:
     """One aligned row per planner (step time, slot and rank imbalance, redundancy, planning seconds), why a
     baseline was skipped and the exact solver's gap, then the legend of columns and planners."""
@@ -194,6 +203,8 @@ def record_table(record: dict) -> str:
                 f"{bound['rerun']:.4f} s: its kept graphs hold one budget): harts at "
                 f"{record['step_seconds'] / bound['with_reruns']:.3f}x"
             )
+    if "slot_seconds" in record:
+        head += "\n" + _by_slot(record["slot_seconds"])
     notes = [f"{name}: {e['skipped']}" for name, e in record["baselines"].items() if "skipped" in e]
     gap = record["baselines"]["exact"].get("gap")
     if gap is not None:

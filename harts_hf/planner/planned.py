@@ -168,6 +168,7 @@ class Plan:
             "redundancy": self.redundancy,
             "step_seconds": self.step_seconds,
             "step_seconds_from": cost_origin(self.cost_model),
+            "slot_seconds": {"slowest": self.cost.max(axis=0).tolist(), "mean": self.cost.mean(axis=0).tolist()},
             "plan_seconds": self.plan_seconds,
             "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
             "context_parallel": {
