@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from harts_hf import RolloutForest
-from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.cost import DEFAULT_COST_MODEL, CostModel
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
@@ -115,7 +115,9 @@ def relay_plan(forest: RolloutForest, world_size: int) -> Plan:
     return relay_cut(geo, budget, memory, world_size, 64, build, 4, cost)
 
 
-def _relay_setup(forest: RolloutForest, world_size: int):
+def _relay_setup(
+    forest: RolloutForest, world_size: int
+) -> tuple[CostModel, MemoryModel, Budget, Geometry, Callable[[Pieces], Plan]]:
     """A 200-token budget, context at a tenth of an own token, a free link: (cost, memory, budget,
     geometry, the plan builder) of the relay's tests."""
     cost = dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0)
@@ -141,8 +143,8 @@ def fanned_forest(rng: np.random.Generator) -> list[list[int]]:
 
 def fanned_plan(forest: RolloutForest, world_size: int) -> Plan:
     """The relay of the fanned forest as ``relay_plan``'s, its tops laid out against their fan-out
-    over every rank: the system prompt split over ranks in slot 0 (a context-parallel group), the
-    task prompts whole in slot 1 (reading it handed over), the segments in slots 2 and 3."""
+    over every rank: the system prompt split over the ranks in slot 0 (a context-parallel group),
+    each task prompt over two ranks in slot 1 (reading it handed over), the segments in slots 2 and 3."""
     cost, memory, budget, geo, build = _relay_setup(forest, world_size)
     return relay_cut(
         geo, budget, memory, world_size, 64, build, 4, cost, layouts=(_fanned_tops,), top_ranks=(world_size,)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from cross_rank_worker import forest_of, relay_plan
+from cross_rank_worker import fanned_plan, forest_of, relay_plan
 from hypothesis import given, settings
 from test_planner_handoffs import _owner_counts
 from test_planner_invariants import cases
@@ -132,6 +132,21 @@ def test_plan_keeps_the_relay_on_an_agentic_batch():
     tops = kept.piece_slot == 0
     assert (kept.piece_branch[tops] < 0).all() and (kept.piece_branch[~tops] >= 0).all()
     assert kept.handoffs > 0
+
+
+def test_the_worker_fans_the_tops():
+    """The cross-rank worker's fanned relay on three ranks: the system prompt over all three in slot
+    0, each task prompt over two ranks in slot 1, the segments in slots 2 and 3, every token once."""
+    _, forest = forest_of("fanned")
+    p = fanned_plan(forest, 3)
+    system = p.piece_end <= 60
+    assert p.num_slots == 4 and (p.piece_slot[system] == 0).all() and (p.piece_slot[~system] > 0).all()
+    assert sorted(p.piece_rank[system].tolist()) == [0, 1, 2]
+    tasks = (p.piece_branch < 0) & ~system
+    assert (p.piece_slot[tasks] == 1).all() and (p.piece_slot[p.piece_branch >= 0] >= 2).all()
+    node = Geometry.of([forest], DEFAULT_COST_MODEL).node_of(p.piece_start[tasks])
+    assert [np.unique(p.piece_rank[tasks][node == v]).size for v in np.unique(node)] == [2, 2]
+    assert (p.piece_end - p.piece_start).sum() == forest.num_compact_tokens
 
 
 def test_the_worker_relays_hand_heads_on():
