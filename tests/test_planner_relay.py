@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from cross_rank_worker import fanned_plan, forest_of, relay_plan
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_planner_handoffs import _owner_counts
 from test_planner_invariants import cases
 
@@ -26,6 +27,7 @@ from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.ops.rounds import RoundsTable
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
+from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
 from harts_hf.planner.relay import _Branches, _even_tops, _fanned_tops, _pack, _Run, relay_cut
 from harts_hf.schedule import rank_units
@@ -86,6 +88,36 @@ def test_relays_hold_on_random_forests(layout, case):
     assert all((_owner_counts(p, forest, f) == 1).all() for f, forest in enumerate(forests))
     for r in range(world):
         assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    tasks=st.integers(1, 6),
+    world=st.integers(3, 16),
+    budget=st.sampled_from([512, 1024, 2048]),
+    scale=st.sampled_from([0.01, 0.02, 0.04]),
+)
+def test_fanned_relays_hold_on_agentic_batches(seed, tasks, world, budget, scale):
+    """The fanned layout over every rank on small SWE-like batches (the random forests above seldom
+    have tops in two levels; these mostly do): wherever the relay makes a plan, every compact token
+    owned once, no replica, the budget holds, every rank's units compile."""
+    forest = get_workload(
+        "swe-like", scale=scale, seed=seed, num_tasks=tasks, group_size=4, turns_mean=16, turns_max=30
+    ).forest()
+    memory, chunk = MemoryModel(token=1.0, context=0.1), 64
+    geo, budget = Geometry.of([forest], DEFAULT_COST_MODEL), memory.budget(max_tokens=budget)
+    build = lambda pieces: build_plan(
+        geo, [forest], pieces, DEFAULT_COST_MODEL, budget, memory, chunk, time.perf_counter(), world
+    )
+    p = relay_cut(
+        geo, budget, memory, world, chunk, build, 4, DEFAULT_COST_MODEL, layouts=(_fanned_tops,), top_ranks=(world,)
+    )
+    if p is None:
+        return
+    assert not p.piece_replica.any() and p.fits_budget and (_owner_counts(p, forest, 0) == 1).all()
+    for r in range(world):
+        assert len(rank_units([forest], p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
 
 
 def test_fanned_tops_spread_the_prompt_every_rank_reads():
