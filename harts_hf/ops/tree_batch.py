@@ -186,11 +186,11 @@ def _context(forest: RolloutForest, tokens: np.ndarray) -> np.ndarray:
     parents outside the piece, each ancestor node climbed once (``trees.path_intervals``). Never
     touches the rest of the forest, so a rank's units cost their own size, not the forest's."""
     parent = forest.prev[tokens]
-    parent = np.unique(parent[(parent >= 0) & ~_in_sorted(parent, tokens)])
+    parent = sorted_unique(parent[(parent >= 0) & ~_in_sorted(parent, tokens)])
     node = forest.node_of[parent]
     _, lo, hi = path_intervals(forest.node_start, forest.node_len, forest.node_parent, node, parent + 1, once=True)
     length = hi - lo
-    ancestors = np.unique(np.repeat(lo - np.cumsum(length) + length, length) + np.arange(length.sum()))
+    ancestors = sorted_unique(np.repeat(lo - np.cumsum(length) + length, length) + np.arange(length.sum()))
     return ancestors[~_in_sorted(ancestors, tokens)]
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..forest import RolloutForest
+from ..forest import RolloutForest, sorted_unique
 from ..planner.plan import Plan
 
 __all__ = ["Exchange", "Transfers", "boundary_pairs", "check_groups", "crosses_ranks", "pair_homes", "rank_view"]
@@ -181,7 +181,7 @@ def rank_view(
     remote = ranks[producer] != ranks[consumer]
     p, q, c, r = producer[remote], ranks[consumer[remote]], consumer[remote], row[remote]
     stride = max((k.size for k in kept), default=0) + 1
-    block = np.unique((p * world + q) * stride + r)  # (producer, consumer rank, row), sorted
+    block = sorted_unique((p * world + q) * stride + r)  # (producer, consumer rank, row), sorted
     pair, block_row = block // stride, block % stride
     bounds = np.searchsorted(pair, np.arange(len(kept) * world + 1))
     rows_of = lambda u, to: block_row[bounds[u * world + to] : bounds[u * world + to + 1]]
@@ -202,11 +202,13 @@ def rank_view(
         int(u): {int(to): rows_of(u, to) for to in range(world) if to != rank and rows_of(u, to).size}
         for u in np.flatnonzero(ranks == rank)
     }
-    pairs = np.unique(np.stack((p, c, r)), axis=1) if p.size else np.zeros((3, 0), dtype=np.int64)
-    key, count = np.unique(pairs[0] * len(kept) + pairs[1], return_counts=True)
+    units = len(kept)
+    read = sorted_unique((p * units + c) * stride + r) // stride  # (producer, consumer unit) of each distinct row
+    first = np.flatnonzero(np.r_[True, read[1:] != read[:-1]]) if read.size else read
+    key, count = read[first], np.diff(np.r_[first, read.size])
     transfers = [
         (int(ranks[u]), int(slots[u]), int(u), int(ranks[v]), int(slots[v]), int(v), int(n))
-        for u, v, n in zip(key // len(kept), key % len(kept), count)
+        for u, v, n in zip(key // units, key % units, count)
     ]
     return RankView(out, held, sends, transfers)
 

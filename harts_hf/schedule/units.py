@@ -162,7 +162,7 @@ def handoff_rows(
     producer, read = np.concatenate([none, *source]), np.concatenate([none, *reads])
     stride = max(f.num_compact_tokens for f in forests) + 1
     key = producer * stride + read
-    held = np.unique(key)
+    held = sorted_unique(key)
     start = np.searchsorted(held, np.arange(len(units) + 1) * stride)
     kept = [held[start[u] : start[u + 1]] - u * stride for u in range(len(units))]
     row = np.split(np.searchsorted(held, key) - start[producer], np.cumsum([r.size for r in reads])[:-1])
