@@ -353,11 +353,8 @@ def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_
     send = readers * float(cost.transfer(1, 0, 0))
     weight = geo.node_cost[tops] + send * length
     split = weight > weight.sum() / ranks
-    first = np.zeros(geo.num_nodes, dtype=bool)
-    first[tops[split]] = True
-    for _ in range(int(geo.level[tops].max()) + 1):  # ancestors of a split top run with it
-        first[geo.parent[first & (geo.parent >= 0)]] = True
-    first = first[tops]
+    with_ancestors = np.concatenate([np.zeros(0, dtype=np.int64), *group_paths(geo, tops[split])])
+    first = np.isin(tops, with_ancestors)
     out = []
     for slot, mine in enumerate(m for m in (first, ~first) if m.any()):
         cuts = _cut_tops(geo, tops[mine], ranks, chunk, send[mine], weight[mine] <= weight[mine].sum() / ranks)
