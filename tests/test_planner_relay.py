@@ -81,12 +81,17 @@ def test_relays_hold_on_random_forests(layout, case):
     geo = Geometry.of(forests, cost)
     budget = memory.budget(max_tokens=budget)
     build = lambda pieces: build_plan(geo, forests, pieces, cost, budget, memory, chunk, time.perf_counter(), world)
-    p = relay_cut(geo, budget, memory, world, chunk, build, 4, cost, layouts=(layout,))
+    _assert_holds(relay_cut(geo, budget, memory, world, chunk, build, 4, cost, layouts=(layout,)), forests, chunk)
+
+
+def _assert_holds(p, forests, chunk: int) -> None:
+    """A relay, where ``relay_cut`` made one: every compact token of ``forests`` owned once by one
+    piece (no replica), every microbatch within the budget, every rank's units compile."""
     if p is None:
         return
     assert not p.piece_replica.any() and p.fits_budget
     assert all((_owner_counts(p, forest, f) == 1).all() for f, forest in enumerate(forests))
-    for r in range(world):
+    for r in range(p.world_size):
         assert len(rank_units(forests, p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
 
 
@@ -113,11 +118,7 @@ def test_fanned_relays_hold_on_agentic_batches(seed, tasks, world, budget, scale
     p = relay_cut(
         geo, budget, memory, world, chunk, build, 4, DEFAULT_COST_MODEL, layouts=(_fanned_tops,), top_ranks=(world,)
     )
-    if p is None:
-        return
-    assert not p.piece_replica.any() and p.fits_budget and (_owner_counts(p, forest, 0) == 1).all()
-    for r in range(world):
-        assert len(rank_units([forest], p, r, frozenset({RoundsTable(chunk)}), "cpu")) == p.unit_counts[r]
+    _assert_holds(p, [forest], chunk)
 
 
 def test_fanned_tops_spread_the_prompt_every_rank_reads():
