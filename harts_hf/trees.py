@@ -75,28 +75,29 @@ def path_intervals(
     node: np.ndarray,
     tip: np.ndarray,
     *,
-    once: bool = False,
+    once_per: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Root paths as token intervals, one per node, climbed one node per vectorised step.
 
     Nodes are contiguous token ranges ``start:start + length`` under ``parent`` (-1 at a root);
     query i is the path of node ``node[i]``'s tokens before ``tip[i]`` and every ancestor node
     whole. Returns ``(which, lo, hi)``: query ``which[j]`` holds tokens ``lo[j]:hi[j]``, in climbing
-    order (the queries' own nodes first), empty intervals dropped. ``once`` asks for the union
-    only: an ancestor node is climbed once, by one query that reaches it, so the work is the
-    union's size, not the sum of the paths (a piece's context costs its own size, not the forest's).
+    order (the queries' own nodes first), empty intervals dropped. ``once_per`` [n] (each query's
+    group) asks for each group's union only: an ancestor node is climbed once per group, by one
+    of its queries that reaches it, so the work is the unions' size, not the sum of the paths (a
+    piece's context costs its own size, not the forest's).
     """
     idx, v = np.arange(node.size), node
     which, lo, hi = [idx], [start[node]], [tip]
-    visited = np.zeros(start.size, dtype=bool)
+    visited = np.zeros(0, dtype=np.int64)  # group * nodes + node, sorted
     while idx.size:
         up = parent[v] >= 0
         idx, v = idx[up], parent[v[up]]
-        if once:
-            v, first = np.unique(v, return_index=True)
-            fresh = ~visited[v]
-            idx, v = idx[first[fresh]], v[fresh]
-            visited[v] = True
+        if once_per is not None:
+            key, first = np.unique(once_per[idx] * start.size + v, return_index=True)
+            fresh = ~np.isin(key, visited, assume_unique=True)
+            idx, v = idx[first[fresh]], v[first[fresh]]
+            visited = np.union1d(visited, key[fresh])
         which.append(idx)
         lo.append(start[v])
         hi.append(start[v] + length[v])

@@ -11,6 +11,10 @@ the kernel faulting in fresh pages, which the first build of a process pays in f
         # issue 36's figure: 14,177 trajectories (315M tokens, 54.6M compact), forest and plan seconds
     python scripts/compile_time.py --workload deep-chain --set levels=1640 --max-tokens 1024 --model qwen3_5 \
         --plan-only --repeat 3    # another workload of harts_hf.sources: a chain of 1,640 branch levels
+    python scripts/compile_time.py --model qwen3_5 --world-size 64 --max-tokens 65536 --context-parallel
+        # a cross-rank step (the relay: handoffs between ranks, context-parallel groups)
+    python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --max-tokens 65536 \
+        --context-parallel --sample 16    # 16 of its 1,024 ranks, spread evenly
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def main() -> None:
     parser.add_argument("--model", help="price context with this bench family's memory model (default: as own tokens)")
     parser.add_argument("--plan-only", action="store_true", help="stop after the plan (no model, no compile)")
     parser.add_argument("--repeat", type=int, default=1, help="build and plan this many times (median printed)")
+    parser.add_argument(
+        "--context-parallel", action="store_true", help="plan with cross-rank handoffs and context-parallel groups"
+    )
+    parser.add_argument("--sample", type=int, help="compile this many ranks, spread evenly (default: every rank)")
     args = parser.parse_args()
 
     swe = {"scale": args.scale, "num_tasks": args.num_tasks} if args.workload == "swe-like" else {}
@@ -63,7 +71,12 @@ def main() -> None:
         builds.append((u1 - u0, s1 - s0))
         began = time.process_time()
         the_plan = plan(
-            forest, world_size=args.world_size, max_tokens_per_microbatch=args.max_tokens, memory_model=memory
+            forest,
+            world_size=args.world_size,
+            max_tokens_per_microbatch=args.max_tokens,
+            memory_model=memory,
+            context_parallel=args.context_parallel,
+            handoffs=args.context_parallel,
         )
         plans.append(time.process_time() - began)
     print(
@@ -73,20 +86,25 @@ def main() -> None:
     print("forest build, CPU s (user + system): " + ", ".join(f"{u:.2f} + {s:.2f}" for u, s in builds))
     print(
         f"plan at {args.world_size} ranks, CPU s: {', '.join(f'{p:.2f}' for p in plans)} "
-        f"(median {statistics.median(plans):.2f}); {the_plan.num_slots} slots of {args.max_tokens:,} tokens"
+        f"(median {statistics.median(plans):.2f}); {the_plan.num_slots} slots of {args.max_tokens:,} tokens, "
+        f"predicted step {the_plan.step_seconds:.3f} s"
     )
     if args.plan_only:
         return
     hf, adapter = patched_adapter(patch_model(build_model("qwen3_5", max_positions=forest.max_length + 1).model))
     tables = model_tables(hf, adapter)
     seconds = []
-    for rank in range(args.world_size):
+    step = max(args.world_size // (args.sample or args.world_size), 1)
+    for rank in range(0, args.world_size, step):
         began = time.perf_counter()
         units = rank_units([forest], the_plan, rank, tables, "cpu")
         seconds.append(time.perf_counter() - began)
         tokens = sum(unit.tokens.size for unit in units)
         print(f"rank {rank}: {len(units)} units, {tokens:,} tokens, compiled in {seconds[-1]:.2f} s", flush=True)
-    print(f"compile: {max(seconds):.2f} s (the slowest rank), {sum(seconds):.2f} s over all ranks")
+    print(
+        f"compile: {max(seconds):.2f} s (the slowest rank), {statistics.mean(seconds):.2f} s the mean, over "
+        f"{len(seconds)} ranks; peak memory of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB"
+    )
 
 
 if __name__ == "__main__":

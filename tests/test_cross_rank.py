@@ -68,10 +68,11 @@ def test_prompt_handoff_table(tables):
     40 prompt rows, the prompt's replay (no chunk edge: every row) and its last 3 tokens as the
     width-4 conv's halo, from rank 0; calls align by slot (rank 1 pads slot 0)."""
     _, the_plan, schedules = _schedules("prompt3", tables)
-    for s in schedules:  # every rank compiles the same table
-        assert _rows(s.transfers, None) == {(0, 0, 1, 1): 40, (0, 0, 2, 1): 40}
-        assert _rows(s.transfers, ReplayTable(64)) == {(0, 0, 1, 1): 40, (0, 0, 2, 1): 40}
-        assert _rows(s.transfers, ConvHaloTable(4)) == {(0, 0, 1, 1): 3, (0, 0, 2, 1): 3}
+    for r, s in enumerate(schedules):  # each rank's table: the handoffs it sends or receives
+        ends = lambda rows, r=r: {key: n for key, n in rows.items() if r in (key[0], key[2])}
+        assert _rows(s.transfers, None) == ends({(0, 0, 1, 1): 40, (0, 0, 2, 1): 40})
+        assert _rows(s.transfers, ReplayTable(64)) == ends({(0, 0, 1, 1): 40, (0, 0, 2, 1): 40})
+        assert _rows(s.transfers, ConvHaloTable(4)) == ends({(0, 0, 1, 1): 3, (0, 0, 2, 1): 3})
     assert [s.order for s in schedules] == [(0, -1), (-1, 0), (0, 1)]
     prompt = schedules[0].units[0]
     assert {to: rows[None].tolist() for to, rows in prompt.sends.items()} == {1: list(range(40)), 2: list(range(40))}
@@ -85,7 +86,7 @@ def test_chain_handoff_table_has_states(tables):
     and 35 from rank 1, and the GDN state at the 64-token chunk edge from rank 1."""
     _, _, schedules = _schedules("chain3", tables)
     transfers = schedules[2].transfers
-    assert _rows(transfers, None) == {(0, 0, 1, 1): 30, (0, 0, 2, 2): 30, (1, 1, 2, 2): 35}
+    assert _rows(transfers, None) == {(0, 0, 2, 2): 30, (1, 1, 2, 2): 35}
     assert _rows(transfers, RoundsTable(64)) == {(1, 1, 2, 2): 1}
     assert schedules[2].exchange.grad_send == {2: ((0, 0), (1, 1))}  # one message per producer rank
 
@@ -234,11 +235,9 @@ def test_planner_plans_hand_nothing_between_ranks(tables):
     """plan()'s plans keep a rank's context on the rank: no transfer, no exchange, no shared pairs,
     and the calls are the units then the padding, as before cross-rank handoffs."""
     from harts_hf import plan
-    from harts_hf.schedule.crossrank import crosses_ranks
 
     _, forest = forest_of("family")
     the_plan = plan(forest, world_size=3, max_tokens_per_microbatch=forest.max_length + 8)
-    assert not crosses_ranks([forest], the_plan)
     for rank in range(3):
         s = Schedule.compile([forest], the_plan, rank, tables, torch.device("cpu"), calls=6)
         assert len(s.transfers) == 0 and not s.exchange and s.pair_home is None

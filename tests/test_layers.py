@@ -1,6 +1,6 @@
 """The house's floors, read from the source (every import, module-level or inside a function).
 
-Arrows point one way (STYLE.md). The library: trees <- forest <- ops / planner <- schedule <- modeling
+Arrows point one way (STYLE.md). The library: trees <- forest <- runs <- ops / planner <- schedule <- modeling
 <- engine <- trainers; the planner is a pure function of forests (no torch, no model code) and the
 kernel layer holds kernels only. Beside it, the forest sources (conversations, the tool environment,
 synthetic workloads) read only the floor; above it, the lab (benchmarks, calibration, the planner's
@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "harts_hf"
-BASE = {"checks", "chunking", "trees", "forest"}
+BASE = {"checks", "chunking", "trees", "forest", "runs"}
 LIBRARY = {"ops", "planner", "schedule", "modeling", "engine", "trainers"}
 MAY_IMPORT = {  # top-level part of harts_hf -> the parts it may import (besides itself)
     "checks": set(),
     "chunking": set(),
     "trees": set(),
     "forest": {"checks", "trees"},
+    "runs": {"checks", "trees", "forest"},
     "ops": BASE,
     "planner": BASE,
     "sources": BASE,

@@ -19,7 +19,7 @@ from launch import torchrun
 
 from harts_hf import RolloutForest, plan
 from harts_hf.planner.cost import COMM_DEFAULTS, DEFAULT_COST_MODEL, CostModel
-from harts_hf.schedule.crossrank import crosses_ranks
+from harts_hf.schedule import compile_rank
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,11 @@ def _owner_counts(p, forest, f: int = 0) -> np.ndarray:
     for s, e, replica in zip(p.piece_start[mine], p.piece_end[mine], p.piece_replica[mine]):
         count[s:e] += not replica
     return count
+
+
+def _crosses(forest, p) -> bool:
+    """Whether a unit of ``p`` reads context another rank computes (its schedules then share pairs)."""
+    return compile_rank([forest], p, 0, frozenset(), "cpu").pair_home is not None
 
 
 def _assert_valid(p, forest, budget: int) -> None:
@@ -58,7 +63,7 @@ def test_handoff_plan_invariants(forest):
     """The first task's prompt runs once (slot 0) and is read on the other rank later; only the
     system prompt above it is recomputed."""
     p = planned(forest)
-    assert p.handoffs > 0 and p.handoff_bytes > 0 and p.handoff_seconds == 0 and crosses_ranks([forest], p)
+    assert p.handoffs > 0 and p.handoff_bytes > 0 and p.handoff_seconds == 0 and _crosses(forest, p)
     _assert_valid(p, forest, BUDGET)
     assert p.replicated_tokens <= 5  # the system prompt only
     no_exchange = plan(forest, world_size=2, max_tokens_per_microbatch=BUDGET, cost_model=FREE_COMM)
@@ -73,7 +78,7 @@ def test_handoff_plan_invariants_on_swe_like():
     forest = get_workload("swe-like", scale=0.02, num_tasks=8).forest()
     cost = dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0)
     p = plan(forest, world_size=4, max_tokens_per_microbatch=2048, cost_model=cost, handoffs=True)
-    assert p.handoffs > 0 and crosses_ranks([forest], p)
+    assert p.handoffs > 0 and _crosses(forest, p)
     _assert_valid(p, forest, 2048)
 
 
@@ -113,7 +118,7 @@ def test_cost_models_without_comm_terms_still_load():
 
 def test_plan_hands_nothing_unless_asked(forest):
     p = plan(forest, world_size=2, max_tokens_per_microbatch=BUDGET, cost_model=FREE_COMM)
-    assert p.handoffs == 0 and not crosses_ranks([forest], p)
+    assert p.handoffs == 0 and not _crosses(forest, p)
 
 
 CASES = ["qwen3_5:planned2:plain", "qwen3_5:planned2:ddp"]

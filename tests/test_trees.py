@@ -132,10 +132,14 @@ def test_path_intervals_per_query(rng, inclusive):
 def test_path_intervals_once_is_the_union_climbed_once(rng, inclusive):
     start, length, parent, prev = _node_forest(rng, 120)
     t, node, tip = _queries(rng, start, length, inclusive)
-    which, lo, hi = path_intervals(start, length, parent, node, tip, once=True)
-    toks = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
-    assert set(toks.tolist()) == set().union(*(_walk(prev, x, inclusive) for x in t))
+    group = rng.integers(0, 3, t.size)
+    which, lo, hi = path_intervals(start, length, parent, node, tip, once_per=group)
+    for g in range(3):
+        mine = group[which] == g
+        toks = np.concatenate([np.arange(a, b) for a, b in zip(lo[mine], hi[mine])] + [np.zeros(0, np.int64)])
+        assert set(toks.tolist()) == set().union(*(_walk(prev, x, inclusive) for x in t[group == g]))
     whole = np.arange(which.size) >= int((tip > start[node]).sum())  # past the queries' own nodes
-    assert np.unique(lo[whole]).size == whole.sum()  # each ancestor node once
+    key = group[which[whole]] * (int(length.sum()) + 1) + lo[whole]
+    assert np.unique(key).size == whole.sum()  # each ancestor node once per group
     for i, a, b in zip(which, lo, hi):  # climbed by a query whose path holds it
         assert set(range(a, b)) <= _walk(prev, t[i], inclusive)

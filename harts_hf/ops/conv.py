@@ -60,6 +60,10 @@ class ConvHaloTable(Table):
         table = _combined_table(batch, self.width)
         return torch.unique(table[table < batch.num_context])
 
+    @property
+    def reach(self) -> int:
+        return self.width - 1  # the tokens before a path's first own one
+
 
 @dataclass(frozen=True)
 class ConvGatherTable(Table):

@@ -326,6 +326,10 @@ class RoundsTable(Table):
     def build(self, batch: TreeBatch) -> Rounds:
         return build_rounds(batch, self.chunk_size)
 
+    @property
+    def reach(self) -> int:
+        return self.chunk_size  # an external path's state sits after the token at its aligned start - 1
+
 
 @dataclass(frozen=True)
 class ReplayTable(Table):
@@ -336,6 +340,10 @@ class ReplayTable(Table):
 
     def build(self, batch: TreeBatch) -> torch.Tensor:
         return rounds_of(batch, self.chunk_size).context_replay
+
+    @property
+    def reach(self) -> int:
+        return self.chunk_size - 1  # the replayed tokens lie between the aligned start and the path
 
 
 def rounds_of(batch: TreeBatch, chunk_size: int) -> Rounds:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..forest import RolloutForest, sorted_unique
-from ..trees import path_intervals
+from ..runs import Runs, context_runs
 
 __all__ = ["MissingTable", "Table", "TreeBatch"]
 
@@ -45,6 +45,13 @@ class Table:
 
     def build(self, batch: TreeBatch) -> Any:
         raise NotImplementedError
+
+    @property
+    def reach(self) -> int:
+        """How far above a piece's entry tokens (own tokens whose parent is context) the context
+        tokens a context subset (or a state grid's boundary states) lie, in levels: a rank's compile
+        finds another rank's readers of its tokens by it (``harts_hf.schedule.units``)."""
+        raise NotImplementedError(f"{type(self).__name__} names no context tokens")
 
 
 class MissingTable(LookupError):
@@ -175,23 +182,11 @@ class TreeBatch:
         return dataclasses.replace(self, **fields, handoff=None, _cache=cache)
 
 
-def _in_sorted(x: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
-    """[len(x)] whether each of ``x`` is in ``sorted_values`` (sorted, unique)."""
-    at = np.minimum(np.searchsorted(sorted_values, x), sorted_values.size - 1)
-    return sorted_values[at] == x
-
-
 def _context(forest: RolloutForest, tokens: np.ndarray) -> np.ndarray:
-    """The ancestors of the piece ``tokens`` (sorted) outside it, sorted: the root paths of the
-    parents outside the piece, each ancestor node climbed once (``trees.path_intervals``). Never
-    touches the rest of the forest, so a rank's units cost their own size, not the forest's."""
-    parent = forest.prev[tokens]
-    parent = sorted_unique(parent[(parent >= 0) & ~_in_sorted(parent, tokens)])
-    node = forest.node_of[parent]
-    _, lo, hi = path_intervals(forest.node_start, forest.node_len, forest.node_parent, node, parent + 1, once=True)
-    length = hi - lo
-    ancestors = sorted_unique(np.repeat(lo - np.cumsum(length) + length, length) + np.arange(length.sum()))
-    return ancestors[~_in_sorted(ancestors, tokens)]
+    """The ancestors of the piece ``tokens`` (sorted) outside it, sorted (``runs.context_runs``:
+    root paths as runs, each ancestor node climbed once). Never touches the rest of the forest, so
+    a rank's units cost their own size, not the forest's."""
+    return context_runs(forest, Runs.of_tokens(tokens)).tokens()
 
 
 def _to_device(x: Any, device: torch.device, memo: dict[int, Any]) -> Any:

@@ -1,24 +1,23 @@
 """Cross-rank handoffs: the context rows and states a unit reads from a unit of another rank.
 
-``units.handoff_rows`` resolves, over every rank's units, which unit each read comes from (the
-own rank's first, else the earliest other rank's, always in an earlier slot). Here that answer is
-seen from one rank: a unit of another rank is reached through the *block* it sends this rank
-(the rows of what it keeps that this rank's units read, per context subset or state grid), so a
-:class:`~.units.Gather` addresses a block as it addresses a local producer's kept rows; and the
-rank's units get the blocks they send (:attr:`~.units.Unit.sends`). :class:`Transfers` is the
-typed table of every such handoff (producer rank/slot/unit -> consumer rank/slot/unit, subset,
-rows); :class:`Exchange` says, per call of this rank, which blocks it receives in the recording
-pass and which gradient blocks it sends and receives in the replay (``harts_hf.engine.exchange``
-moves them), and which blocks stream inside a call instead: those between the spans of a
-context-parallel group, units of one slot on several ranks (``harts_hf.engine.stream``; a group
-that would wait on itself is refused, :func:`check_groups`).
+``coverage`` resolves, over every rank's units, which unit each read comes from (the own rank's
+first, else the earliest other rank's, always in an earlier slot). Here that answer is seen from
+one rank (:func:`rank_view`): a unit of another rank is reached through the *block* it sends
+this rank (the rows of what it keeps that this rank's units read, per context subset or state
+grid), so a :class:`~.units.Gather` addresses a block as it addresses a local producer's kept
+rows; and the rank's units get the blocks they send (:attr:`~.units.Unit.sends`).
+:class:`Transfers` is the typed table of such handoffs (producer rank/slot/unit -> consumer
+rank/slot/unit, subset, rows); :class:`Exchange` says, per call of this rank, which blocks it
+receives in the recording pass and which gradient blocks it sends and receives in the replay
+(``harts_hf.engine.exchange`` moves them), and which blocks stream inside a call instead: those
+between the spans of a context-parallel group, units of one slot on several ranks
+(``harts_hf.engine.stream``; a group that would wait on itself is refused, :func:`check_groups`).
 
-Also here: whether a plan hands anything between ranks at all (:func:`crosses_ranks`: if not, a
-rank compiles its own units only, as before), the pairs a unit predicts for another rank's targets
-(:func:`boundary_pairs`) and the one rank that answers for each pair (:func:`pair_homes`).
+Also here: the pairs a unit predicts for another rank's targets (:func:`boundary_pairs`) and the
+one rank that answers for each pair (:func:`pair_homes`).
 
-Every rank compiles the same addresses from the plan (numpy, on the host); a rank's own device
-tables only are built. Legend: U the step's units, H cross-rank handoffs, r reads of one unit.
+Every rank checks the same step-wide facts from the plan (as runs, on the host); a rank's own
+addresses and device tables only are built. Legend: U the step's units, H cross-rank handoffs.
 """
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..forest import RolloutForest, sorted_unique
-from ..planner.plan import Plan
+from ..runs import entry_tokens
+from .coverage import Coverage, Reads, StepUnits
 
-__all__ = ["Exchange", "Transfers", "boundary_pairs", "check_groups", "crosses_ranks", "pair_homes", "rank_view"]
+__all__ = ["Exchange", "RankView", "Transfers", "boundary_pairs", "check_groups", "pair_homes", "rank_view"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,7 +40,7 @@ class Transfers:
     numbered over the step (rank by rank, each in call order); ``subset`` names the context subset
     (None: every context row; ``ConvHaloTable(W)``; ``ReplayTable(C)``) or the state grid
     ``RoundsTable(C)``; ``rows`` how many distinct rows (or states) the consumer reads. Holds
-    every handoff of the units this rank's addresses depend on (all those it sends or receives)."""
+    the handoffs one rank sends or receives."""
 
     producer_rank: np.ndarray
     producer_slot: np.ndarray
@@ -106,19 +106,17 @@ class Exchange:
         return cls(*(by_call(e) for e in (receive, grad_send, grad_receive, stream_receive, stream_send)), group_calls)
 
 
-def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray, call: np.ndarray) -> tuple[int, ...]:
+def check_groups(
+    producer: np.ndarray, reader: np.ndarray, ranks: np.ndarray, slots: np.ndarray, call: np.ndarray
+) -> tuple[int, ...]:
     """A unit may read a unit of another rank in its own slot (a context-parallel group) when both
     run at the same call index (their ranks then run them at once, layer by layer) and no such
-    reads close a cycle (each would wait for the other inside the call). ``sources`` [2, r] per
-    unit (producer, row) of its context reads, over every rank's units (every rank checks the same).
-    Returns the call indices at which a group streams, the same on every rank."""
-    edges = {
-        (int(p), i)
-        for i, s in enumerate(sources)
-        for p in np.unique(s[0])
-        if slots[p] == slots[i] and ranks[p] != ranks[i]
-    }
-    for p, i in sorted(edges):
+    reads close a cycle (each would wait for the other inside the call). ``producer``, ``reader``
+    [e]: which unit reads which, over every rank's units (every rank checks the same). Returns the
+    call indices at which a group streams, the same on every rank."""
+    same = (slots[producer] == slots[reader]) & (ranks[producer] != ranks[reader])
+    edges = sorted(zip(producer[same].tolist(), reader[same].tolist()))
+    for p, i in edges:
         if call[p] != call[i]:
             raise ValueError(
                 f"rank {ranks[i]} reads rank {ranks[p]}'s tokens in slot {slots[i]}, but runs its unit of them at "
@@ -151,126 +149,116 @@ def check_groups(sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray
 
 @dataclass(frozen=True, eq=False)
 class RankView:
-    """One subset's handoff rows seen from one rank (:func:`rank_view`).
+    """One subset's handoffs seen from one rank (:func:`rank_view`).
 
     Args:
-        sources: per unit of the step, [2, r] (producer, row in what this rank holds of it); only
-            this rank's units' are meaningful.
+        kept: per unit of this rank that some unit reads, its tokens they read, sorted: the rows
+            of what it keeps.
+        sources: [2, n] per read of this rank's units (in the order given), (producer, row in what
+            this rank holds of it).
         held: [U] rows this rank holds of each producer: its kept rows (own rank) or the block it
             receives (another rank; 0 if none).
         sends: per unit of this rank, {consumer rank: rows of its kept rows in that rank's block}.
         transfers: (producer rank, producer slot, producer, consumer rank, consumer slot,
-            consumer, rows) of every cross-rank read of this subset.
+            consumer, rows) of every cross-rank read given.
     """
 
-    sources: list[np.ndarray]
+    kept: dict[int, np.ndarray]
+    sources: np.ndarray
     held: np.ndarray
     sends: dict[int, dict[int, np.ndarray]]
     transfers: list[tuple[int, int, int, int, int, int, int]]
 
 
-def rank_view(
-    kept: list[np.ndarray], sources: list[np.ndarray], ranks: np.ndarray, slots: np.ndarray, rank: int, world: int
-) -> RankView:
-    """``handoff_rows``' answer (``kept`` per unit, ``sources`` [2, r] per unit) seen from ``rank``:
-    a producer of another rank is reached through the block of its kept rows that the consumer's
-    rank reads (sorted rows), so reads of it are renumbered into that block; ``world`` ranks."""
-    none = np.zeros(0, dtype=np.int64)
-    consumer = np.concatenate([none, *(np.full(s.shape[1], i, dtype=np.int64) for i, s in enumerate(sources))])
-    producer, row = (np.concatenate([none, *(s[k] for s in sources)]) for k in (0, 1))
-    remote = ranks[producer] != ranks[consumer]
-    p, q, c, r = producer[remote], ranks[consumer[remote]], consumer[remote], row[remote]
-    stride = max((k.size for k in kept), default=0) + 1
-    block = sorted_unique((p * world + q) * stride + r)  # (producer, consumer rank, row), sorted
-    pair, block_row = block // stride, block % stride
-    bounds = np.searchsorted(pair, np.arange(len(kept) * world + 1))
-    rows_of = lambda u, to: block_row[bounds[u * world + to] : bounds[u * world + to + 1]]
+def rank_view(reads: Reads, ranks: np.ndarray, slots: np.ndarray, rank: int, world: int) -> RankView:
+    """The handoffs of one subset seen from ``rank``, from ``reads``: every read of its units, and
+    every read of another rank's unit that resolves to one of its units (what a unit keeps is what
+    all its readers read). A producer of another rank is reached through the block of its kept
+    rows that the consumer's rank reads (sorted rows), so reads of it are numbered into that block;
+    ``world`` ranks."""
+    units = ranks.size
+    stride = int(reads.token.max(initial=0)) + 1
+    p, t, q = reads.producer, reads.token, ranks[reads.reader]
+    local, far = ranks[p] == rank, ranks[p] != q
+    kept_key = sorted_unique(p[local] * stride + t[local])  # (producer, token) this rank keeps
+    block_key = sorted_unique((p[far] * world + q[far]) * stride + t[far])  # (producer, reading rank, token)
+    kept_start = np.searchsorted(kept_key, np.arange(units + 1) * stride)
+    block_start = lambda pq: np.searchsorted(block_key, pq * stride)
 
-    held = np.array([k.size if ranks[u] == rank else rows_of(u, rank).size for u, k in enumerate(kept)], dtype=np.int64)
-    out = []
-    for i, s in enumerate(sources):
-        if ranks[i] != rank or not s.shape[1]:
-            out.append(s)
-            continue
-        far = ranks[s[0]] != rank
-        renumbered = s[1].copy()
-        for u in np.unique(s[0][far]):
-            at = far & (s[0] == u)
-            renumbered[at] = np.searchsorted(rows_of(u, rank), s[1][at])
-        out.append(np.stack((s[0], renumbered)))
-    sends = {
-        int(u): {int(to): rows_of(u, to) for to in range(world) if to != rank and rows_of(u, to).size}
-        for u in np.flatnonzero(ranks == rank)
+    mine = q == rank
+    pm, tm = p[mine], t[mine]
+    here = ranks[pm] == rank
+    row = np.where(
+        here,
+        np.searchsorted(kept_key, pm * stride + tm) - kept_start[pm],
+        np.searchsorted(block_key, (pm * world + rank) * stride + tm) - block_start(pm * world + rank),
+    )
+    held = np.diff(kept_start)
+    far_producers = np.unique(pm[~here])
+    held[far_producers] = block_start(far_producers * world + rank + 1) - block_start(far_producers * world + rank)
+
+    kept = {
+        int(u): kept_key[kept_start[u] : kept_start[u + 1]] - u * stride
+        for u in np.flatnonzero(held > 0)
+        if ranks[u] == rank
     }
-    units = len(kept)
-    read = sorted_unique((p * units + c) * stride + r) // stride  # (producer, consumer unit) of each distinct row
+    pair = block_key // stride
+    sends: dict[int, dict[int, np.ndarray]] = {}
+    for pq in np.unique(pair[ranks[pair // world] == rank]):
+        u, to = divmod(int(pq), world)
+        tokens = block_key[block_start(pq) : block_start(pq + 1)] - pq * stride
+        sends.setdefault(u, {})[to] = np.searchsorted(kept[u], tokens)
+    read = sorted_unique((p[far] * units + reads.reader[far]) * stride + t[far]) // stride  # (producer, consumer)
     first = np.flatnonzero(np.r_[True, read[1:] != read[:-1]]) if read.size else read
     key, count = read[first], np.diff(np.r_[first, read.size])
     transfers = [
         (int(ranks[u]), int(slots[u]), int(u), int(ranks[v]), int(slots[v]), int(v), int(n))
         for u, v, n in zip(key // units, key % units, count)
     ]
-    return RankView(out, held, sends, transfers)
+    return RankView(kept, np.stack((pm, row)), held, sends, transfers)
 
 
-def crosses_ranks(forests: list[RolloutForest], plan: Plan) -> bool:
-    """Whether some unit of ``plan`` reads context another rank computes: whether a parent of its
-    tokens outside it is computed on another rank only (its farther ancestors then follow: each is
-    in the parent's unit or read by it). Cheap (no batch is built): a plan without cross-rank
-    handoffs compiles one rank's units only."""
-    for rank in range(plan.world_size):
-        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-        pieces = [plan.microbatch(rank, slot) for slot in range(plan.num_slots)]
-        for f, tokens in (entry for slot in pieces for entry in slot):
-            computed[f][tokens] = True
-        for f, tokens in (entry for slot in pieces for entry in slot):
-            parent = forests[f].prev[tokens]
-            if not computed[f][parent[parent >= 0]].all():
-                return True
-    return False
-
-
-def boundary_pairs(
-    forests: list[RolloutForest],
-    units: list[tuple[int, np.ndarray, np.ndarray]],
-    sources: list[np.ndarray],
-    ranks: np.ndarray,
-) -> list[np.ndarray]:
-    """Per unit of the step ((forest, own tokens, context tokens), ``sources`` [2, Nc] where its
-    context comes from), the pairs it computes for other ranks: a target whose predictor a unit
-    reads from another rank is predicted there, by the unit holding the predictor's hidden state."""
-    out: list[list[np.ndarray]] = [[] for _ in units]
-    for i, (f, tokens, context) in enumerate(units):
-        prev = forests[f].prev
-        target = tokens[prev[tokens] >= 0]
-        at = np.minimum(np.searchsorted(context, prev[target]), max(context.size - 1, 0))
-        read = (context[at] == prev[target]) if context.size else np.zeros(target.size, dtype=bool)
-        producer = sources[i][0][at[read]]
-        far = ranks[producer] != ranks[i]
-        for u in np.unique(producer[far]):
-            out[u].append(target[read][far][producer[far] == u])
-    return [np.unique(np.concatenate(o)) if o else np.zeros(0, dtype=np.int64) for o in out]
+def boundary_pairs(forests: list[RolloutForest], step: StepUnits, coverage: list[Coverage]) -> Reads:
+    """The pairs units compute for other ranks: a target whose predictor its unit reads from
+    another rank is predicted there, by the unit holding the predictor's hidden state. Such a
+    target is an entry token of its unit (``runs.entry_tokens``). As reads: ``reader`` the
+    target's unit, ``token`` the target, ``producer`` the unit predicting it."""
+    parts = []
+    for f, forest in enumerate(forests):
+        target, unit = entry_tokens(forest, step.of_forest(f))
+        producer = coverage[f].resolve(forest.prev[target], step.rank[unit])
+        far = step.rank[producer] != step.rank[unit]
+        parts.append(Reads(unit[far], target[far], producer[far]))
+    return Reads.concat(parts)
 
 
 def pair_homes(
     forests: list[RolloutForest],
-    units: list[tuple[int, np.ndarray]],
-    boundary: list[np.ndarray],
-    ranks: np.ndarray,
+    step: StepUnits,
+    coverage: list[Coverage],
+    boundary: Reads,
+    pairs: list[np.ndarray],
     rank: int,
 ) -> list[np.ndarray]:
-    """Per forest [P_f] bool: the pairs ``rank`` is the lowest rank to compute, of the step's
-    ``units`` (forest, own tokens) and their :func:`boundary_pairs` (a replicated chain's pairs run
-    on every rank holding it; one answers for them)."""
-    world = int(ranks.max(initial=0)) + 1
-    home = [np.full(f.num_compact_tokens, world, dtype=np.int64) for f in forests]
-    for r in range(world):
-        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-        for i in np.flatnonzero(ranks == r):
-            computed[units[i][0]][units[i][1]] = True
-        for f, forest in enumerate(forests):
-            here = np.flatnonzero((forest.prev >= 0) & computed[f] & computed[f][np.maximum(forest.prev, 0)])
-            theirs = [boundary[i] for i in np.flatnonzero(ranks == r) if units[i][0] == f]
-            pairs = np.concatenate([here, *theirs])
-            home[f][pairs] = np.minimum(home[f][pairs], r)
-    return [h[f.prev >= 0] == rank for h, f in zip(home, forests)]
+    """Per forest [P_f] bool: the pairs ``rank`` is the lowest rank to compute (a replicated
+    chain's pairs run on every rank holding it; one answers for them), of ``pairs`` per forest,
+    the targets of those it computes. A rank computes a pair if it computes both its tokens, or
+    if the target is among a unit's :func:`boundary_pairs` there."""
+    out = []
+    for f, (forest, cover, target) in enumerate(zip(forests, coverage, pairs)):
+        segments = cover.num_segments
+        lowest = np.full(segments, np.iinfo(np.int64).max, dtype=np.int64)  # (none computes it)
+        np.minimum.at(lowest, cover.key % segments, cover.key // segments)
+        seg_t, seg_p = cover.segment(target), cover.segment(forest.prev[target])
+        lower = (seg_t == seg_p) & (lowest[seg_t] < rank)  # both tokens in one segment: its ranks
+        apart = np.flatnonzero(seg_t != seg_p)
+        which, other = cover.ranks_computing(seg_t[apart])
+        below = other < rank
+        both = np.isin(other[below] * segments + seg_p[apart][which[below]], cover.key)
+        lower[apart[which[below][both]]] = True
+        theirs = boundary.select((step.forest[boundary.reader] == f) & (step.rank[boundary.producer] < rank))
+        lower |= np.isin(target, theirs.token)
+        home = np.zeros(int((forest.prev >= 0).sum()), dtype=bool)
+        home[forest.pair_number[target[~lower]]] = True
+        out.append(home)
+    return out

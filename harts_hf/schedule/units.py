@@ -12,12 +12,12 @@ Handoffs may cross ranks: a unit reads a context token from its own rank's unit 
 else from a unit of another rank in an earlier slot, or in its own slot: a context-parallel group,
 one long trajectory's contiguous spans run at once on several ranks, whose handoffs stream layer
 call by layer call (``harts_hf.engine.stream``; both units at the same call index, no cycle:
-``crossrank.check_groups``). The addresses are resolved over every rank's units
-(:func:`handoff_rows`: every rank compiles the same answer) and seen from this rank by
-``crossrank.py``: the blocks its units send and receive, by call. Units are numbered over the
-step (:attr:`Unit.number`), the name their kept values go by on every rank. With cross-rank
-handoffs, calls align by slot across ranks, and a pair whose predictor another rank computes is
-computed there (the predictor's hidden state is there).
+``crossrank.check_groups``). Who reads whom is resolved over every rank's units as runs of tokens
+(``coverage.py``: every rank checks the same step), token by token only for this rank's units and
+their readers, and seen from this rank by ``crossrank.py``: the blocks its units send and
+receive, by call. Units are numbered over the step (:attr:`Unit.number`), the name their kept
+values go by on every rank. With cross-rank handoffs, calls align by slot across ranks, and a pair
+whose predictor another rank computes is computed there (the predictor's hidden state is there).
 
 Legend: N a unit's own tokens, Nc its context tokens, P pairs (non-root compact tokens),
 X export rows, E external states, C a linear-attention chunk size.
@@ -28,20 +28,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..checks import is_integer
-from ..forest import RolloutForest, sorted_unique
+from ..forest import RolloutForest
 from ..ops.rounds import RoundsTable, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from .crossrank import Exchange, Transfers, boundary_pairs, check_groups, crosses_ranks, pair_homes, rank_view
+from ..runs import Runs, context_runs, entry_tokens
+from .coverage import Coverage, Reads, StepUnits
+from .crossrank import Exchange, Transfers, boundary_pairs, check_groups, pair_homes, rank_view
 from .tables import Tables, build_tables, chunk_sizes, context_subsets
 
-__all__ = ["Gather", "RankUnits", "Unit", "compile_rank", "forest_unit", "handoff_rows", "rank_units"]
+__all__ = ["Gather", "RankUnits", "Unit", "compile_rank", "forest_unit", "rank_units"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,97 +110,6 @@ class Unit:
     sends: dict[int, dict[Hashable, torch.Tensor]] = field(default_factory=dict)
 
 
-ProducerIndex = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None]
-"""Per forest, the units computing its tokens, sorted two ways: by (rank, token) and by (token,
-slot, rank): keys and units of each (:func:`producer_index`)."""
-
-
-def producer_index(
-    forests: list[RolloutForest], units: list[tuple[int, np.ndarray]], ranks: np.ndarray, slots: np.ndarray
-) -> ProducerIndex:
-    """Which unit computes each token: on each rank (a rank computes a token once), and first over
-    ranks (by slot, then rank); built once per step, read by every :func:`handoff_rows`."""
-    out: ProducerIndex = []
-    for f, forest in enumerate(forests):
-        mine = [i for i, (g, _) in enumerate(units) if g == f]
-        if not mine:
-            out.append(None)
-            continue
-        unit = np.concatenate([np.full(units[i][1].size, i, dtype=np.int64) for i in mine])
-        token = np.concatenate([units[i][1] for i in mine])
-        local_key = ranks[unit] * forest.num_compact_tokens + token
-        local = np.argsort(local_key)
-        first = np.lexsort((ranks[unit], slots[unit], token))
-        out.append((local_key[local], unit[local], token[first], unit[first]))
-    return out
-
-
-def handoff_rows(
-    forests: list[RolloutForest],
-    units: list[tuple[int, np.ndarray]],
-    reads: list[np.ndarray],
-    ranks: np.ndarray,
-    slots: np.ndarray,
-    producers: ProducerIndex | None = None,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Who hands what to whom: ``units`` are (forest, own compact indices) of the step's units (every
-    rank's), ``ranks`` and ``slots`` [U] where each runs, ``reads`` the compact indices each reads
-    from earlier slots (``producers``: their :func:`producer_index`, if built). A unit reads a token
-    from the unit of its own rank that computes it, else from the first unit (by slot, then rank) of
-    another rank that computes it; either must run in an earlier slot, or, on another rank, in the
-    same slot (a context-parallel group; a later slot is refused). Per unit: its own tokens that
-    some unit reads (sorted: the rows of what it keeps), and [2, r] for each token it reads, the
-    unit holding it and its row there."""
-    producers = producer_index(forests, units, ranks, slots) if producers is None else producers
-    source = [np.zeros(0, dtype=np.int64) for _ in units]
-    for i, ((f, _), read) in enumerate(zip(units, reads)):
-        if read.size:
-            local_key, local_unit, first_token, first_unit = producers[f]
-            here = _lookup(local_key, local_unit, ranks[i] * forests[f].num_compact_tokens + read)
-            source[i] = np.where(here >= 0, here, _lookup(first_token, first_unit, read))
-            _check_producers(forests, units, ranks, slots, i, read, source[i])
-    none = np.zeros(0, dtype=np.int64)
-    producer, read = np.concatenate([none, *source]), np.concatenate([none, *reads])
-    stride = max(f.num_compact_tokens for f in forests) + 1
-    key = producer * stride + read
-    held = sorted_unique(key)
-    start = np.searchsorted(held, np.arange(len(units) + 1) * stride)
-    kept = [held[start[u] : start[u + 1]] - u * stride for u in range(len(units))]
-    row = np.split(np.searchsorted(held, key) - start[producer], np.cumsum([r.size for r in reads])[:-1])
-    return kept, [np.stack((s, r)) for s, r in zip(source, row)]
-
-
-def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """``values`` at the first of the sorted ``keys`` equal to each query, -1 where none is."""
-    if keys.size == 0:
-        return np.full(query.size, -1, dtype=np.int64)
-    at = np.minimum(np.searchsorted(keys, query), keys.size - 1)
-    return np.where(keys[at] == query, values[at], -1)
-
-
-def _check_producers(
-    forests: list[RolloutForest],
-    units: list[tuple[int, np.ndarray]],
-    ranks: np.ndarray,
-    slots: np.ndarray,
-    i: int,
-    read: np.ndarray,
-    source: np.ndarray,
-) -> None:
-    """Every token unit ``i`` reads has a producer in an earlier slot (module docstring)."""
-    where = f"slot {slots[i]} of rank {ranks[i]} reads context tokens of forest {units[i][0]}"
-    if (source < 0).any():
-        raise ValueError(f"{where} that no rank computes: the plan does not match these forests")
-    later = source[slots[source] > slots[i]]
-    if (ranks[later] != ranks[i]).any():
-        raise ValueError(
-            f"{where} that rank {ranks[later[ranks[later] != ranks[i]][0]]} computes in a later slot: a unit reads "
-            "another rank's tokens from an earlier slot, or from its own slot as a context-parallel group"
-        )
-    if (ranks[source[slots[source] >= slots[i]]] == ranks[i]).any():
-        raise ValueError(f"{where} that no earlier slot computes: the plan does not match these forests")
-
-
 def _unit(
     index: int,
     slot: int,
@@ -241,61 +151,6 @@ def forest_unit(forest: RolloutForest, tables: Tables, device: torch.device | st
     return _unit(0, 0, 0, forest, batch, tokens, pairs, exports, {}, {}, tables, torch.device(device))
 
 
-class _Call(NamedTuple):
-    """One model call of some rank, on the host: where it runs, its tokens and batch."""
-
-    rank: int
-    slot: int
-    forest: int
-    tokens: np.ndarray
-    batch: TreeBatch
-    context: np.ndarray  # its context tokens (compact indices)
-
-
-def _step_calls(forests: list[RolloutForest], plan: Plan, ranks: range) -> list[_Call]:
-    """The calls of ``ranks``, rank by rank, each in call order (slots; forests in order within one)."""
-    calls: list[_Call] = []
-    for rank in ranks:
-        computed = [np.zeros(f.num_compact_tokens, dtype=bool) for f in forests]
-        for slot in range(plan.num_slots):
-            first = len(calls)
-            for f, tokens in plan.microbatch(rank, slot):
-                tokens = sorted_unique(tokens)
-                if computed[f][tokens].any():
-                    raise ValueError(f"the plan computes some tokens of forest {f} twice on rank {rank}")
-                computed[f][tokens] = True
-                batch = TreeBatch.from_forest(forests[f], tokens)  # on the host until its tables are built
-                calls.append(_Call(rank, slot, f, tokens, batch, batch.global_index[: batch.num_context].numpy()))
-            held = tuple(sum(c[k].size for c in calls[first:]) for k in (3, 5))  # own tokens, context tokens
-            if held != (plan.tokens[rank, slot], plan.context[rank, slot]):
-                raise ValueError(
-                    f"slot {slot} of rank {rank} holds {held[0]} own and {held[1]} context tokens where the plan "
-                    f"counted {plan.tokens[rank, slot]} and {plan.context[rank, slot]}: the plan does not match these "
-                    "forests"
-                )
-    return calls
-
-
-def _call_index(calls: list[_Call], aligned: bool) -> np.ndarray:
-    """[U] each unit's position in its rank's call order: with ``aligned`` (a step with cross-rank
-    handoffs), slot s starts at the same call on every rank (ranks with fewer units in a slot pad it),
-    so that a unit of an earlier slot always runs at an earlier call than its readers."""
-    ranks, slots = (np.array([c[k] for c in calls], dtype=np.int64) for k in (0, 1))
-    position = np.zeros(len(calls), dtype=np.int64)
-    if not calls:
-        return position
-    for r in np.unique(ranks):
-        mine = np.flatnonzero(ranks == r)
-        position[mine] = np.arange(mine.size)
-    if not aligned:
-        return position
-    first = {(r, s): i for i, (r, s) in reversed(list(enumerate(zip(ranks, slots))))}
-    within = position - np.array([position[first[r, s]] for r, s in zip(ranks, slots)])
-    width = np.zeros(int(slots.max()) + 1, dtype=np.int64)
-    np.maximum.at(width, slots, within + 1)
-    return np.r_[0, np.cumsum(width)][slots] + within
-
-
 def rank_units(
     forests: list[RolloutForest], plan: Plan, rank: int, tables: Tables, device: torch.device | str
 ) -> list[Unit]:
@@ -306,11 +161,11 @@ def rank_units(
 @dataclass(frozen=True, eq=False)
 class RankUnits:
     """:func:`compile_rank`'s answer: the rank's ``units``, its ``calls`` per pass (the units and the
-    padding calls that align slots across ranks), each a unit index or -1 (padding), the step's
-    cross-rank handoffs (``transfers``) and the rank's share of them (``exchange``); with them,
-    ``pair_home`` per forest [P_f] bool: the pairs whose values (and gradients) this rank answers
-    for when the ranks share them (each pair on exactly one rank; None without cross-rank
-    handoffs: a rank's trajectories then have all their pairs on it)."""
+    padding calls that align slots across ranks), each a unit index or -1 (padding), the
+    cross-rank handoffs this rank sends or receives (``transfers``) and its share of the step's
+    exchange (``exchange``); with them, ``pair_home`` per forest [P_f] bool: the pairs whose values
+    (and gradients) this rank answers for when the ranks share them (each pair on exactly one
+    rank; None without cross-rank handoffs: a rank's trajectories then have all their pairs on it)."""
 
     units: list[Unit]
     calls: tuple[int, ...]
@@ -326,81 +181,181 @@ def compile_rank(
     rank, or of another rank (a cross-rank handoff, sent by ``harts_hf.engine.exchange``) in an
     earlier slot or, as a context-parallel group, in its own slot; a plan whose tokens no earlier
     slot computes, or whose group would wait on itself (``crossrank.check_groups``), is refused.
-    The handoff addresses are resolved over every rank's units on the host (numpy), the device
-    tables built for this rank's units only."""
+    Who reads whom is resolved over every rank's units as runs (``coverage``: every rank checks
+    the same); tokens are expanded, and batches built on the host, for this rank's units and for
+    the units reading a context subset of theirs only (found within the tables' reach of their
+    entry tokens); device tables for this rank's units only."""
     if not is_integer(rank) or not 0 <= rank < plan.world_size:
         raise ValueError(f"rank must be an integer in [0, {plan.world_size}) (the plan's world size), got {rank!r}")
     device = torch.device(device)
-    # Without cross-rank handoffs a rank's addresses are its own units' business: compile those only.
-    cross = crosses_ranks(forests, plan)
-    calls = _step_calls(forests, plan, range(plan.world_size) if cross else range(rank, rank + 1))
-    ranks, slots = (np.array([c[k] for c in calls], dtype=np.int64) for k in (0, 1))
-    own = [(c.forest, c.tokens) for c in calls]
-    producers = producer_index(forests, own, ranks, slots)
-    _, sources = handoff_rows(forests, own, [c.context for c in calls], ranks, slots, producers)
-    call = _call_index(calls, cross)
-    group_calls = check_groups(sources, ranks, slots, call)
-    # The units whose reads decide this rank's addresses: its own, and every reader of a unit that
-    # this rank's units are or read from (a producer's kept rows are what all its readers read).
+    step = StepUnits.of(plan)
+    ranks, slots = step.rank, step.slot
+    _check_fits(forests, step)
+    coverage = [Coverage.of(forest, step.of_forest(f), ranks, slots) for f, forest in enumerate(forests)]
+    contexts = [context_runs(forest, step.of_forest(f)) for f, forest in enumerate(forests)]
+    _check_counts(plan, step, contexts)
+    resolved = [cover.resolve_runs(context, ranks) for cover, context in zip(coverage, contexts)]
+    producer, reader = _edges(step, resolved)
+    cross = bool((ranks[producer] != ranks[reader]).any())
+    call = _call_index(ranks, slots, cross)
+    exchange = _exchange(producer, reader, ranks, call, rank, check_groups(producer, reader, ranks, slots, call))
+
     mine = np.flatnonzero(ranks == rank)
-    near = np.union1d(mine, np.concatenate([sources[i][0] for i in mine] or [np.zeros(0, dtype=np.int64)]))
-    relevant = [i for i, s in enumerate(sources) if ranks[i] == rank or np.isin(s[0], near).any()]
-    none = np.zeros(0, dtype=np.int64)
-    local = {int(g): i for i, g in enumerate(mine)}
+    base = 0 if cross or not mine.size else int(mine[0])  # unit numbers: over the step, or over the rank's
+    subsets: list[Hashable] = [*context_subsets(tables), *(RoundsTable(C) for C in chunk_sizes(tables))]
+    near = _near_reads(forests, step, coverage, max((table.reach for table in subsets), default=0))
+    readers = np.unique(near.reader[np.isin(near.producer, mine) & (ranks[near.reader] != rank)])
+    batches = {int(g): _batch(forests, step, g) for g in (*mine, *readers)}
+    read = lambda g, subset: _reads(batches[int(g)], int(g), subset, step, coverage)
 
     exports: list[dict[Hashable, np.ndarray]] = [{} for _ in mine]
-    contexts: list[dict[Hashable, Gather]] = [{} for _ in mine]
-    sends: list[dict[int, dict[Hashable, torch.Tensor]]] = [{} for _ in mine]
-    transfers: list[tuple] = []
-    # (producer, reading rank) -> the reading rank's first call that reads it (its gradients go back after it)
-    first_read: dict[tuple[int, int], int] = {}
-
-    def hand_off(subset: Hashable, read_of) -> list[np.ndarray]:
-        """One subset's handoffs (``read_of(call)``: its reads); returns every unit's kept tokens."""
-        reads = [read_of(calls[i]) if i in relevant_set else none for i in range(len(calls))]
-        kept, found = handoff_rows(forests, own, reads, ranks, slots, producers)
-        view = rank_view(kept, found, ranks, slots, rank, plan.world_size)
-        for g, i in local.items():
-            if reads[g].size:
-                gathers[subset][i] = Gather.of(view.sources[g], view.held, device)
-            for to, rows in view.sends[g].items():
-                sends[i].setdefault(to, {})[subset] = torch.as_tensor(rows, dtype=torch.long, device=device)
-        for p_rank, p_slot, p, c_rank, c_slot, c, n in view.transfers:
-            transfers.append((p_rank, p_slot, p, c_rank, c_slot, c, subset, n))
-            first_read[p, c_rank] = min(first_read.get((p, c_rank), int(call[c])), int(call[c]))
-        return kept
-
-    relevant_set = set(relevant)
-    gathers: dict[Hashable, dict[int, Gather]] = {}
-    # Context rows, per subset a layer reads: all (attention), a conv's halo, the replayed tokens.
-    for key in [None, *context_subsets(tables)]:
-        gathers[key] = {}
-        subset = lambda c, key=key: c.context if key is None else c.batch.global_index[c.batch.cached(key)].numpy()
-        kept = hand_off(key, subset)
-        for g, i in local.items():
-            exports[i][key] = kept[g]
-            if i in gathers[key]:
-                contexts[i][key] = gathers[key][i]
-
-    # Boundary states, per chunk grid: a unit's external paths start from states after context
-    # tokens (``Rounds.external_tokens``), which their producers return (``TreeBatch.state_out``).
+    contexts_of: list[dict[Hashable, Gather]] = [{} for _ in mine]
     state_out: list[dict[int, np.ndarray]] = [{} for _ in mine]
     states: list[dict[int, Gather]] = [{} for _ in mine]
-    for C in chunk_sizes(tables):
-        gathers[RoundsTable(C)] = {}
-        out = hand_off(
-            RoundsTable(C), lambda c, C=C: c.batch.global_index[rounds_of(c.batch, C).external_tokens].numpy()
-        )
-        for g, i in local.items():
-            if out[g].size:
-                state_out[i][C] = calls[g].batch.num_context + np.searchsorted(calls[g].tokens, out[g])
-            if i in gathers[RoundsTable(C)]:
-                states[i][C] = gathers[RoundsTable(C)][i]
+    sends: list[dict[int, dict[Hashable, torch.Tensor]]] = [{} for _ in mine]
+    transfers: list[tuple] = []
+    for subset in [None, *subsets]:
+        own = [read(g, subset) for g in mine]
+        if subset is None:  # the other ranks' context reads of this rank's units, from the resolved runs
+            theirs = Reads.concat([_expand(runs, p) for runs, p in resolved])
+        else:
+            _check_reach(own, near, subset)
+            theirs = Reads.concat([read(j, subset) for j in readers])
+        theirs = theirs.select(np.isin(theirs.producer, mine) & (ranks[theirs.reader] != rank))
+        view = rank_view(Reads.concat([*own, theirs]), ranks, slots, rank, plan.world_size)
+        at = np.cumsum([0, *(r.token.size for r in own)])  # this rank's reads come first, unit by unit
+        for i, g in enumerate(mine):
+            kept = view.kept.get(int(g), np.zeros(0, dtype=np.int64))
+            if isinstance(subset, RoundsTable):
+                state_out[i][subset.chunk_size] = batches[int(g)].num_context + np.searchsorted(step.tokens_of(g), kept)
+            else:
+                exports[i][subset] = kept
+            if at[i + 1] > at[i]:
+                gather = Gather.of(view.sources[:, at[i] : at[i + 1]] - [[base], [0]], view.held[base:], device)
+                gathers = states[i] if isinstance(subset, RoundsTable) else contexts_of[i]
+                gathers[subset.chunk_size if isinstance(subset, RoundsTable) else subset] = gather
+            for to, rows in view.sends.get(int(g), {}).items():
+                sends[i].setdefault(to, {})[subset] = torch.as_tensor(rows, dtype=torch.long, device=device)
+        transfers += [(*t[:6], subset, t[6]) for t in view.transfers]
 
-    # A block whose first reader runs at the producer's call (its group) streams inside that call.
+    boundary = boundary_pairs(forests, step, coverage)
+    pairs_of = _pairs(forests, step, mine, boundary)
+    units = []
+    for i, g in enumerate(mine):
+        f, batch = int(step.forest[g]), batches[int(g)]
+        if any(rows.size for rows in state_out[i].values()):
+            batch = batch.with_state_out({c: rows for c, rows in state_out[i].items() if rows.size})
+        unit = _unit(
+            i,
+            int(slots[g]),
+            f,
+            forests[f],
+            batch,
+            step.tokens_of(g),
+            pairs_of[i],
+            exports[i],
+            contexts_of[i],
+            states[i],
+            tables,
+            device,
+        )
+        units.append(dataclasses.replace(unit, number=int(g) - base, sends=sends[i]))
+    order = [-1] * (int(call[slice(None) if cross else mine].max(initial=-1)) + 1)
+    for i, g in enumerate(mine):
+        order[call[g]] = i
+    home = None
+    if cross:
+        home = pair_homes(forests, step, coverage, boundary, _by_forest(step, mine, pairs_of, len(forests)), rank)
+    return RankUnits(units, tuple(order), Transfers.of(transfers), exchange, home)
+
+
+def _call_index(ranks: np.ndarray, slots: np.ndarray, aligned: bool) -> np.ndarray:
+    """[U] each unit's position in its rank's call order (units rank by rank, each in call order):
+    with ``aligned`` (a step with cross-rank handoffs), slot s starts at the same call on every
+    rank (ranks with fewer units in a slot pad it), so that a unit of an earlier slot always runs
+    at an earlier call than its readers."""
+    start = lambda key: np.searchsorted(key, key)  # the first unit with the same key (sorted keys)
+    position = np.arange(ranks.size) - start(ranks)
+    if not aligned or not ranks.size:
+        return position
+    within = position - position[start(ranks * (int(slots.max()) + 1) + slots)]
+    width = np.zeros(int(slots.max()) + 1, dtype=np.int64)
+    np.maximum.at(width, slots, within + 1)
+    return np.r_[0, np.cumsum(width)][slots] + within
+
+
+def _check_counts(plan: Plan, step: StepUnits, contexts: list[Runs]) -> None:
+    """Every slot holds the own and context tokens the plan counted (else the plan is another
+    batch's)."""
+    held = np.zeros((2, *plan.tokens.shape), dtype=np.int64)
+    np.add.at(held[0], (step.rank, step.slot), step.own.counts(step.size))
+    for context in contexts:
+        np.add.at(held[1], (step.rank, step.slot), context.counts(step.size))
+    wrong = np.argwhere((held[0] != plan.tokens) | (held[1] != plan.context))
+    if wrong.size:
+        r, s = wrong[0]
+        raise ValueError(
+            f"slot {s} of rank {r} holds {held[0, r, s]} own and {held[1, r, s]} context tokens where the plan "
+            f"counted {plan.tokens[r, s]} and {plan.context[r, s]}: the plan does not match these forests"
+        )
+
+
+def _check_fits(forests: list[RolloutForest], step: StepUnits) -> None:
+    """The plan's pieces lie in these forests."""
+    sizes = np.array([f.num_compact_tokens for f in forests], dtype=np.int64)
+    forest = step.forest[step.own.group]
+    if (forest >= sizes.size).any() or (step.own.hi > sizes[np.minimum(forest, sizes.size - 1)]).any():
+        raise ValueError("the plan has pieces outside these forests: the plan does not match these forests")
+
+
+def _edges(step: StepUnits, resolved: list[tuple[Runs, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(producer, reader) [e]: which unit reads context from which, over the step, each once, from
+    the context runs resolved per forest; refuses a read with no producer in an earlier slot, or
+    in its own slot on another rank (module docstring)."""
+    none = np.zeros(0, dtype=np.int64)
+    reader = np.concatenate([none, *(runs.group for runs, _ in resolved)])
+    producer = np.concatenate([none, *(p for _, p in resolved)])
+    ranks, slots = step.rank, step.slot
+    missing = producer < 0
+    p = np.maximum(producer, 0)
+    later = ~missing & (slots[p] > slots[reader]) & (ranks[p] != ranks[reader])
+    unordered = ~missing & (slots[p] >= slots[reader]) & (ranks[p] == ranks[reader])
+    for bad, why in (
+        (missing, "that no rank computes: the plan does not match these forests"),
+        (
+            later,
+            (
+                "that rank {} computes in a later slot: a unit reads another rank's tokens from an earlier slot, "
+                "or from its own slot as a context-parallel group"
+            ),
+        ),
+        (unordered, "that no earlier slot computes: the plan does not match these forests"),
+    ):
+        if bad.any():
+            at = np.flatnonzero(bad)[np.argmin(reader[bad])]
+            i = reader[at]
+            raise ValueError(
+                f"slot {slots[i]} of rank {ranks[i]} reads context tokens of forest {step.forest[i]} "
+                + why.format(ranks[p[at]])
+            )
+    edge = np.unique(producer * step.size + reader)
+    return edge // step.size, edge % step.size
+
+
+def _exchange(
+    producer: np.ndarray, reader: np.ndarray, ranks: np.ndarray, call: np.ndarray, rank: int, group_calls: tuple
+) -> Exchange:
+    """``rank``'s share of the step's exchange, from its cross-rank reads (``producer``, ``reader``
+    [e]): a block goes to a rank after its producer's call, its gradients back after the replay of
+    the first call there that reads it; one whose first reader runs at the producer's own call
+    (a context-parallel group) streams inside that call."""
+    first_read: dict[tuple[int, int], int] = {}  # (producer, reading rank) -> that rank's first call reading it
+    far = ranks[producer] != ranks[reader]
+    for p, q, k in zip(producer[far].tolist(), ranks[reader[far]].tolist(), call[reader[far]].tolist()):
+        first_read[p, q] = min(first_read.get((p, q), k), k)
     streamed = {(p, q) for (p, q), k in first_read.items() if k == call[p]}
     later = {pq: k for pq, k in first_read.items() if pq not in streamed}
-    exchange = Exchange.of(
+    return Exchange.of(
         {(int(call[p]), int(ranks[p]), p) for p, q in later if q == rank},
         {(k, int(ranks[p]), p) for (p, q), k in later.items() if q == rank},
         {(k, q, p) for (p, q), k in later.items() if ranks[p] == rank},
@@ -408,44 +363,90 @@ def compile_rank(
         {(int(call[p]), q, p) for p, q in streamed if ranks[p] == rank},
         group_calls,
     )
-    owner = [np.full(f.num_compact_tokens, -1, dtype=np.int64) for f in forests]
-    for i, g in enumerate(mine):
-        owner[calls[g].forest][calls[g].tokens] = i
-    boundary = boundary_pairs(forests, [(c.forest, c.tokens, c.context) for c in calls], sources, ranks)
-    pairs_of = [boundary[g] for g in mine]
-    for f, forest in enumerate(forests):
-        pairs = np.flatnonzero((forest.prev >= 0) & (owner[f] >= 0))  # targets computed on this rank
-        unit = owner[f][forest.prev[pairs]]
-        pairs, unit = pairs[unit >= 0], unit[unit >= 0]  # the others' predictors are another rank's
-        order = np.argsort(unit, kind="stable")
-        bounds = np.searchsorted(unit[order], np.arange(len(mine) + 1))
-        for i in np.unique(unit):
-            pairs_of[i] = np.union1d(pairs_of[i], pairs[order[bounds[i] : bounds[i + 1]]])
 
-    units = []
-    for i, g in enumerate(mine):
-        c = calls[g]
-        batch = c.batch
-        if state_out[i]:
-            batch = batch.with_state_out(state_out[i])
-        unit = _unit(
-            i,
-            c.slot,
-            c.forest,
-            forests[c.forest],
-            batch,
-            c.tokens,
-            pairs_of[i],
-            exports[i],
-            contexts[i],
-            states[i],
-            tables,
-            device,
-        )
-        units.append(dataclasses.replace(unit, number=int(g), sends=sends[i]))
-    width = int(call[ranks == rank].max(initial=-1)) + 1 if not cross else int(call.max(initial=-1)) + 1
-    order = [-1] * width
-    for i, g in enumerate(mine):
-        order[call[g]] = i
-    home = pair_homes(forests, own, boundary, ranks, rank) if cross else None
-    return RankUnits(units, tuple(order), Transfers.of(transfers), exchange, home)
+
+def _batch(forests: list[RolloutForest], step: StepUnits, unit: int) -> TreeBatch:
+    """A unit's batch, on the host until its tables are built."""
+    return TreeBatch.from_forest(forests[step.forest[unit]], step.tokens_of(unit))
+
+
+def _reads(batch: TreeBatch, unit: int, subset: Hashable, step: StepUnits, coverage: list[Coverage]) -> Reads:
+    """A unit's reads of ``subset``, resolved: every context token (None), a context subset table's
+    tokens, or the tokens after which its external states on a chunk grid sit (``RoundsTable``)."""
+    if subset is None:
+        rows = slice(0, batch.num_context)
+    elif isinstance(subset, RoundsTable):
+        rows = rounds_of(batch, subset.chunk_size).external_tokens
+    else:
+        rows = batch.cached(subset)
+    tokens = batch.global_index[rows].numpy()
+    producer = coverage[step.forest[unit]].resolve(tokens, step.rank[unit])
+    return Reads(np.full(tokens.size, unit, dtype=np.int64), tokens, producer)
+
+
+def _expand(runs: Runs, producer: np.ndarray) -> Reads:
+    """Resolved runs (each read from one ``producer``) as token reads."""
+    return Reads(runs.groups(), runs.tokens(), np.repeat(producer, runs.size))
+
+
+def _check_reach(reads: list[Reads], near: Reads, subset: Hashable) -> None:
+    """A unit's reads of ``subset`` lie within its reach (``Table.reach``) above the unit's entry
+    tokens, where the units reading another rank's tokens are looked for."""
+    stride = int(max([near.token.max(initial=0), *(r.token.max(initial=0) for r in reads)])) + 1
+    allowed = np.unique(near.reader * stride + near.token)
+    for r in reads:
+        if not np.isin(r.reader * stride + r.token, allowed).all():
+            raise RuntimeError(
+                f"{subset!r} reads context tokens farther than {subset.reach} levels above the unit's entry tokens "
+                "(its reach): the table's reach is out of date"
+            )
+
+
+def _near_reads(forests: list[RolloutForest], step: StepUnits, coverage: list[Coverage], reach: int) -> Reads:
+    """Every unit's reads within ``reach`` levels above its entry tokens: where its context subsets
+    and boundary states lie (``Table.reach``), resolved."""
+    parts = []
+    for f, (forest, cover) in enumerate(zip(forests, coverage)):
+        entry, unit = entry_tokens(forest, step.of_forest(f))
+        level, who = [], []
+        at = forest.prev[entry]
+        for _ in range(reach):
+            live = at >= 0
+            at, unit = at[live], unit[live]
+            if not at.size:
+                break
+            level.append(at)
+            who.append(unit)
+            at = forest.prev[at]
+        none = np.zeros(0, dtype=np.int64)
+        token, reader = np.concatenate([none, *level]), np.concatenate([none, *who])
+        parts.append(Reads(reader, token, cover.resolve(token, step.rank[reader])))
+    return Reads.concat(parts)
+
+
+def _pairs(forests: list[RolloutForest], step: StepUnits, mine: np.ndarray, boundary: Reads) -> list[np.ndarray]:
+    """Per unit of this rank (``mine``), the pairs it computes: those whose target this rank
+    computes and whose predictor the unit holds, and its :func:`crossrank.boundary_pairs`."""
+    out = [boundary.token[boundary.producer == g] for g in mine]
+    for f, forest in enumerate(forests):
+        units = [i for i, g in enumerate(mine) if step.forest[g] == f]
+        if not units:
+            continue
+        tokens = [step.tokens_of(mine[i]) for i in units]
+        token, owner = np.concatenate(tokens), np.repeat(units, [t.size for t in tokens])
+        order = np.argsort(token, kind="stable")
+        token, owner = token[order], owner[order]
+        target = token[forest.prev[token] >= 0]
+        at = np.minimum(np.searchsorted(token, forest.prev[target]), token.size - 1)
+        held = token[at] == forest.prev[target]  # the predictor is this rank's too
+        for i in units:
+            out[i] = np.union1d(out[i], target[held & (owner[at] == i)])
+    return out
+
+
+def _by_forest(step: StepUnits, mine: np.ndarray, pairs_of: list[np.ndarray], num_forests: int) -> list[np.ndarray]:
+    """The pairs' targets this rank computes, per forest."""
+    none = np.zeros(0, dtype=np.int64)
+    return [
+        np.concatenate([none, *(p for g, p in zip(mine, pairs_of) if step.forest[g] == f)]) for f in range(num_forests)
+    ]
