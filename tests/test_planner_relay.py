@@ -29,7 +29,7 @@ from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.relay import _Branches, _even_tops, _fanned_tops, _pack, _Run, relay_cut
+from harts_hf.planner.relay import _Branches, _even_tops, _fanned_tops, _pack, _Runs, relay_cut
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -51,21 +51,29 @@ def test_packing_evens_the_groups_within_their_caps():
 
 def test_ranges_keep_the_caps_and_cover_the_run():
     """A run of the relay forest's six segments cut over three ranks: every range within its cap,
-    the ranges end to end over the whole run; uncapped, the costs even out (to the chunk grid)."""
+    the ranges end to end over the whole run; uncapped, the costs even out (to the chunk grid). Cut
+    beside other groups' runs (the segments in other orders, over two ranks), a group's cuts are
+    what they are alone."""
     _, forest = forest_of("relay")
     geo = Geometry.of([forest], DEFAULT_COST_MODEL)
     roots = np.flatnonzero(geo.parent == 0)  # the six segments under the prompt
     lo, hi = geo.start[roots], geo.end[roots]
-    run = _Run(
-        geo, _Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo), np.arange(roots.size), 4
-    )  # cuts on a 4-token grid
-    total = int(run.at[-1])
-    free = run.ranges(np.zeros(3), np.full(3, np.inf))
+    b = _Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    run = _Runs.of(geo, b, [np.arange(roots.size)], 4)  # cuts on a 4-token grid
+    total, three = int(run.end[0]), np.array([3])
+    free = run.ranges(np.zeros((1, 3)), np.full((1, 3), np.inf), three)
     costs = np.diff(run.cost_to(free))
-    assert free[0] == 0 and free[-1] == total and costs.max() < 1.1 * costs.min()
-    cap = np.array([80, 200, 200])
-    capped = run.ranges(np.zeros(3), cap)
-    assert capped[0] == 0 and capped[-1] == total and (np.diff(capped) <= cap).all()
+    assert free[0, 0] == 0 and free[0, -1] == total and costs.max() < 1.1 * costs.min()
+    cap = np.array([[80, 200, 200]])
+    capped = run.ranges(np.zeros((1, 3)), cap, three)
+    assert capped[0, 0] == 0 and capped[0, -1] == total and (np.diff(capped) <= cap).all()
+    orders = [np.arange(roots.size), np.arange(roots.size)[::-1], np.arange(3)]
+    runs = _Runs.of(geo, b, orders, 4)
+    side = runs.ranges(np.zeros((3, 3)), np.repeat(cap, 3, axis=0), np.array([3, 2, 2]))
+    assert np.array_equal(side[0], capped[0])
+    for g, order in enumerate(orders[1:], 1):
+        alone = _Runs.of(geo, b, [order], 4).ranges(np.zeros((1, 2)), cap[:, :2], np.array([2]))
+        assert np.array_equal(side[g], np.r_[alone[0], alone[0, -1]])
 
 
 @pytest.mark.parametrize("layout", [_even_tops, _fanned_tops])

@@ -13,6 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..runs import aranges
 from .assign import RankIntervals
 from .node_parts import find_in
 
@@ -51,7 +52,7 @@ class Pieces:
     @cached_property
     def keys(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(lo, hi) of the pieces in ``by_token`` order as keys ``rank * stride + token``, and stride
-        (kept: ``locate`` and ``plan``'s replay count read them more than once)."""
+        (kept: ``locate`` reads them more than once)."""
         stride = int(self.hi.max(initial=0)) + 1
         o = self.by_token
         return self.rank[o] * stride + self.lo[o], self.rank[o] * stride + self.hi[o], stride
@@ -61,6 +62,26 @@ class Pieces:
         lo, hi, stride = self.keys
         i = find_in(lo, hi, rank * stride + token)
         return np.where(i >= 0, self.by_token[np.maximum(i, 0)], -1)
+
+    @cached_property
+    def _holders(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bounds, piece): the token line cut at every piece's ends, and per segment the piece of
+        the lowest rank holding it (-1: none)."""
+        bounds = np.unique(np.r_[self.lo, self.hi])
+        first = np.searchsorted(bounds, self.lo)
+        count = np.searchsorted(bounds, self.hi) - first
+        seg, which = aranges(first, count), np.repeat(np.arange(self.lo.size), count)
+        order = np.lexsort((self.rank[which], seg))
+        head = order[np.r_[True, seg[order][1:] != seg[order][:-1]]] if order.size else order
+        piece = np.full(max(bounds.size - 1, 0), -1, dtype=np.int64)
+        piece[seg[head]] = which[head]
+        return bounds, piece
+
+    def lowest_holder(self, token: np.ndarray) -> np.ndarray:
+        """The piece of the lowest rank holding each global ``token``, -1 if none."""
+        bounds, piece = self._holders
+        s = np.searchsorted(bounds, token, side="right") - 1
+        return np.r_[piece, -1][np.where((s >= 0) & (s < piece.size), s, piece.size)]
 
 
 def sequence(iv: RankIntervals, world_size: int) -> tuple[np.ndarray, np.ndarray]:

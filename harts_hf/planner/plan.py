@@ -123,13 +123,8 @@ def _replay(
     key = np.unique(entry_rank * stride + entry_parent)
     rank, pt = key // stride, key % stride
     piece = pieces.locate(rank, pt)
-    held_lo, held_hi, held_stride = pieces.keys
-    for other in np.unique(pieces.rank):  # a parent another rank computes (a cross-rank handoff)
-        missing = np.flatnonzero(piece < 0)
-        if missing.size == 0:
-            break
-        i = find_in(held_lo, held_hi, other * held_stride + pt[missing])
-        piece[missing] = np.where(i >= 0, pieces.by_token[np.maximum(i, 0)], -1)
+    missing = piece < 0  # a parent another rank computes (a cross-rank handoff)
+    piece[missing] = pieces.lowest_holder(pt[missing])
     mb = pieces.microbatch[piece]
     s = find_in(parts.mb * stride + parts.lo, parts.mb * stride + parts.hi, mb * stride + pt)
     has_child = np.bincount(parts.parent[parts.parent >= 0], minlength=parts.lo.size) > 0

@@ -33,7 +33,8 @@ slots would rerun), go back into the cut: the extra comes off the rank's share (
 again once, then the ranges cut again with the extra of each pass blended in) and the excess off its
 token cap, for up to :data:`PASSES` passes while they predict lower; the lowest is kept.
 
-Legend: R ranks, U branches, G groups, S slots after the tops' slots, K top nodes.
+Legend: R ranks, U branches, G groups, n a group's branches, W its ranks (the widest group's), Q queries
+per group, S slots after the tops' slots, K top nodes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runs import aranges
 from . import crossreads
 from .assign import BRANCH_RULES, find_branches, group_paths
 from .cost import CostModel
@@ -130,172 +132,244 @@ def _pack(b: _Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) 
     return where
 
 
-class _Run:
-    """A group's branches end to end in one order, as positions (tokens from the run's start)."""
+@dataclass(frozen=True, eq=False)
+class _Runs:
+    """Groups' runs side by side: each group's branches end to end in one order, as positions (tokens
+    from its run's start). [G, n] arrays, padded past a group's ``count`` branches (positions and
+    costs repeat its end there); queries are [G, Q], row g in group g's run. Searches count entries
+    instead of bisecting, so each group's arithmetic is what it would be alone."""
 
-    def __init__(self, geo: Geometry, b: _Branches, order: np.ndarray, chunk: int):
-        self.geo, self.chunk = geo, chunk
-        self.lo, self.hi = b.lo[order], b.hi[order]
-        self.base = geo.prefix(self.lo)  # [n] prefix cost at each branch's start
-        self.at = np.r_[0, np.cumsum(b.tokens[order])]  # [n + 1] first position of each branch
-        self.cum = np.r_[0.0, np.cumsum(b.cost[order])]
+    geo: Geometry
+    chunk: int
+    count: np.ndarray  # [G] branches
+    lo: np.ndarray  # [G, n] DFS start of each branch
+    hi: np.ndarray
+    base: np.ndarray  # [G, n] prefix cost at each branch's start
+    at: np.ndarray  # [G, n + 1] first position of each branch
+    cum: np.ndarray  # [G, n + 1] the run's cost before each branch
+
+    @classmethod
+    def of(cls, geo: Geometry, b: _Branches, orders: list[np.ndarray], chunk: int) -> _Runs:
+        """The runs of ``orders`` (one array of branch indices per group)."""
+        count = np.array([o.size for o in orders], dtype=np.int64)
+        index = np.full((count.size, int(count.max())), -1, dtype=np.int64)
+        for g, order in enumerate(orders):
+            index[g, : order.size] = order
+        real = index >= 0
+        pick = lambda v: np.where(real, v[np.maximum(index, 0)], 0)
+        lo, first = pick(b.lo), np.zeros((count.size, 1), dtype=np.int64)
+        at = np.concatenate((first, np.cumsum(pick(b.tokens), axis=1)), axis=1)
+        cum = np.concatenate((first.astype(np.float64), np.cumsum(pick(b.cost), axis=1)), axis=1)
+        return cls(geo, chunk, count, lo, pick(b.hi), geo.prefix(lo), at, cum)
+
+    @property
+    def end(self) -> np.ndarray:
+        """[G] each run's length."""
+        return self.at[np.arange(self.count.size), self.count]
+
+    @property
+    def total(self) -> np.ndarray:
+        """[G] each run's cost."""
+        return self.cum[np.arange(self.count.size), self.count]
+
+    def select(self, rows: np.ndarray) -> _Runs:
+        """The runs of groups ``rows``."""
+        pick = {k: getattr(self, k)[rows] for k in ("count", "lo", "hi", "base", "at", "cum")}
+        return _Runs(self.geo, self.chunk, **pick)
+
+    def branch(self, table: np.ndarray, y: np.ndarray, strict: bool = False) -> np.ndarray:
+        """[G, Q] the last branch whose ``table`` entry (``at`` or ``cum``) is at most (``strict``:
+        below) ``y``, within each group's branches."""
+        below = table[:, None, :] < y[..., None] if strict else table[:, None, :] <= y[..., None]
+        return np.clip(below.sum(axis=-1) - 1, 0, self.count[:, None] - 1)
+
+    def starts_branch(self, y: np.ndarray) -> np.ndarray:
+        """[G, Q] whether each position is a branch's start (or the run's end)."""
+        return (self.at[:, None, :] == y[..., None]).any(axis=-1)
 
     def cost_to(self, y: np.ndarray) -> np.ndarray:
-        """The run's cost up to positions ``y``."""
-        i = np.minimum(np.searchsorted(self.at, y, side="right") - 1, self.lo.size - 1)
-        return self.cum[i] + self.geo.prefix(self.lo[i] + y - self.at[i]) - self.base[i]
+        """[G, Q] each run's cost up to positions ``y``."""
+        i = self.branch(self.at, y)
+        take = lambda a: np.take_along_axis(a, i, axis=1)
+        return take(self.cum) + self.geo.prefix(take(self.lo) + y - take(self.at)) - take(self.base)
 
     def at_cost(self, x: np.ndarray) -> np.ndarray:
-        """The positions where the run's cost reaches ``x``, moved down to the chunk grid where their
-        node reaches it (a branch's start is on it)."""
-        i = np.clip(np.searchsorted(self.cum, x, side="right") - 1, 0, self.lo.size - 1)
-        t = np.clip(
-            np.floor(self.geo.token_at(self.base[i] + x - self.cum[i])).astype(np.int64), self.lo[i], self.hi[i]
-        )
-        t = np.maximum(np.where(t > self.lo[i], self.geo.on_grid(t, self.chunk), t), self.lo[i])
-        return np.where(x >= self.cum[-1], self.at[-1], self.at[i] + t - self.lo[i])
+        """[G, Q] the positions where each run's cost reaches ``x``, moved down to the chunk grid
+        where their node reaches it (a branch's start is on it)."""
+        i = self.branch(self.cum, x)
+        take = lambda a: np.take_along_axis(a, i, axis=1)
+        lo, hi = take(self.lo), take(self.hi)
+        t = np.clip(np.floor(self.geo.token_at(take(self.base) + x - take(self.cum))).astype(np.int64), lo, hi)
+        t = np.maximum(np.where(t > lo, self.geo.on_grid(t, self.chunk), t), lo)
+        return np.where(x >= self.total[:, None], self.end[:, None], take(self.at) + t - lo)
 
-    def ranges(self, extra: np.ndarray, cap: np.ndarray) -> np.ndarray:
-        """[w + 1] positions cutting the run into one range per rank, each within its rank's token
-        ``cap`` [w], the most any rank's cost plus ``extra`` [w] reaches as low as the caps allow: the
+    def ranges(self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray) -> np.ndarray:
+        """[G, W + 1] positions cutting each run into one range per rank of its group (``width`` [G]
+        ranks; the cuts past them sit at the run's end), each within its rank's token ``cap``
+        [G, W], the most any rank's cost plus ``extra`` [G, W] reaches as low as the caps allow: the
         lowest level that every rank filling up to it covers the run with (searched on a grid of
         levels, :data:`LEVELS` at a time, where a cap binds)."""
+        real = np.arange(extra.shape[1]) < width[:, None]
+        extra, cap = np.where(real, extra, 0.0), np.where(real, cap, np.inf)
+        low = (self.total + extra.sum(axis=1)) / width * (1 + 1e-9)
+        reach = np.cumsum(np.where(real, np.maximum(low[:, None] - extra, 0.0), 0.0), axis=1)
+        cuts = np.concatenate((np.zeros((width.size, 1), dtype=np.int64), self.at_cost(reach)), axis=1)
+        capped = np.flatnonzero(~(np.diff(cuts, axis=1) <= cap).all(axis=1))  # each rank up to the level
+        if capped.size:
+            runs, high = self.select(capped), np.where(real, extra, -np.inf).max(axis=1)[capped]
+            cuts[capped] = runs._capped(extra[capped], cap[capped], width[capped], low[capped], high)
+        return np.where(np.arange(cuts.shape[1]) < width[:, None], cuts, self.end[:, None])
 
-        def cut(levels: np.ndarray) -> np.ndarray:  # [w + 1, K] cuts at each level
-            cuts = [np.zeros(levels.size, dtype=np.int64)]
-            for e, c in zip(extra.tolist(), cap.tolist()):
-                y = self.at_cost(self.cost_to(cuts[-1]) + np.maximum(levels - e, 0.0))
-                cuts.append(np.minimum(np.maximum(y, cuts[-1]), cuts[-1] + min(c, self.at[-1])).astype(np.int64))
-            return np.stack(cuts)
+    def _capped(
+        self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray, low: np.ndarray, most: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`ranges` where a cap binds (``most`` [G]: each group's largest extra): the cuts at
+        the level ``low`` [G], raised where they do not cover the run."""
+        cuts = self._fill(extra, cap, low[:, None])[:, :, 0]
+        binding = np.flatnonzero(cuts[np.arange(width.size), width] < self.end)
+        if not binding.size:
+            return cuts
+        runs, extra, cap, width = self.select(binding), extra[binding], cap[binding], width[binding]
+        low, high = low[binding], self.total[binding] + most[binding]
+        searching = np.ones(binding.size, dtype=bool)
+        for _ in range(LEVEL_ROUNDS):
+            levels = np.stack([np.linspace(a, z, LEVELS) for a, z in zip(low, high)])
+            covers = runs._fill(extra, cap, levels)[np.arange(width.size), width] >= runs.end[:, None]
+            searching &= covers.any(axis=1)
+            k = np.argmax(covers, axis=1)
+            low = np.where(searching, levels[np.arange(k.size), np.maximum(k - 1, 0)], low)
+            high = np.where(searching, levels[np.arange(k.size), k], high)
+        cuts[binding] = runs._fill(extra, cap, high[:, None])[:, :, 0]
+        return cuts
 
-        end = int(self.at[-1])
-        low = (self.cum[-1] + extra.sum()) / extra.size * (1 + 1e-9)
-        cuts = np.r_[0, self.at_cost(np.cumsum(np.maximum(low - extra, 0.0)))]  # each rank up to the level
-        if (np.diff(cuts) <= cap).all():
-            return np.r_[cuts[:-1], end]
-        cuts = cut(np.array([low]))[:, 0]
-        if cuts[-1] < end:  # a cap binds: raise the level
-            high = float(self.cum[-1] + extra.max())
-            for _ in range(LEVEL_ROUNDS):
-                levels = np.linspace(low, high, LEVELS)
-                covers = cut(levels)[-1] >= end
-                if not covers.any():
-                    break
-                k = int(np.argmax(covers))
-                low, high = levels[max(k - 1, 0)], levels[k]
-            cuts = cut(np.array([high]))[:, 0]
-        return np.r_[cuts[:-1], end]
+    def _fill(self, extra: np.ndarray, cap: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        """[G, W + 1, K] cuts with each rank filling its run up to each of ``levels`` [G, K] (its
+        extra counted in, within its cap)."""
+        cuts = [np.zeros(levels.shape, dtype=np.int64)]
+        for e, c in zip(extra.T, cap.T):
+            y = self.at_cost(self.cost_to(cuts[-1]) + np.maximum(levels - e[:, None], 0.0))
+            room = cuts[-1] + np.minimum(c, self.end)[:, None]
+            cuts.append(np.minimum(np.maximum(y, cuts[-1]), room).astype(np.int64))
+        return np.stack(cuts, axis=1)
 
-    def pieces(self, a: int, b: int) -> list[tuple[int, int]]:
-        """The DFS ranges of positions [a, b): one per branch they touch."""
-        first = int(np.searchsorted(self.at, a, side="right")) - 1
-        out = []
-        for i in range(first, self.lo.size):
-            if self.at[i] >= b:
-                break
-            out.append(
-                (int(self.lo[i] + max(a - self.at[i], 0)), int(self.lo[i] + min(b, self.at[i + 1]) - self.at[i]))
-            )
-        return out
+    def inside(self, cuts: np.ndarray) -> np.ndarray:
+        """[G] whether a group's ``cuts`` put a rank's range inside one branch (it would both read
+        the previous rank's head and hand its own on)."""
+        a, z = cuts[:, :-1], cuts[:, 1:]
+        within = (self.branch(self.at, a) == self.branch(self.at, z)) & (z > a)
+        return (within & ~self.starts_branch(a) & ~self.starts_branch(z)).any(axis=1)
 
-    def starts_branch(self, y: int) -> bool:
-        return bool(self.at[min(int(np.searchsorted(self.at, y)), self.at.size - 1)] == y)
+    def spill(self, cuts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """[G] cost of the heads that reach the slot where the next rank's tail starts (they would
+        stream), with slots ending where a rank's run reaches the costs ``ends`` [S - 1]: 0 where
+        every handed cut crosses between slots."""
+        cut = cuts[:, 1:-1]
+        handed = ~self.starts_branch(cut)  # cuts inside a branch: a head, then a tail
+        i = self.branch(self.at, cut)
+        start = np.maximum(np.take_along_axis(self.at, i, axis=1), cuts[:, :-2])  # the head's start
+        end = np.minimum(np.take_along_axis(self.at, i + 1, axis=1), cuts[:, 2:])  # the tail's end
+        head = self.cost_to(cut) - self.cost_to(start)
+        before = self.cost_to(cuts[:, 2:]) - self.cost_to(cut) - (self.cost_to(end) - self.cost_to(cut))
+        spilled = np.maximum(head - np.r_[0.0, ends][np.searchsorted(ends, before, side="right")], 0.0)
+        return np.where(handed, spilled, 0.0).sum(axis=1)
 
-
-@dataclass(frozen=True)
-class _Range:
-    """One rank's range of a run, as DFS ranges: the head of the branch it hands to the next rank
-    (None: its range ends on a branch's end), its whole branches, the tail of the branch it reads
-    from the previous rank (None: it starts on a branch's start)."""
-
-    head: tuple[int, int] | None
-    whole: list[tuple[int, int]]
-    tail: tuple[int, int] | None
-
-    def run(self) -> list[tuple[int, int]]:
-        """The order the rank computes them in: head first, tail last."""
-        return [*([self.head] if self.head else []), *self.whole, *([self.tail] if self.tail else [])]
-
-
-def _ranges(run: _Run, cuts: np.ndarray) -> list[_Range] | None:
-    """Each rank's :class:`_Range` of ``run`` cut at ``cuts``; None if one lies inside a branch (it
-    would both read the previous rank's head and hand its own on)."""
-    out = []
-    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        parts = run.pieces(a, b) if b > a else []
-        tail = parts[0] if parts and not run.starts_branch(a) else None
-        head = parts[-1] if parts and not run.starts_branch(b) else None
-        if head is not None and head == tail:
-            return None
-        out.append(_Range(head, [p for p in parts if p != head and p != tail], tail))
-    return out
-
-
-def _spill(run: _Run, cuts: np.ndarray, ends: np.ndarray) -> float:
-    """Cost of the heads that reach the slot where the next rank's tail starts (they would stream),
-    for ``run`` cut at ``cuts`` [w + 1] and slots ending where a rank's run reaches the costs ``ends``
-    [S - 1]: 0 when every handed cut crosses between slots."""
-    at = run.at
-    handed = np.flatnonzero(~np.isin(cuts[1:-1], at)) + 1  # cuts inside a branch: a head, then a tail
-    if handed.size == 0:
-        return 0.0
-    cut = cuts[handed]
-    start = np.maximum(at[np.searchsorted(at, cut, side="right") - 1], cuts[handed - 1])  # the head's start
-    end = np.minimum(at[np.searchsorted(at, cut, side="right")], cuts[handed + 1])  # the tail's end
-    head = run.cost_to(cut) - run.cost_to(start)
-    before = run.cost_to(cuts[handed + 1]) - run.cost_to(cuts[handed]) - (run.cost_to(end) - run.cost_to(cut))
-    starts = np.r_[0.0, ends]  # [S] where each slot starts in a run's cost
-    return float(np.maximum(head - starts[np.searchsorted(ends, before, side="right")], 0.0).sum())
+    def parts(self, cuts: np.ndarray, width: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(group, rank in group, lo, hi): every rank's range as DFS ranges, one per branch it
+        touches, rank by rank in the order it computes them: the head of the branch it hands to the
+        next rank first, its whole branches, the tail of the branch it reads from the previous last."""
+        a, z = cuts[:, :-1], cuts[:, 1:]
+        first, last = self.branch(self.at, a), self.branch(self.at, z, strict=True)
+        count = np.where((np.arange(a.shape[1]) < width[:, None]) & (z > a), last - first + 1, 0)
+        group, rank = np.nonzero(count)
+        n = count[group, rank]
+        k = aranges(np.zeros_like(n), n)
+        group, rank, n = (np.repeat(x, n) for x in (group, rank, n))
+        i, a, z = first[group, rank] + k, a[group, rank], z[group, rank]
+        lo, at, after = self.lo[group, i], self.at[group, i], self.at[group, i + 1]
+        tail = (k == 0) & ~self.starts_branch(cuts[:, :-1])[group, rank]
+        head = (k == n - 1) & ~self.starts_branch(cuts[:, 1:])[group, rank]
+        order = np.lexsort((np.where(head, -1, np.where(tail, n, k)), rank, group))
+        parts = group, rank, lo + np.maximum(a - at, 0), lo + np.minimum(z, after) - at
+        return tuple(x[order] for x in parts)
 
 
 def _ordered(
     geo: Geometry,
     b: _Branches,
-    members: np.ndarray,
+    members: list[np.ndarray],
     extra: np.ndarray,
     cap: np.ndarray,
+    width: np.ndarray,
     ends: np.ndarray,
     chunk: int,
-    seed: int,
-) -> list[_Range] | None:
-    """The ranges of one group's branches ``members``: in DFS order, else in the first of
-    :data:`ORDER_TRIES` seeded shuffles whose cuts spill nothing (else the least spilling one, the
-    search ending after :data:`ORDER_PATIENCE` without less); None if every order puts a range
-    inside a branch."""
-    rng = np.random.default_rng(seed)
-    best, least, stale = None, math.inf, 0
+    seeds: list[int],
+) -> tuple[_Runs, np.ndarray] | None:
+    """The runs and cuts (:meth:`_Runs.ranges`) of each group's branches ``members``, the groups side
+    by side: in DFS order, else in the first of :data:`ORDER_TRIES` shuffles (group g's seeded by
+    ``seeds[g]``) whose cuts spill nothing, else the least spilling one, a group's search ending
+    after :data:`ORDER_PATIENCE` without less; None if every order of a group puts a range inside
+    a branch."""
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    orders, cuts = list(members), np.zeros((len(members), extra.shape[1] + 1), dtype=np.int64)
+    least, stale, found = (
+        np.full(len(members), np.inf),
+        np.zeros(len(members), dtype=np.int64),
+        np.zeros(len(members), dtype=bool),
+    )
+    searching = np.arange(len(members))
     for attempt in range(ORDER_TRIES):
-        run = _Run(geo, b, members if attempt == 0 else rng.permutation(members), chunk)
-        cuts = run.ranges(extra, cap)
-        ranges = _ranges(run, cuts)
-        spilled = math.inf if ranges is None else _spill(run, cuts, ends)
-        stale = 0 if spilled < least else stale + 1
-        if ranges is not None and (best is None or spilled < least):
-            best, least = ranges, spilled
-        if least == 0 or (best is not None and stale == ORDER_PATIENCE):
+        tried = [members[g] if attempt == 0 else rngs[g].permutation(members[g]) for g in searching.tolist()]
+        runs = _Runs.of(geo, b, tried, chunk)
+        cut = runs.ranges(extra[searching], cap[searching], width[searching])
+        inside = runs.inside(cut)
+        spilled = np.where(inside, np.inf, runs.spill(cut, ends))
+        lower = spilled < least[searching]
+        stale[searching] = np.where(lower, 0, stale[searching] + 1)
+        keep = ~inside & (~found[searching] | lower)
+        for i in np.flatnonzero(keep).tolist():
+            orders[searching[i]] = tried[i]
+        cuts[searching[keep]] = cut[keep]
+        least[searching[keep]], found[searching[keep]] = spilled[keep], True
+        done = (least[searching] == 0) | (found[searching] & (stale[searching] == ORDER_PATIENCE))
+        searching = searching[~done]
+        if not searching.size:
             break
-    return best
+    return (_Runs.of(geo, b, orders, chunk), cuts) if found.all() else None
 
 
-def _slotted(geo: Geometry, run: list[tuple[int, int]], ends: np.ndarray, chunk: int) -> list[tuple[int, int, int]]:
-    """(slot, lo, hi) of a rank's ``run`` cut where its cost reaches each of ``ends`` [S - 1], cuts
-    moved down to the chunk grid where their node reaches it."""
-    out, done, slot = [], 0.0, 0
-    for a, z in run:
-        last, base = a, float(geo.prefix(a)) - done  # the prefix cost where the run's cost is 0
-        while slot < ends.size and base + ends[slot] < float(geo.prefix(z)):
-            y = int(np.clip(np.floor(geo.token_at(base + ends[slot])), last, z))
-            y = max(int(geo.on_grid(np.array([y]), chunk)[0]), last)
-            if y > last:
-                out.append((slot, last, y))
-            last, slot = y, slot + 1
-        if z > last:
-            out.append((slot, last, z))
-        done += float(geo.prefix(z) - geo.prefix(a))
-    return out
+def _slotted(
+    geo: Geometry, rank: np.ndarray, lo: np.ndarray, hi: np.ndarray, ends: np.ndarray, chunk: int
+) -> tuple[np.ndarray, ...]:
+    """(rank, slot, lo, hi) of every rank's run (its DFS ranges ``lo``, ``hi`` [P], ``rank`` [P]
+    ascending, each rank's in run order) cut where the rank's cost reaches each of ``ends``
+    [S - 1], cuts moved down to the chunk grid where their node reaches it."""
+    row = np.unique(rank, return_inverse=True)[1]
+    col = np.arange(rank.size) - np.searchsorted(rank, rank)  # a range's place in its rank's run
+    by_rank = lambda x: np.zeros((row.max(initial=0) + 1, col.max(initial=0) + 1), dtype=x.dtype)
+    before = lambda table: np.where(col > 0, table[row, np.maximum(col - 1, 0)], 0)  # over the rank's earlier ranges
+    cost, top = by_rank(ends), geo.prefix(hi)
+    cost[row, col] = top - geo.prefix(lo)
+    base = geo.prefix(lo) - before(np.cumsum(cost, axis=1))  # the prefix cost where the rank's run costs 0
+    reached = by_rank(rank)
+    reached[row, col] = (base[:, None] + ends[None, :] < top[:, None]).sum(axis=1)  # slot ends within
+    reached = np.maximum.accumulate(reached, axis=1)
+    first, last = before(reached), reached[row, col]  # the slots the range spans: first .. last
+    # a range's cuts, one per slot end it passes, between its bounds, never below the one before
+    n = last - first
+    piece = np.repeat(np.arange(rank.size), n + 2)
+    k = aranges(np.zeros_like(n), n + 2)
+    inner = np.clip(k - 1, 0, None) + first[piece]
+    y = np.floor(geo.token_at(base[piece] + ends[np.minimum(inner, ends.size - 1)]))
+    y = np.maximum(geo.on_grid(np.clip(y, lo[piece], hi[piece]).astype(np.int64), chunk), lo[piece])
+    y = np.where(k == 0, lo[piece], np.where(k == n[piece] + 1, hi[piece], y))
+    stride = int(hi.max(initial=0)) + 1
+    bound = np.maximum.accumulate(piece * stride + y) - piece * stride
+    step = np.flatnonzero(k < n[piece] + 1)  # bound -> the next bound of its range
+    keep = step[bound[step + 1] > bound[step]]
+    return rank[piece[keep]], first[piece[keep]] + k[keep], bound[keep], bound[keep + 1]
 
 
-Rows = list[tuple[int, int, int, int, int]]  # (rank, slot, lo, hi, branch)
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi, branch) [P]
 Tops = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi) of the tops' pieces
 TopLayout = Callable[[Geometry, np.ndarray, int, int, int, CostModel], Tops]
 
@@ -377,27 +451,30 @@ def _branch_rows(
     rank's run at the same costs on every rank (a rank's ``extra`` [R] counted in its share, so the
     last slots even out); None if a group's branches leave a range inside one of them."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
-    rows = []
-    for g, begin in enumerate(np.r_[0, np.cumsum(widths)[:-1]].tolist()):
-        ranks, members = np.arange(begin, begin + widths[g]), np.flatnonzero(where == g)
-        if members.size == 0:
-            continue
-        ranges = _ordered(geo, b, members, extra[ranks], cap[ranks], ends, chunk, seed=g)
-        if ranges is None:
-            return None
-        for r, mine in zip(ranks.tolist(), ranges):
-            for slot, lo, hi in _slotted(geo, mine.run(), ends, chunk):
-                rows.append((r, slot, lo, hi, int(np.searchsorted(b.lo, lo, side="right")) - 1))
-    return rows
+    groups = np.unique(where)
+    begin, width = np.r_[0, np.cumsum(widths)[:-1]][groups], widths[groups]
+    ranks = np.minimum(
+        begin[:, None] + np.arange(width.max()), widths.sum() - 1
+    )  # [G, W], past a group's width: unused
+    members = [np.flatnonzero(where == g) for g in groups.tolist()]
+    chosen = _ordered(geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, groups.tolist())
+    if chosen is None:
+        return None
+    runs, cuts = chosen
+    group, rank, lo, hi = runs.parts(cuts, width)
+    rank, slot, lo, hi = _slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
+    return rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1
 
 
 def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
     """The relay's pieces: the tops (rank, slot, lo, hi) in their slots, if any, the branches' ``rows`` after them."""
     first = int(tops[1].max()) + 1 if tops[1].size else 0
-    rows = [(int(r), int(s), int(lo), int(hi), -1) for r, s, lo, hi in zip(*tops)] + [
-        (r, first + s, lo, hi, u) for r, s, lo, hi, u in rows
-    ]
-    rank, slot, lo, hi, branch = (np.array(col, dtype=np.int64) for col in zip(*sorted(rows)))
+    rank, slot, lo, hi, branch = (
+        np.concatenate((np.asarray(t, dtype=np.int64), r)).astype(np.int64)
+        for t, r in zip((*tops, np.full(tops[0].size, -1)), (rows[0], rows[1] + first, *rows[2:]))
+    )
+    order = np.lexsort((branch, hi, lo, slot, rank))
+    rank, slot, lo, hi, branch = (x[order] for x in (rank, slot, lo, hi, branch))
     if not np.array_equal(np.sort(lo), np.r_[0, np.sort(hi)[:-1]]) or hi.max() != geo.num_tokens:
         raise AssertionError("the relay's pieces do not cover every token once: a planner bug")
     return Pieces(rank, slot, lo, hi, branch, np.zeros(lo.size, dtype=bool), first + slots)

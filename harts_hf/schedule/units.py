@@ -205,6 +205,7 @@ def compile_rank(
     subsets: list[Hashable] = [*context_subsets(tables), *(RoundsTable(C) for C in chunk_sizes(tables))]
     near = _near_reads(forests, step, coverage, max((table.reach for table in subsets), default=0))
     readers = np.unique(near.reader[np.isin(near.producer, mine) & (ranks[near.reader] != rank)])
+    near_mine = near.select(ranks[near.reader] == rank)  # where this rank's units' subsets must lie
     batches = {int(g): _batch(forests, step, g) for g in (*mine, *readers)}
     read = lambda g, subset: _reads(batches[int(g)], int(g), subset, step, coverage)
 
@@ -217,9 +218,9 @@ def compile_rank(
     for subset in [None, *subsets]:
         own = [read(g, subset) for g in mine]
         if subset is None:  # the other ranks' context reads of this rank's units, from the resolved runs
-            theirs = Reads.concat([_expand(runs, p) for runs, p in resolved])
+            theirs = _read_from(resolved, np.isin(np.arange(step.size), mine), ranks != rank)
         else:
-            _check_reach(own, near, subset)
+            _check_reach(own, near_mine, subset)
             theirs = Reads.concat([read(j, subset) for j in readers])
         theirs = theirs.select(np.isin(theirs.producer, mine) & (ranks[theirs.reader] != rank))
         view = rank_view(Reads.concat([*own, theirs]), ranks, slots, rank, plan.world_size)
@@ -349,10 +350,15 @@ def _exchange(
     [e]): a block goes to a rank after its producer's call, its gradients back after the replay of
     the first call there that reads it; one whose first reader runs at the producer's own call
     (a context-parallel group) streams inside that call."""
-    first_read: dict[tuple[int, int], int] = {}  # (producer, reading rank) -> that rank's first call reading it
     far = ranks[producer] != ranks[reader]
-    for p, q, k in zip(producer[far].tolist(), ranks[reader[far]].tolist(), call[reader[far]].tolist()):
-        first_read[p, q] = min(first_read.get((p, q), k), k)
+    source, to, when = producer[far], ranks[reader[far]], call[reader[far]]
+    mine = (to == rank) | (ranks[source] == rank)  # only the blocks this rank sends or receives
+    source, to, when = source[mine], to[mine], when[mine]
+    order = np.lexsort((when, to, source))  # per (producer, reading rank), its first call reading it first
+    new = np.r_[True, (np.diff(source[order]) != 0) | (np.diff(to[order]) != 0)] if order.size else order
+    head = order[new]
+    # (producer, reading rank) -> that rank's first call reading it
+    first_read = dict(zip(zip(source[head].tolist(), to[head].tolist()), when[head].tolist()))
     streamed = {(p, q) for (p, q), k in first_read.items() if k == call[p]}
     later = {pq: k for pq, k in first_read.items() if pq not in streamed}
     return Exchange.of(
@@ -384,14 +390,22 @@ def _reads(batch: TreeBatch, unit: int, subset: Hashable, step: StepUnits, cover
     return Reads(np.full(tokens.size, unit, dtype=np.int64), tokens, producer)
 
 
-def _expand(runs: Runs, producer: np.ndarray) -> Reads:
-    """Resolved runs (each read from one ``producer``) as token reads."""
-    return Reads(runs.groups(), runs.tokens(), np.repeat(producer, runs.size))
+def _read_from(resolved: list[tuple[Runs, np.ndarray]], producers: np.ndarray, readers: np.ndarray) -> Reads:
+    """The reads of the resolved context runs (each read from one producer unit) whose producer is
+    one of ``producers`` and reader one of ``readers`` ([U] bool each), as token reads: only those
+    runs are expanded."""
+    parts = []
+    for runs, producer in resolved:
+        keep = producers[producer] & readers[runs.group]
+        runs, producer = runs.select(keep), producer[keep]
+        parts.append(Reads(runs.groups(), runs.tokens(), np.repeat(producer, runs.size)))
+    return Reads.concat(parts)
 
 
 def _check_reach(reads: list[Reads], near: Reads, subset: Hashable) -> None:
     """A unit's reads of ``subset`` lie within its reach (``Table.reach``) above the unit's entry
-    tokens, where the units reading another rank's tokens are looked for."""
+    tokens (``near``: those reads of the same units), where the units reading another rank's
+    tokens are looked for."""
     stride = int(max([near.token.max(initial=0), *(r.token.max(initial=0) for r in reads)])) + 1
     allowed = np.unique(near.reader * stride + near.token)
     for r in reads:
