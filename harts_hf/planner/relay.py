@@ -59,8 +59,7 @@ __all__ = ["relay_cut"]
 
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
-ORDER_TRIES = 8  # orders of a group's branches tried for cuts that land well
-ORDER_PATIENCE = 4  # shuffles in a row that spill no less end the search
+ORDER_TRIES = 32  # orders of a group's branches tried for cuts that land well (seen at 64 ranks: 8 left 2 spilling)
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
 PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
@@ -306,34 +305,25 @@ def _ordered(
 ) -> tuple[_Runs, np.ndarray] | None:
     """The runs and cuts (:meth:`_Runs.ranges`) of each group's branches ``members``, the groups side
     by side: in DFS order, else in the first of :data:`ORDER_TRIES` shuffles (group g's seeded by
-    ``seeds[g]``) whose cuts spill nothing, else the least spilling one, a group's search ending
-    after :data:`ORDER_PATIENCE` without less; None if every order of a group puts a range inside
-    a branch."""
+    ``seeds[g]``) whose cuts spill nothing, else the least spilling one; None if every order of a
+    group puts a range inside a branch."""
     rngs = [np.random.default_rng(seed) for seed in seeds]
     orders, cuts = list(members), np.zeros((len(members), extra.shape[1] + 1), dtype=np.int64)
-    least, stale, found = (
-        np.full(len(members), np.inf),
-        np.zeros(len(members), dtype=np.int64),
-        np.zeros(len(members), dtype=bool),
-    )
+    least = np.full(len(members), np.inf)  # inf: every order so far puts a range inside a branch
     searching = np.arange(len(members))
     for attempt in range(ORDER_TRIES):
         tried = [members[g] if attempt == 0 else rngs[g].permutation(members[g]) for g in searching.tolist()]
         runs = _Runs.of(geo, b, tried, chunk)
         cut = runs.ranges(extra[searching], cap[searching], width[searching])
-        inside = runs.inside(cut)
-        spilled = np.where(inside, np.inf, runs.spill(cut, ends))
-        lower = spilled < least[searching]
-        stale[searching] = np.where(lower, 0, stale[searching] + 1)
-        keep = ~inside & (~found[searching] | lower)
+        spilled = np.where(runs.inside(cut), np.inf, runs.spill(cut, ends))
+        keep = spilled < least[searching]
         for i in np.flatnonzero(keep).tolist():
             orders[searching[i]] = tried[i]
-        cuts[searching[keep]] = cut[keep]
-        least[searching[keep]], found[searching[keep]] = spilled[keep], True
-        done = (least[searching] == 0) | (found[searching] & (stale[searching] == ORDER_PATIENCE))
-        searching = searching[~done]
+        cuts[searching[keep]], least[searching[keep]] = cut[keep], spilled[keep]
+        searching = searching[least[searching] > 0]
         if not searching.size:
             break
+    found = np.isfinite(least)
     return (_Runs.of(geo, b, orders, chunk), cuts) if found.all() else None
 
 
