@@ -314,10 +314,15 @@ class RolloutForest:
         has_child[self.node_parent[self.node_parent >= 0]] = True
         return int((~has_child).sum())
 
-    @property
+    @cached_property
     def roots(self) -> np.ndarray:
-        """Compact indices of the root tokens (depth 0)."""
-        return np.flatnonzero(self.prev < 0)
+        """Compact indices of the root tokens (depth 0): the root nodes' first tokens."""
+        return self.node_start[self.node_parent < 0]
+
+    @property
+    def num_pairs(self) -> int:
+        """(predictor, target) pairs: every non-root token is one's target."""
+        return self.num_compact_tokens - int(self.roots.size)
 
     # ------------------------------------------------------------------ trajectories back
     def multiplicity_of(self, trajectories: np.ndarray) -> np.ndarray:
@@ -359,11 +364,12 @@ class RolloutForest:
     def _traj_col(self) -> np.ndarray:
         return np.arange(self.num_trajectory_tokens) - self.traj_offsets[self._traj_row]
 
-    @cached_property
-    def pair_number(self) -> np.ndarray:
-        """[N] the number of the (predictor, target) pair whose target is each token, pairs
-        numbered in forest order (every non-root token is one); -1 at a root."""
-        return np.cumsum(self.prev >= 0) - 1
+    def pair_number(self, tokens: np.ndarray) -> np.ndarray:
+        """The number of the (predictor, target) pair whose target is each of ``tokens``, pairs
+        numbered in forest order (every non-root token is one; at a root, the number of the pair
+        before it, -1 before the first). From the roots, not a pass over the forest: a rank asks
+        for its own tokens' pairs."""
+        return tokens - np.searchsorted(self.roots, tokens, side="right")
 
     @cached_property
     def logprob_targets(self) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,9 @@
 """Schedule compile time at scale: build a swe-like forest, plan its step over R ranks, then compile
 every rank's units (``harts_hf.schedule.rank_units``: token ids, tree tables, handoff addresses) for the
 default bench model, and print the seconds of each. Ranks compile their own units in parallel,
-so the step pays the largest rank's time. The forest build and the plan are timed in CPU seconds of
+so the step pays the largest rank's time; a process's first compile also builds the forest's cached
+arrays, as every rank's does each step (its forest is new), so the ranks after the first here are
+warm (``--rank`` names the ranks to compile). The forest build and the plan are timed in CPU seconds of
 this process (user + system: a loaded machine stretches the wall clock, not these; the system part is
 the kernel faulting in fresh pages, which the first build of a process pays in full).
 
@@ -15,6 +17,8 @@ the kernel faulting in fresh pages, which the first build of a process pays in f
         # a cross-rank step (the relay: handoffs between ranks, context-parallel groups)
     python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --max-tokens 65536 \
         --context-parallel --sample 16    # 16 of its 1,024 ranks, spread evenly
+    python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --max-tokens 65536 \
+        --context-parallel --rank 500 --rank 501    # one rank's step as a process runs it (the first), then warm
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ def main() -> None:
         "--context-parallel", action="store_true", help="plan with cross-rank handoffs and context-parallel groups"
     )
     parser.add_argument("--sample", type=int, help="compile this many ranks, spread evenly (default: every rank)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        help="compile this rank (repeatable; instead of --sample): the first compile of a process is a step's, "
+        "building the forest's cached arrays",
+    )
     args = parser.parse_args()
 
     swe = {"scale": args.scale, "num_tasks": args.num_tasks} if args.workload == "swe-like" else {}
@@ -95,7 +106,7 @@ def main() -> None:
     tables = model_tables(hf, adapter)
     seconds = []
     step = max(args.world_size // (args.sample or args.world_size), 1)
-    for rank in range(0, args.world_size, step):
+    for rank in args.rank or range(0, args.world_size, step):
         began = time.perf_counter()
         units = rank_units([forest], the_plan, rank, tables, "cpu")
         seconds.append(time.perf_counter() - began)

@@ -121,6 +121,9 @@ def test_forest_matches_prefix_oracle(case):
     assert forest.height == max(level) + 1
     assert forest.num_leaves == m - len(set(parent) - {-1})
     assert forest.roots.tolist() == [t for t in range(n) if oracle.prev[t] < 0]
+    non_roots = np.cumsum([oracle.prev[t] >= 0 for t in range(n)])  # pairs numbered in forest order
+    assert forest.pair_number(np.arange(n)).tolist() == (non_roots - 1).tolist()
+    assert forest.num_pairs == int(non_roots[-1])
 
     # Log-prob gather index: row i, column t predicts token t + 1 of trajectory i.
     predictor, target, valid = forest.logprob_index

@@ -258,7 +258,7 @@ def pair_homes(
         lower[apart[which[below][both]]] = True
         theirs = boundary.select((step.forest[boundary.reader] == f) & (step.rank[boundary.producer] < rank))
         lower |= np.isin(target, theirs.token)
-        home = np.zeros(int((forest.prev >= 0).sum()), dtype=bool)
-        home[forest.pair_number[target[~lower]]] = True
+        home = np.zeros(forest.num_pairs, dtype=bool)
+        home[forest.pair_number(target[~lower])] = True
         out.append(home)
     return out

@@ -23,7 +23,7 @@ class TrajectoryRows:
     @classmethod
     def of(cls, forest: RolloutForest, device: torch.device | str | None = None) -> TrajectoryRows:
         target, valid = forest.logprob_targets
-        pair = np.maximum(forest.pair_number[target], 0)  # columns past a row's end read pair 0, masked
+        pair = np.maximum(forest.pair_number(target), 0)  # columns past a row's end read pair 0, masked
         return cls(torch.as_tensor(pair, device=device), torch.as_tensor(valid, device=device))
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
