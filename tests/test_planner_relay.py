@@ -2,7 +2,7 @@
 packed over groups of ranks, a branch cut between two ranks handed from one's early slot to the next's
 late slot.
 
-Its parts (the packing evens groups within their token caps; a run's ranges keep the caps and cover
+Its parts (the packing evens groups within their token caps; a sequence's ranges keep the caps and cover
 it), its invariants on random forests of every workload shape (every compact token owned once, no
 replica, the budget holds, every same-slot read from a lower rank, every rank's units compile) and
 its choice (an agentic batch at 32 ranks: kept by ``plan()``, no recomputed chain, lower than the
@@ -29,7 +29,8 @@ from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.relay import _Branches, _even_tops, _fanned_tops, _pack, _Runs, relay_cut
+from harts_hf.planner.relay import _even_tops, _fanned_tops, _pack, relay_cut
+from harts_hf.planner.sequences import Branches, Sequences
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -40,7 +41,7 @@ def test_packing_evens_the_groups_within_their_caps():
     rng = np.random.default_rng(0)
     cost = rng.uniform(1, 10, 12)
     tokens = rng.integers(50, 150, 12)
-    b = _Branches(np.arange(12) * 200, np.arange(12) * 200 + tokens, cost, tokens)
+    b = Branches(np.arange(12) * 200, np.arange(12) * 200 + tokens, cost, tokens)
     widths = np.array([2, 3])
     cap = np.array([2, 3]) * tokens.sum() / 4.6
     where = _pack(b, widths, np.zeros(2), cap)
@@ -49,30 +50,30 @@ def test_packing_evens_the_groups_within_their_caps():
     assert (np.bincount(where, weights=tokens, minlength=2) <= cap).all()
 
 
-def test_ranges_keep_the_caps_and_cover_the_run():
-    """A run of the relay forest's six segments cut over three ranks: every range within its cap,
-    the ranges end to end over the whole run; uncapped, the costs even out (to the chunk grid). Cut
-    beside other groups' runs (the segments in other orders, over two ranks), a group's cuts are
+def test_ranges_keep_the_caps_and_cover_the_sequence():
+    """A sequence of the relay forest's six segments cut over three ranks: every range within its cap,
+    the ranges end to end over the whole sequence; uncapped, the costs even out (to the chunk grid). Cut
+    beside other groups' sequences (the segments in other orders, over two ranks), a group's cuts are
     what they are alone."""
     _, forest = forest_of("relay")
     geo = Geometry.of([forest], DEFAULT_COST_MODEL)
     roots = np.flatnonzero(geo.parent == 0)  # the six segments under the prompt
     lo, hi = geo.start[roots], geo.end[roots]
-    b = _Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
-    run = _Runs.of(geo, b, [np.arange(roots.size)], 4)  # cuts on a 4-token grid
-    total, three = int(run.end[0]), np.array([3])
-    free = run.ranges(np.zeros((1, 3)), np.full((1, 3), np.inf), three)
-    costs = np.diff(run.cost_to(free))
+    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    seq = Sequences.of(geo, b, [np.arange(roots.size)], 4)  # cuts on a 4-token grid
+    total, three = int(seq.end[0]), np.array([3])
+    free = seq.ranges(np.zeros((1, 3)), np.full((1, 3), np.inf), three)
+    costs = np.diff(seq.cost_to(free))
     assert free[0, 0] == 0 and free[0, -1] == total and costs.max() < 1.1 * costs.min()
     cap = np.array([[80, 200, 200]])
-    capped = run.ranges(np.zeros((1, 3)), cap, three)
+    capped = seq.ranges(np.zeros((1, 3)), cap, three)
     assert capped[0, 0] == 0 and capped[0, -1] == total and (np.diff(capped) <= cap).all()
     orders = [np.arange(roots.size), np.arange(roots.size)[::-1], np.arange(3)]
-    runs = _Runs.of(geo, b, orders, 4)
-    side = runs.ranges(np.zeros((3, 3)), np.repeat(cap, 3, axis=0), np.array([3, 2, 2]))
+    sequences = Sequences.of(geo, b, orders, 4)
+    side = sequences.ranges(np.zeros((3, 3)), np.repeat(cap, 3, axis=0), np.array([3, 2, 2]))
     assert np.array_equal(side[0], capped[0])
     for g, order in enumerate(orders[1:], 1):
-        alone = _Runs.of(geo, b, [order], 4).ranges(np.zeros((1, 2)), cap[:, :2], np.array([2]))
+        alone = Sequences.of(geo, b, [order], 4).ranges(np.zeros((1, 2)), cap[:, :2], np.array([2]))
         assert np.array_equal(side[g], np.r_[alone[0], alone[0, -1]])
 
 

@@ -19,7 +19,7 @@ Layout, the tops' slots then slots 1..S:
 - the branches are packed over groups of about :data:`GROUP_RANKS` consecutive ranks (largest first
   onto the least loaded group, then moves and swaps off the busiest: :func:`_pack`), and each
   group's branches, ordered so that every cut between two ranks lands in a branch that both halves
-  of it fit in their slots (DFS order first, then seeded shuffles: :func:`_ordered`), are cut into one
+  of it fit in their slots (DFS order first, then seeded shuffles: :func:`~.sequences.ordered_cuts`), are cut into one
   range per rank at equal cost, each within its rank's token cap;
 - a rank runs its range as [the head of the branch it shares with the next rank, its whole
   branches, the tail of the branch it shares with the previous one], cut at the same costs into
@@ -33,19 +33,16 @@ slots would rerun), go back into the cut: the extra comes off the rank's share (
 again once, then the ranges cut again with the extra of each pass blended in) and the excess off its
 token cap, for up to :data:`PASSES` passes while they predict lower; the lowest is kept.
 
-Legend: R ranks, U branches, G groups, n a group's branches, W its ranks (the widest group's), Q queries
-per group, S slots after the tops' slots, K top nodes.
+Legend: R ranks, U branches, G groups, S slots after the tops' slots, K top nodes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..runs import aranges
 from . import crossreads
 from .assign import BRANCH_RULES, find_branches, group_paths
 from .cost import CostModel
@@ -54,37 +51,26 @@ from .graphs import graph_excess
 from .memory import Budget, MemoryModel
 from .pieces import Pieces
 from .planned import Plan
+from .sequences import Branches, ordered_cuts, slotted
 
 __all__ = ["relay_cut"]
 
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
-ORDER_TRIES = 32  # orders of a group's branches tried for cuts that land well (seen at 64 ranks: 8 left 2 spilling)
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
 PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
-LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
 EXTRA_BLEND = 0.5  # a later pass's extra: this share of the last pass's priced extra, the rest of the one before
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
 
-@dataclass(frozen=True, eq=False)
-class _Branches:
-    """Subtrees run whole on one rank or cut between two: [U] DFS ranges, costs and tokens."""
-
-    lo: np.ndarray
-    hi: np.ndarray
-    cost: np.ndarray
-    tokens: np.ndarray
-
-
-def _split(geo: Geometry, world_size: int, budget: Budget) -> tuple[_Branches, np.ndarray]:
+def _split(geo: Geometry, world_size: int, budget: Budget) -> tuple[Branches, np.ndarray]:
     """(the branches, the top nodes [K] above them, DFS order): ``find_branches`` with branches of up
     to one rank's share, the largest a range can take whole or cut in two."""
     branch_node, _, group_node = find_branches(geo, world_size, budget.tokens, BRANCH_RULES[1], per_rank=1)
     tops = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *group_paths(geo, group_node)]))
     lo, hi = geo.start[branch_node], geo.end[branch_node]
-    return _Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo), tops
+    return Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo), tops
 
 
 def _widths(world_size: int) -> np.ndarray:
@@ -96,7 +82,7 @@ def _widths(world_size: int) -> np.ndarray:
     return np.array(widths, dtype=np.int64)
 
 
-def _pack(b: _Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) -> np.ndarray:
+def _pack(b: Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """[U] the group of every branch: largest first onto the group whose load per rank (its
     ``extra`` [G] counted in) stays lowest within its token ``cap`` [G], then single moves and swaps
     off the busiest group while they lower it."""
@@ -129,234 +115,6 @@ def _pack(b: _Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) 
         if j >= widths.size:
             where[others[j - widths.size]] = top
     return where
-
-
-@dataclass(frozen=True, eq=False)
-class _Runs:
-    """Groups' runs side by side: each group's branches end to end in one order, as positions (tokens
-    from its run's start). [G, n] arrays, padded past a group's ``count`` branches (positions and
-    costs repeat its end there); queries are [G, Q], row g in group g's run. Searches count entries
-    instead of bisecting, so each group's arithmetic is what it would be alone."""
-
-    geo: Geometry
-    chunk: int
-    count: np.ndarray  # [G] branches
-    lo: np.ndarray  # [G, n] DFS start of each branch
-    hi: np.ndarray
-    base: np.ndarray  # [G, n] prefix cost at each branch's start
-    at: np.ndarray  # [G, n + 1] first position of each branch
-    cum: np.ndarray  # [G, n + 1] the run's cost before each branch
-
-    @classmethod
-    def of(cls, geo: Geometry, b: _Branches, orders: list[np.ndarray], chunk: int) -> _Runs:
-        """The runs of ``orders`` (one array of branch indices per group)."""
-        count = np.array([o.size for o in orders], dtype=np.int64)
-        index = np.full((count.size, int(count.max())), -1, dtype=np.int64)
-        for g, order in enumerate(orders):
-            index[g, : order.size] = order
-        real = index >= 0
-        pick = lambda v: np.where(real, v[np.maximum(index, 0)], 0)
-        lo, first = pick(b.lo), np.zeros((count.size, 1), dtype=np.int64)
-        at = np.concatenate((first, np.cumsum(pick(b.tokens), axis=1)), axis=1)
-        cum = np.concatenate((first.astype(np.float64), np.cumsum(pick(b.cost), axis=1)), axis=1)
-        return cls(geo, chunk, count, lo, pick(b.hi), geo.prefix(lo), at, cum)
-
-    @property
-    def end(self) -> np.ndarray:
-        """[G] each run's length."""
-        return self.at[np.arange(self.count.size), self.count]
-
-    @property
-    def total(self) -> np.ndarray:
-        """[G] each run's cost."""
-        return self.cum[np.arange(self.count.size), self.count]
-
-    def select(self, rows: np.ndarray) -> _Runs:
-        """The runs of groups ``rows``."""
-        pick = {k: getattr(self, k)[rows] for k in ("count", "lo", "hi", "base", "at", "cum")}
-        return _Runs(self.geo, self.chunk, **pick)
-
-    def branch(self, table: np.ndarray, y: np.ndarray, strict: bool = False) -> np.ndarray:
-        """[G, Q] the last branch whose ``table`` entry (``at`` or ``cum``) is at most (``strict``:
-        below) ``y``, within each group's branches."""
-        below = table[:, None, :] < y[..., None] if strict else table[:, None, :] <= y[..., None]
-        return np.clip(below.sum(axis=-1) - 1, 0, self.count[:, None] - 1)
-
-    def starts_branch(self, y: np.ndarray) -> np.ndarray:
-        """[G, Q] whether each position is a branch's start (or the run's end)."""
-        return (self.at[:, None, :] == y[..., None]).any(axis=-1)
-
-    def cost_to(self, y: np.ndarray) -> np.ndarray:
-        """[G, Q] each run's cost up to positions ``y``."""
-        i = self.branch(self.at, y)
-        take = lambda a: np.take_along_axis(a, i, axis=1)
-        return take(self.cum) + self.geo.prefix(take(self.lo) + y - take(self.at)) - take(self.base)
-
-    def at_cost(self, x: np.ndarray) -> np.ndarray:
-        """[G, Q] the positions where each run's cost reaches ``x``, moved down to the chunk grid
-        where their node reaches it (a branch's start is on it)."""
-        i = self.branch(self.cum, x)
-        take = lambda a: np.take_along_axis(a, i, axis=1)
-        lo, hi = take(self.lo), take(self.hi)
-        t = np.clip(np.floor(self.geo.token_at(take(self.base) + x - take(self.cum))).astype(np.int64), lo, hi)
-        t = np.maximum(np.where(t > lo, self.geo.on_grid(t, self.chunk), t), lo)
-        return np.where(x >= self.total[:, None], self.end[:, None], take(self.at) + t - lo)
-
-    def ranges(self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray) -> np.ndarray:
-        """[G, W + 1] positions cutting each run into one range per rank of its group (``width`` [G]
-        ranks; the cuts past them sit at the run's end), each within its rank's token ``cap``
-        [G, W], the most any rank's cost plus ``extra`` [G, W] reaches as low as the caps allow: the
-        lowest level that every rank filling up to it covers the run with (searched on a grid of
-        levels, :data:`LEVELS` at a time, where a cap binds)."""
-        real = np.arange(extra.shape[1]) < width[:, None]
-        extra, cap = np.where(real, extra, 0.0), np.where(real, cap, np.inf)
-        low = (self.total + extra.sum(axis=1)) / width * (1 + 1e-9)
-        reach = np.cumsum(np.where(real, np.maximum(low[:, None] - extra, 0.0), 0.0), axis=1)
-        cuts = np.concatenate((np.zeros((width.size, 1), dtype=np.int64), self.at_cost(reach)), axis=1)
-        capped = np.flatnonzero(~(np.diff(cuts, axis=1) <= cap).all(axis=1))  # each rank up to the level
-        if capped.size:
-            runs, high = self.select(capped), np.where(real, extra, -np.inf).max(axis=1)[capped]
-            cuts[capped] = runs._capped(extra[capped], cap[capped], width[capped], low[capped], high)
-        return np.where(np.arange(cuts.shape[1]) < width[:, None], cuts, self.end[:, None])
-
-    def _capped(
-        self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray, low: np.ndarray, most: np.ndarray
-    ) -> np.ndarray:
-        """:meth:`ranges` where a cap binds (``most`` [G]: each group's largest extra): the cuts at
-        the level ``low`` [G], raised where they do not cover the run."""
-        cuts = self._fill(extra, cap, low[:, None])[:, :, 0]
-        binding = np.flatnonzero(cuts[np.arange(width.size), width] < self.end)
-        if not binding.size:
-            return cuts
-        runs, extra, cap, width = self.select(binding), extra[binding], cap[binding], width[binding]
-        low, high = low[binding], self.total[binding] + most[binding]
-        searching = np.ones(binding.size, dtype=bool)
-        for _ in range(LEVEL_ROUNDS):
-            levels = np.stack([np.linspace(a, z, LEVELS) for a, z in zip(low, high)])
-            covers = runs._fill(extra, cap, levels)[np.arange(width.size), width] >= runs.end[:, None]
-            searching &= covers.any(axis=1)
-            k = np.argmax(covers, axis=1)
-            low = np.where(searching, levels[np.arange(k.size), np.maximum(k - 1, 0)], low)
-            high = np.where(searching, levels[np.arange(k.size), k], high)
-        cuts[binding] = runs._fill(extra, cap, high[:, None])[:, :, 0]
-        return cuts
-
-    def _fill(self, extra: np.ndarray, cap: np.ndarray, levels: np.ndarray) -> np.ndarray:
-        """[G, W + 1, K] cuts with each rank filling its run up to each of ``levels`` [G, K] (its
-        extra counted in, within its cap)."""
-        cuts = [np.zeros(levels.shape, dtype=np.int64)]
-        for e, c in zip(extra.T, cap.T):
-            y = self.at_cost(self.cost_to(cuts[-1]) + np.maximum(levels - e[:, None], 0.0))
-            room = cuts[-1] + np.minimum(c, self.end)[:, None]
-            cuts.append(np.minimum(np.maximum(y, cuts[-1]), room).astype(np.int64))
-        return np.stack(cuts, axis=1)
-
-    def inside(self, cuts: np.ndarray) -> np.ndarray:
-        """[G] whether a group's ``cuts`` put a rank's range inside one branch (it would both read
-        the previous rank's head and hand its own on)."""
-        a, z = cuts[:, :-1], cuts[:, 1:]
-        within = (self.branch(self.at, a) == self.branch(self.at, z)) & (z > a)
-        return (within & ~self.starts_branch(a) & ~self.starts_branch(z)).any(axis=1)
-
-    def spill(self, cuts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """[G] cost of the heads that reach the slot where the next rank's tail starts (they would
-        stream), with slots ending where a rank's run reaches the costs ``ends`` [S - 1]: 0 where
-        every handed cut crosses between slots."""
-        cut = cuts[:, 1:-1]
-        handed = ~self.starts_branch(cut)  # cuts inside a branch: a head, then a tail
-        i = self.branch(self.at, cut)
-        start = np.maximum(np.take_along_axis(self.at, i, axis=1), cuts[:, :-2])  # the head's start
-        end = np.minimum(np.take_along_axis(self.at, i + 1, axis=1), cuts[:, 2:])  # the tail's end
-        head = self.cost_to(cut) - self.cost_to(start)
-        before = self.cost_to(cuts[:, 2:]) - self.cost_to(cut) - (self.cost_to(end) - self.cost_to(cut))
-        spilled = np.maximum(head - np.r_[0.0, ends][np.searchsorted(ends, before, side="right")], 0.0)
-        return np.where(handed, spilled, 0.0).sum(axis=1)
-
-    def parts(self, cuts: np.ndarray, width: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(group, rank in group, lo, hi): every rank's range as DFS ranges, one per branch it
-        touches, rank by rank in the order it computes them: the head of the branch it hands to the
-        next rank first, its whole branches, the tail of the branch it reads from the previous last."""
-        a, z = cuts[:, :-1], cuts[:, 1:]
-        first, last = self.branch(self.at, a), self.branch(self.at, z, strict=True)
-        count = np.where((np.arange(a.shape[1]) < width[:, None]) & (z > a), last - first + 1, 0)
-        group, rank = np.nonzero(count)
-        n = count[group, rank]
-        k = aranges(np.zeros_like(n), n)
-        group, rank, n = (np.repeat(x, n) for x in (group, rank, n))
-        i, a, z = first[group, rank] + k, a[group, rank], z[group, rank]
-        lo, at, after = self.lo[group, i], self.at[group, i], self.at[group, i + 1]
-        tail = (k == 0) & ~self.starts_branch(cuts[:, :-1])[group, rank]
-        head = (k == n - 1) & ~self.starts_branch(cuts[:, 1:])[group, rank]
-        order = np.lexsort((np.where(head, -1, np.where(tail, n, k)), rank, group))
-        parts = group, rank, lo + np.maximum(a - at, 0), lo + np.minimum(z, after) - at
-        return tuple(x[order] for x in parts)
-
-
-def _ordered(
-    geo: Geometry,
-    b: _Branches,
-    members: list[np.ndarray],
-    extra: np.ndarray,
-    cap: np.ndarray,
-    width: np.ndarray,
-    ends: np.ndarray,
-    chunk: int,
-    seeds: list[int],
-) -> tuple[_Runs, np.ndarray] | None:
-    """The runs and cuts (:meth:`_Runs.ranges`) of each group's branches ``members``, the groups side
-    by side: in DFS order, else in the first of :data:`ORDER_TRIES` shuffles (group g's seeded by
-    ``seeds[g]``) whose cuts spill nothing, else the least spilling one; None if every order of a
-    group puts a range inside a branch."""
-    rngs = [np.random.default_rng(seed) for seed in seeds]
-    orders, cuts = list(members), np.zeros((len(members), extra.shape[1] + 1), dtype=np.int64)
-    least = np.full(len(members), np.inf)  # inf: every order so far puts a range inside a branch
-    searching = np.arange(len(members))
-    for attempt in range(ORDER_TRIES):
-        tried = [members[g] if attempt == 0 else rngs[g].permutation(members[g]) for g in searching.tolist()]
-        runs = _Runs.of(geo, b, tried, chunk)
-        cut = runs.ranges(extra[searching], cap[searching], width[searching])
-        spilled = np.where(runs.inside(cut), np.inf, runs.spill(cut, ends))
-        keep = spilled < least[searching]
-        for i in np.flatnonzero(keep).tolist():
-            orders[searching[i]] = tried[i]
-        cuts[searching[keep]], least[searching[keep]] = cut[keep], spilled[keep]
-        searching = searching[least[searching] > 0]
-        if not searching.size:
-            break
-    found = np.isfinite(least)
-    return (_Runs.of(geo, b, orders, chunk), cuts) if found.all() else None
-
-
-def _slotted(
-    geo: Geometry, rank: np.ndarray, lo: np.ndarray, hi: np.ndarray, ends: np.ndarray, chunk: int
-) -> tuple[np.ndarray, ...]:
-    """(rank, slot, lo, hi) of every rank's run (its DFS ranges ``lo``, ``hi`` [P], ``rank`` [P]
-    ascending, each rank's in run order) cut where the rank's cost reaches each of ``ends``
-    [S - 1], cuts moved down to the chunk grid where their node reaches it."""
-    row = np.unique(rank, return_inverse=True)[1]
-    col = np.arange(rank.size) - np.searchsorted(rank, rank)  # a range's place in its rank's run
-    by_rank = lambda x: np.zeros((row.max(initial=0) + 1, col.max(initial=0) + 1), dtype=x.dtype)
-    before = lambda table: np.where(col > 0, table[row, np.maximum(col - 1, 0)], 0)  # over the rank's earlier ranges
-    cost, top = by_rank(ends), geo.prefix(hi)
-    cost[row, col] = top - geo.prefix(lo)
-    base = geo.prefix(lo) - before(np.cumsum(cost, axis=1))  # the prefix cost where the rank's run costs 0
-    reached = by_rank(rank)
-    reached[row, col] = (base[:, None] + ends[None, :] < top[:, None]).sum(axis=1)  # slot ends within
-    reached = np.maximum.accumulate(reached, axis=1)
-    first, last = before(reached), reached[row, col]  # the slots the range spans: first .. last
-    # a range's cuts, one per slot end it passes, between its bounds, never below the one before
-    n = last - first
-    piece = np.repeat(np.arange(rank.size), n + 2)
-    k = aranges(np.zeros_like(n), n + 2)
-    inner = np.clip(k - 1, 0, None) + first[piece]
-    y = np.floor(geo.token_at(base[piece] + ends[np.minimum(inner, ends.size - 1)]))
-    y = np.maximum(geo.on_grid(np.clip(y, lo[piece], hi[piece]).astype(np.int64), chunk), lo[piece])
-    y = np.where(k == 0, lo[piece], np.where(k == n[piece] + 1, hi[piece], y))
-    stride = int(hi.max(initial=0)) + 1
-    bound = np.maximum.accumulate(piece * stride + y) - piece * stride
-    step = np.flatnonzero(k < n[piece] + 1)  # bound -> the next bound of its range
-    keep = step[bound[step + 1] > bound[step]]
-    return rank[piece[keep]], first[piece[keep]] + k[keep], bound[keep], bound[keep + 1]
 
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi, branch) [P]
@@ -429,7 +187,7 @@ def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_
 
 def _branch_rows(
     geo: Geometry,
-    b: _Branches,
+    b: Branches,
     widths: np.ndarray,
     where: np.ndarray,
     extra: np.ndarray,
@@ -447,12 +205,12 @@ def _branch_rows(
         begin[:, None] + np.arange(width.max()), widths.sum() - 1
     )  # [G, W], past a group's width: unused
     members = [np.flatnonzero(where == g) for g in groups.tolist()]
-    chosen = _ordered(geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, groups.tolist())
+    chosen = ordered_cuts(geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, groups.tolist())
     if chosen is None:
         return None
-    runs, cuts = chosen
-    group, rank, lo, hi = runs.parts(cuts, width)
-    rank, slot, lo, hi = _slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
+    sequences, cuts = chosen
+    group, rank, lo, hi = sequences.parts(cuts, width)
+    rank, slot, lo, hi = slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
     return rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1
 
 
@@ -472,7 +230,7 @@ def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
 
 def _passes(
     geo: Geometry,
-    b: _Branches,
+    b: Branches,
     tops: list[Tops],
     widths: np.ndarray,
     shares: np.ndarray,

@@ -1,0 +1,262 @@
+"""The relay's cuts (``relay.py``): groups' branches end to end as *sequences*, each cut into one
+range per rank of its group and every rank's range into slots at the same costs.
+
+Every group is cut side by side (:class:`Sequences`: [G, n] arrays, searched by counting), so a
+1,024-rank relay's groups cost one vectorised pass per order tried, not a loop over groups; each
+group's arithmetic is what it would be alone.
+
+Legend: U branches, G groups, n a group's branches, W its ranks (the widest group's), Q queries per
+group, P a rank's DFS ranges, S slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..runs import aranges
+from .geometry import Geometry
+
+__all__ = ["Branches", "Sequences", "ordered_cuts", "slotted"]
+
+ORDER_TRIES = 32  # orders of a group's branches tried for cuts that land well (seen at 64 ranks: 8 left 2 spilling)
+LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
+
+
+@dataclass(frozen=True, eq=False)
+class Branches:
+    """Subtrees run whole on one rank or cut between two: [U] DFS ranges, costs and tokens."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    cost: np.ndarray
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class Sequences:
+    """Groups' sequences side by side: each group's branches end to end in one order, as positions
+    (tokens from its sequence's start). [G, n] arrays, padded past a group's ``count`` branches
+    (positions and costs repeat its end there); queries are [G, Q], row g in group g's. Searches count entries
+    instead of bisecting, so each group's arithmetic is what it would be alone."""
+
+    geo: Geometry
+    chunk: int
+    count: np.ndarray  # [G] branches
+    lo: np.ndarray  # [G, n] DFS start of each branch
+    hi: np.ndarray
+    base: np.ndarray  # [G, n] prefix cost at each branch's start
+    at: np.ndarray  # [G, n + 1] first position of each branch
+    cum: np.ndarray  # [G, n + 1] the sequence's cost before each branch
+
+    @classmethod
+    def of(cls, geo: Geometry, b: Branches, orders: list[np.ndarray], chunk: int) -> Sequences:
+        """The sequences of ``orders`` (one array of branch indices per group)."""
+        count = np.array([o.size for o in orders], dtype=np.int64)
+        index = np.full((count.size, int(count.max())), -1, dtype=np.int64)
+        for g, order in enumerate(orders):
+            index[g, : order.size] = order
+        real = index >= 0
+        pick = lambda v: np.where(real, v[np.maximum(index, 0)], 0)
+        lo, first = pick(b.lo), np.zeros((count.size, 1), dtype=np.int64)
+        at = np.concatenate((first, np.cumsum(pick(b.tokens), axis=1)), axis=1)
+        cum = np.concatenate((first.astype(np.float64), np.cumsum(pick(b.cost), axis=1)), axis=1)
+        return cls(geo, chunk, count, lo, pick(b.hi), geo.prefix(lo), at, cum)
+
+    @property
+    def end(self) -> np.ndarray:
+        """[G] each sequence's length."""
+        return self.at[np.arange(self.count.size), self.count]
+
+    @property
+    def total(self) -> np.ndarray:
+        """[G] each sequence's cost."""
+        return self.cum[np.arange(self.count.size), self.count]
+
+    def select(self, rows: np.ndarray) -> Sequences:
+        """The sequences of groups ``rows``."""
+        pick = {k: getattr(self, k)[rows] for k in ("count", "lo", "hi", "base", "at", "cum")}
+        return Sequences(self.geo, self.chunk, **pick)
+
+    def branch(self, table: np.ndarray, y: np.ndarray, strict: bool = False) -> np.ndarray:
+        """[G, Q] the last branch whose ``table`` entry (``at`` or ``cum``) is at most (``strict``:
+        below) ``y``, within each group's branches."""
+        below = table[:, None, :] < y[..., None] if strict else table[:, None, :] <= y[..., None]
+        return np.clip(below.sum(axis=-1) - 1, 0, self.count[:, None] - 1)
+
+    def starts_branch(self, y: np.ndarray) -> np.ndarray:
+        """[G, Q] whether each position is a branch's start (or the sequence's end)."""
+        return (self.at[:, None, :] == y[..., None]).any(axis=-1)
+
+    def cost_to(self, y: np.ndarray) -> np.ndarray:
+        """[G, Q] each sequence's cost up to positions ``y``."""
+        i = self.branch(self.at, y)
+        take = lambda a: np.take_along_axis(a, i, axis=1)
+        return take(self.cum) + self.geo.prefix(take(self.lo) + y - take(self.at)) - take(self.base)
+
+    def at_cost(self, x: np.ndarray) -> np.ndarray:
+        """[G, Q] the positions where each sequence's cost reaches ``x``, moved down to the chunk grid
+        where their node reaches it (a branch's start is on it)."""
+        i = self.branch(self.cum, x)
+        take = lambda a: np.take_along_axis(a, i, axis=1)
+        lo, hi = take(self.lo), take(self.hi)
+        t = np.clip(np.floor(self.geo.token_at(take(self.base) + x - take(self.cum))).astype(np.int64), lo, hi)
+        t = np.maximum(np.where(t > lo, self.geo.on_grid(t, self.chunk), t), lo)
+        return np.where(x >= self.total[:, None], self.end[:, None], take(self.at) + t - lo)
+
+    def ranges(self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray) -> np.ndarray:
+        """[G, W + 1] positions cutting each sequence into one range per rank of its group (``width`` [G]
+        ranks; the cuts past them sit at its end), each within its rank's token ``cap``
+        [G, W], the most any rank's cost plus ``extra`` [G, W] reaches as low as the caps allow: the
+        lowest level that every rank filling up to it covers the sequence with (searched on a grid of
+        levels, :data:`LEVELS` at a time, where a cap binds)."""
+        real = np.arange(extra.shape[1]) < width[:, None]
+        extra, cap = np.where(real, extra, 0.0), np.where(real, cap, np.inf)
+        low = (self.total + extra.sum(axis=1)) / width * (1 + 1e-9)
+        reach = np.cumsum(np.where(real, np.maximum(low[:, None] - extra, 0.0), 0.0), axis=1)
+        cuts = np.concatenate((np.zeros((width.size, 1), dtype=np.int64), self.at_cost(reach)), axis=1)
+        capped = np.flatnonzero(~(np.diff(cuts, axis=1) <= cap).all(axis=1))  # each rank up to the level
+        if capped.size:
+            part, high = self.select(capped), np.where(real, extra, -np.inf).max(axis=1)[capped]
+            cuts[capped] = part._capped(extra[capped], cap[capped], width[capped], low[capped], high)
+        return np.where(np.arange(cuts.shape[1]) < width[:, None], cuts, self.end[:, None])
+
+    def _capped(
+        self, extra: np.ndarray, cap: np.ndarray, width: np.ndarray, low: np.ndarray, most: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`ranges` where a cap binds (``most`` [G]: each group's largest extra): the cuts at
+        the level ``low`` [G], raised where they do not cover the sequence."""
+        cuts = self._fill(extra, cap, low[:, None])[:, :, 0]
+        binding = np.flatnonzero(cuts[np.arange(width.size), width] < self.end)
+        if not binding.size:
+            return cuts
+        part, extra, cap, width = self.select(binding), extra[binding], cap[binding], width[binding]
+        low, high = low[binding], self.total[binding] + most[binding]
+        searching = np.ones(binding.size, dtype=bool)
+        for _ in range(LEVEL_ROUNDS):
+            levels = np.stack([np.linspace(a, z, LEVELS) for a, z in zip(low, high)])
+            covers = part._fill(extra, cap, levels)[np.arange(width.size), width] >= part.end[:, None]
+            searching &= covers.any(axis=1)
+            k = np.argmax(covers, axis=1)
+            low = np.where(searching, levels[np.arange(k.size), np.maximum(k - 1, 0)], low)
+            high = np.where(searching, levels[np.arange(k.size), k], high)
+        cuts[binding] = part._fill(extra, cap, high[:, None])[:, :, 0]
+        return cuts
+
+    def _fill(self, extra: np.ndarray, cap: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        """[G, W + 1, K] cuts with each rank filling its range up to each of ``levels`` [G, K] (its
+        extra counted in, within its cap)."""
+        cuts = [np.zeros(levels.shape, dtype=np.int64)]
+        for e, c in zip(extra.T, cap.T):
+            y = self.at_cost(self.cost_to(cuts[-1]) + np.maximum(levels - e[:, None], 0.0))
+            room = cuts[-1] + np.minimum(c, self.end)[:, None]
+            cuts.append(np.minimum(np.maximum(y, cuts[-1]), room).astype(np.int64))
+        return np.stack(cuts, axis=1)
+
+    def inside(self, cuts: np.ndarray) -> np.ndarray:
+        """[G] whether a group's ``cuts`` put a rank's range inside one branch (it would both read
+        the previous rank's head and hand its own on)."""
+        a, z = cuts[:, :-1], cuts[:, 1:]
+        within = (self.branch(self.at, a) == self.branch(self.at, z)) & (z > a)
+        return (within & ~self.starts_branch(a) & ~self.starts_branch(z)).any(axis=1)
+
+    def spill(self, cuts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """[G] cost of the heads that reach the slot where the next rank's tail starts (they would
+        stream), with slots ending where a rank's run reaches the costs ``ends`` [S - 1]: 0 where
+        every handed cut crosses between slots."""
+        cut = cuts[:, 1:-1]
+        handed = ~self.starts_branch(cut)  # cuts inside a branch: a head, then a tail
+        i = self.branch(self.at, cut)
+        start = np.maximum(np.take_along_axis(self.at, i, axis=1), cuts[:, :-2])  # the head's start
+        end = np.minimum(np.take_along_axis(self.at, i + 1, axis=1), cuts[:, 2:])  # the tail's end
+        head = self.cost_to(cut) - self.cost_to(start)
+        before = self.cost_to(cuts[:, 2:]) - self.cost_to(cut) - (self.cost_to(end) - self.cost_to(cut))
+        spilled = np.maximum(head - np.r_[0.0, ends][np.searchsorted(ends, before, side="right")], 0.0)
+        return np.where(handed, spilled, 0.0).sum(axis=1)
+
+    def parts(self, cuts: np.ndarray, width: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(group, rank in group, lo, hi): every rank's range as DFS ranges, one per branch it
+        touches, rank by rank in the order it computes them: the head of the branch it hands to the
+        next rank first, its whole branches, the tail of the branch it reads from the previous last."""
+        a, z = cuts[:, :-1], cuts[:, 1:]
+        first, last = self.branch(self.at, a), self.branch(self.at, z, strict=True)
+        count = np.where((np.arange(a.shape[1]) < width[:, None]) & (z > a), last - first + 1, 0)
+        group, rank = np.nonzero(count)
+        n = count[group, rank]
+        k = aranges(np.zeros_like(n), n)
+        group, rank, n = (np.repeat(x, n) for x in (group, rank, n))
+        i, a, z = first[group, rank] + k, a[group, rank], z[group, rank]
+        lo, at, after = self.lo[group, i], self.at[group, i], self.at[group, i + 1]
+        tail = (k == 0) & ~self.starts_branch(cuts[:, :-1])[group, rank]
+        head = (k == n - 1) & ~self.starts_branch(cuts[:, 1:])[group, rank]
+        order = np.lexsort((np.where(head, -1, np.where(tail, n, k)), rank, group))
+        parts = group, rank, lo + np.maximum(a - at, 0), lo + np.minimum(z, after) - at
+        return tuple(x[order] for x in parts)
+
+
+def ordered_cuts(
+    geo: Geometry,
+    b: Branches,
+    members: list[np.ndarray],
+    extra: np.ndarray,
+    cap: np.ndarray,
+    width: np.ndarray,
+    ends: np.ndarray,
+    chunk: int,
+    seeds: list[int],
+) -> tuple[Sequences, np.ndarray] | None:
+    """The sequences and cuts (:meth:`Sequences.ranges`) of each group's branches ``members``, the groups side
+    by side: in DFS order, else in the first of :data:`ORDER_TRIES` shuffles (group g's seeded by
+    ``seeds[g]``) whose cuts spill nothing, else the least spilling one; None if every order of a
+    group puts a range inside a branch."""
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    orders, cuts = list(members), np.zeros((len(members), extra.shape[1] + 1), dtype=np.int64)
+    least = np.full(len(members), np.inf)  # inf: every order so far puts a range inside a branch
+    searching = np.arange(len(members))
+    for attempt in range(ORDER_TRIES):
+        tried = [members[g] if attempt == 0 else rngs[g].permutation(members[g]) for g in searching.tolist()]
+        sequences = Sequences.of(geo, b, tried, chunk)
+        cut = sequences.ranges(extra[searching], cap[searching], width[searching])
+        spilled = np.where(sequences.inside(cut), np.inf, sequences.spill(cut, ends))
+        keep = spilled < least[searching]
+        for i in np.flatnonzero(keep).tolist():
+            orders[searching[i]] = tried[i]
+        cuts[searching[keep]], least[searching[keep]] = cut[keep], spilled[keep]
+        searching = searching[least[searching] > 0]
+        if not searching.size:
+            break
+    found = np.isfinite(least)
+    return (Sequences.of(geo, b, orders, chunk), cuts) if found.all() else None
+
+
+def slotted(
+    geo: Geometry, rank: np.ndarray, lo: np.ndarray, hi: np.ndarray, ends: np.ndarray, chunk: int
+) -> tuple[np.ndarray, ...]:
+    """(rank, slot, lo, hi) of every rank's run (its DFS ranges ``lo``, ``hi`` [P], ``rank`` [P]
+    ascending, each rank's in run order) cut where the rank's cost reaches each of ``ends``
+    [S - 1], cuts moved down to the chunk grid where their node reaches it."""
+    row = np.unique(rank, return_inverse=True)[1]
+    col = np.arange(rank.size) - np.searchsorted(rank, rank)  # a range's place in its rank's run
+    by_rank = lambda x: np.zeros((row.max(initial=0) + 1, col.max(initial=0) + 1), dtype=x.dtype)
+    before = lambda table: np.where(col > 0, table[row, np.maximum(col - 1, 0)], 0)  # over the rank's earlier ranges
+    cost, top = by_rank(ends), geo.prefix(hi)
+    cost[row, col] = top - geo.prefix(lo)
+    base = geo.prefix(lo) - before(np.cumsum(cost, axis=1))  # the prefix cost where the rank's run costs 0
+    reached = by_rank(rank)
+    reached[row, col] = (base[:, None] + ends[None, :] < top[:, None]).sum(axis=1)  # slot ends within
+    reached = np.maximum.accumulate(reached, axis=1)
+    first, last = before(reached), reached[row, col]  # the slots the range spans: first .. last
+    # a range's cuts, one per slot end it passes, between its bounds, never below the one before
+    n = last - first
+    piece = np.repeat(np.arange(rank.size), n + 2)
+    k = aranges(np.zeros_like(n), n + 2)
+    inner = np.clip(k - 1, 0, None) + first[piece]
+    y = np.floor(geo.token_at(base[piece] + ends[np.minimum(inner, ends.size - 1)]))
+    y = np.maximum(geo.on_grid(np.clip(y, lo[piece], hi[piece]).astype(np.int64), chunk), lo[piece])
+    y = np.where(k == 0, lo[piece], np.where(k == n[piece] + 1, hi[piece], y))
+    stride = int(hi.max(initial=0)) + 1
+    bound = np.maximum.accumulate(piece * stride + y) - piece * stride
+    step = np.flatnonzero(k < n[piece] + 1)  # bound -> the next bound of its range
+    keep = step[bound[step + 1] > bound[step]]
+    return rank[piece[keep]], first[piece[keep]] + k[keep], bound[keep], bound[keep + 1]
