@@ -30,7 +30,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
 from harts_hf.planner.relay import _even_tops, _fanned_tops, _pack, relay_cut
-from harts_hf.planner.sequences import Branches, Sequences
+from harts_hf.planner.sequences import Branches, Sequences, _count_up_to
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -75,6 +75,18 @@ def test_ranges_keep_the_caps_and_cover_the_sequence():
     for g, order in enumerate(orders[1:], 1):
         alone = Sequences.of(geo, b, [order], 4).ranges(np.zeros((1, 2)), cap[:, :2], np.array([2]))
         assert np.array_equal(side[g], np.r_[alone[0], alone[0, -1]])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rows_are_searched_on_their_own(seed):
+    """Every row of a sorted table (repeats, a padded tail, ints and floats) searched at once, each
+    query against its own row only: numpy's searchsorted row by row."""
+    rng = np.random.default_rng(seed)
+    for table in (np.sort(rng.integers(0, 30, (7, 12)), axis=1), np.sort(rng.random((7, 12)).round(1), axis=1)):
+        y = np.concatenate((table[:, rng.integers(0, 12, 5)], rng.uniform(-1, 31, (7, 5))), axis=1)
+        for strict, side in ((False, "right"), (True, "left")):
+            rowwise = np.stack([np.searchsorted(row, q, side=side) for row, q in zip(table, y)])
+            assert np.array_equal(_count_up_to(table, y, strict), rowwise)
 
 
 @pytest.mark.parametrize("layout", [_even_tops, _fanned_tops])

@@ -1,7 +1,7 @@
 """The relay's cuts (``relay.py``): groups' branches end to end as *sequences*, each cut into one
 range per rank of its group and every rank's range into slots at the same costs.
 
-Every group is cut side by side (:class:`Sequences`: [G, n] arrays, searched by counting), so a
+Every group is cut side by side (:class:`Sequences`: [G, n] arrays, each row bisected on its own), so a
 1,024-rank relay's groups cost one vectorised pass per order tried, not a loop over groups; each
 group's arithmetic is what it would be alone.
 
@@ -38,8 +38,9 @@ class Branches:
 class Sequences:
     """Groups' sequences side by side: each group's branches end to end in one order, as positions
     (tokens from its sequence's start). [G, n] arrays, padded past a group's ``count`` branches
-    (positions and costs repeat its end there); queries are [G, Q], row g in group g's. Searches count entries
-    instead of bisecting, so each group's arithmetic is what it would be alone."""
+    (positions and costs repeat its end there); queries are [G, Q], row g in group g's, and every
+    row is searched on its own (:func:`_count_up_to`), so each group's arithmetic is what it would
+    be alone."""
 
     geo: Geometry
     chunk: int
@@ -82,12 +83,12 @@ class Sequences:
     def branch(self, table: np.ndarray, y: np.ndarray, strict: bool = False) -> np.ndarray:
         """[G, Q] the last branch whose ``table`` entry (``at`` or ``cum``) is at most (``strict``:
         below) ``y``, within each group's branches."""
-        below = table[:, None, :] < y[..., None] if strict else table[:, None, :] <= y[..., None]
-        return np.clip(below.sum(axis=-1) - 1, 0, self.count[:, None] - 1)
+        return np.clip(_count_up_to(table, y, strict) - 1, 0, self.count[:, None] - 1)
 
     def starts_branch(self, y: np.ndarray) -> np.ndarray:
         """[G, Q] whether each position is a branch's start (or the sequence's end)."""
-        return (self.at[:, None, :] == y[..., None]).any(axis=-1)
+        last = np.maximum(_count_up_to(self.at, y, False) - 1, 0)
+        return np.take_along_axis(self.at, last, axis=1) == y
 
     def cost_to(self, y: np.ndarray) -> np.ndarray:
         """[G, Q] each sequence's cost up to positions ``y``."""
@@ -193,6 +194,19 @@ class Sequences:
         order = np.lexsort((np.where(head, -1, np.where(tail, n, k)), rank, group))
         parts = group, rank, lo + np.maximum(a - at, 0), lo + np.minimum(z, after) - at
         return tuple(x[order] for x in parts)
+
+
+def _count_up_to(table: np.ndarray, y: np.ndarray, strict: bool) -> np.ndarray:
+    """[G, Q] how many entries of each sorted row of ``table`` [G, m] are at most (``strict``:
+    below) ``y`` [G, Q]: a bisection of every row at once, log m steps of [G, Q] (no [G, Q, m])."""
+    rows = np.arange(table.shape[0])[:, None]
+    lo, hi = np.zeros(y.shape, dtype=np.int64), np.full(y.shape, table.shape[1], dtype=np.int64)
+    while (open_ := lo < hi).any():
+        mid = (lo + hi) // 2
+        value = table[rows, np.minimum(mid, table.shape[1] - 1)]
+        up_to = (value < y if strict else value <= y) & open_
+        lo, hi = np.where(up_to, mid + 1, lo), np.where(open_ & ~up_to, mid, hi)
+    return lo
 
 
 def ordered_cuts(
