@@ -18,12 +18,31 @@ import numpy as np
 from .forest import RolloutForest
 from .trees import path_intervals
 
-__all__ = ["Runs", "aranges", "context_runs", "entry_tokens"]
+__all__ = ["Runs", "aranges", "context_runs", "covered", "entry_tokens", "group_firsts"]
 
 
 def aranges(start: np.ndarray, count: np.ndarray) -> np.ndarray:
     """``start[i], ..., start[i] + count[i] - 1`` for every i, concatenated."""
     return np.repeat(start - np.cumsum(count) + count, count) + np.arange(count.sum())
+
+
+def group_firsts(order: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """The entries of ``order`` (indices sorted by ``keys`` first) where the ``keys`` change: the
+    first of each group of equal keys, in the order's tie-break."""
+    change = np.zeros(order.size, dtype=bool)
+    change[:1] = True
+    for key in keys:
+        sorted_key = key[order]
+        change[1:] |= sorted_key[1:] != sorted_key[:-1]
+    return order[change]
+
+
+def covered(bounds: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(segment, range): every segment of the line cut at ``bounds`` (sorted, holding every ``lo``
+    and ``hi``) that each range ``[lo, hi)`` covers, range by range."""
+    first = np.searchsorted(bounds, lo)
+    count = np.searchsorted(bounds, hi) - first
+    return aranges(first, count), np.repeat(np.arange(lo.size), count)
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +135,7 @@ def context_runs(forest: RolloutForest, own: Runs) -> Runs:
     parent = forest.prev[entry]
     node = forest.node_of[parent]
     order = np.lexsort((-parent, node, group))  # per (group, node) the deepest parent first: its path holds the others'
-    first = order[np.r_[True, (np.diff(group[order]) != 0) | (np.diff(node[order]) != 0)]] if order.size else order
+    first = group_firsts(order, group, node)
     group, parent, node = group[first], parent[first], node[first]
     which, lo, hi = path_intervals(
         forest.node_start, forest.node_len, forest.node_parent, node, parent + 1, once_per=group

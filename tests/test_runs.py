@@ -1,5 +1,5 @@
 """Token runs (``harts_hf.runs``) against Python sets: the union of ranges per group, set
-difference, lookup, and a group's context (the ancestors outside it) and entry tokens against a
+difference, lookup, the segments ranges cover, the first of each group of a sort, and a group's context (the ancestors outside it) and entry tokens against a
 walk up ``prev`` token by token."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harts_hf import RolloutForest
-from harts_hf.runs import Runs, context_runs, entry_tokens
+from harts_hf.runs import Runs, context_runs, covered, entry_tokens, group_firsts
 
 
 def _sets(runs: Runs, groups: int) -> list[set[int]]:
@@ -69,3 +69,23 @@ def test_context_and_entries_follow_prev(seed):
         assert entry[group == g].tolist() == sorted(
             t for t in mine[g] if forest.prev[t] >= 0 and forest.prev[t] not in mine[g]
         )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_segments_and_group_firsts_against_loops(seed):
+    rng = np.random.default_rng(seed)
+    lo = rng.integers(0, 50, 20)
+    hi = lo + rng.integers(0, 10, 20)
+    bounds = np.unique(np.r_[lo, hi, rng.integers(0, 60, 5)])
+    seg, which = covered(bounds, lo, hi)
+    expected = [(s, i) for i in range(lo.size) for s in range(bounds.size - 1) if lo[i] <= bounds[s] < hi[i]]
+    assert list(zip(seg.tolist(), which.tolist())) == expected
+    a, b, tie = rng.integers(0, 3, 30), rng.integers(0, 3, 30), rng.random(30)
+    order = np.lexsort((tie, b, a))
+    seen, firsts = set(), []
+    for i in order.tolist():  # the first of each (a, b) in the order, by the tie-break
+        if (a[i], b[i]) not in seen:
+            seen.add((a[i], b[i]))
+            firsts.append(i)
+    assert group_firsts(order, a, b).tolist() == firsts
+    assert group_firsts(order[:0], a, b).size == 0

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..runs import aranges
+from ..runs import covered, group_firsts
 from .assign import RankIntervals
 from .node_parts import find_in
 
@@ -68,11 +68,8 @@ class Pieces:
         """(bounds, piece): the token line cut at every piece's ends, and per segment the piece of
         the lowest rank holding it (-1: none)."""
         bounds = np.unique(np.r_[self.lo, self.hi])
-        first = np.searchsorted(bounds, self.lo)
-        count = np.searchsorted(bounds, self.hi) - first
-        seg, which = aranges(first, count), np.repeat(np.arange(self.lo.size), count)
-        order = np.lexsort((self.rank[which], seg))
-        head = order[np.r_[True, seg[order][1:] != seg[order][:-1]]] if order.size else order
+        seg, which = covered(bounds, self.lo, self.hi)
+        head = group_firsts(np.lexsort((self.rank[which], seg)), seg)
         piece = np.full(max(bounds.size - 1, 0), -1, dtype=np.int64)
         piece[seg[head]] = which[head]
         return bounds, piece

@@ -217,10 +217,8 @@ def _branch_rows(
 def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
     """The relay's pieces: the tops (rank, slot, lo, hi) in their slots, if any, the branches' ``rows`` after them."""
     first = int(tops[1].max()) + 1 if tops[1].size else 0
-    rank, slot, lo, hi, branch = (
-        np.concatenate((np.asarray(t, dtype=np.int64), r)).astype(np.int64)
-        for t, r in zip((*tops, np.full(tops[0].size, -1)), (rows[0], rows[1] + first, *rows[2:]))
-    )
+    columns = zip((*tops, np.full(tops[0].size, -1)), (rows[0], rows[1] + first, *rows[2:]))
+    rank, slot, lo, hi, branch = (np.concatenate(pair) for pair in columns)
     order = np.lexsort((branch, hi, lo, slot, rank))
     rank, slot, lo, hi, branch = (x[order] for x in (rank, slot, lo, hi, branch))
     if not np.array_equal(np.sort(lo), np.r_[0, np.sort(hi)[:-1]]) or hi.max() != geo.num_tokens:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..forest import RolloutForest
 from ..planner.plan import Plan
-from ..runs import Runs, aranges
+from ..runs import Runs, aranges, covered, group_firsts
 
 __all__ = ["Coverage", "Reads", "StepUnits"]
 
@@ -99,15 +99,13 @@ class Coverage:
         """The segments of ``own`` (one forest's units' runs; ``ranks``, ``slots`` [U] per unit)."""
         bounds = np.unique(np.concatenate(([0, forest.num_compact_tokens], own.lo, own.hi)))
         segments = bounds.size - 1
-        first_seg = np.searchsorted(bounds, own.lo)
-        count = np.searchsorted(bounds, own.hi) - first_seg
-        seg = aranges(first_seg, count)
-        unit = np.repeat(own.group, count)
+        seg, run = covered(bounds, own.lo, own.hi)
+        unit = own.group[run]
         key = ranks[unit] * segments + seg
         by_key = np.argsort(key, kind="stable")
         by_order = np.lexsort((ranks[unit], slots[unit], seg))
         first = np.full(segments, -1, dtype=np.int64)
-        head = by_order[np.r_[True, seg[by_order][1:] != seg[by_order][:-1]]] if seg.size else by_order
+        head = group_firsts(by_order, seg)
         first[seg[head]] = unit[head]
         return cls(bounds, first, key[by_key], unit[by_key])
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..forest import RolloutForest, sorted_unique
-from ..runs import entry_tokens
+from ..runs import entry_tokens, group_firsts
 from .coverage import Coverage, Reads, StepUnits
 
 __all__ = ["Exchange", "RankView", "Transfers", "boundary_pairs", "check_groups", "pair_homes", "rank_view"]
@@ -209,7 +209,7 @@ def rank_view(reads: Reads, ranks: np.ndarray, slots: np.ndarray, rank: int, wor
         tokens = block_key[block_start(pq) : block_start(pq + 1)] - pq * stride
         sends.setdefault(u, {})[to] = np.searchsorted(kept[u], tokens)
     read = sorted_unique((p[far] * units + reads.reader[far]) * stride + t[far]) // stride  # (producer, consumer)
-    first = np.flatnonzero(np.r_[True, read[1:] != read[:-1]]) if read.size else read
+    first = group_firsts(np.arange(read.size), read)
     key, count = read[first], np.diff(np.r_[first, read.size])
     transfers = [
         (int(ranks[u]), int(slots[u]), int(u), int(ranks[v]), int(slots[v]), int(v), int(n))

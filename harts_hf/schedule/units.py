@@ -37,7 +37,7 @@ from ..forest import RolloutForest
 from ..ops.rounds import RoundsTable, rounds_of
 from ..ops.tree_batch import TreeBatch
 from ..planner.plan import Plan
-from ..runs import Runs, context_runs, entry_tokens
+from ..runs import Runs, context_runs, entry_tokens, group_firsts
 from .coverage import Coverage, Reads, StepUnits
 from .crossrank import Exchange, Transfers, boundary_pairs, check_groups, pair_homes, rank_view
 from .tables import Tables, build_tables, chunk_sizes, context_subsets
@@ -354,9 +354,7 @@ def _exchange(
     source, to, when = producer[far], ranks[reader[far]], call[reader[far]]
     mine = (to == rank) | (ranks[source] == rank)  # only the blocks this rank sends or receives
     source, to, when = source[mine], to[mine], when[mine]
-    order = np.lexsort((when, to, source))  # per (producer, reading rank), its first call reading it first
-    new = np.r_[True, (np.diff(source[order]) != 0) | (np.diff(to[order]) != 0)] if order.size else order
-    head = order[new]
+    head = group_firsts(np.lexsort((when, to, source)), source, to)  # per (producer, reading rank), its first call
     # (producer, reading rank) -> that rank's first call reading it
     first_read = dict(zip(zip(source[head].tolist(), to[head].tolist()), when[head].tolist()))
     streamed = {(p, q) for (p, q), k in first_read.items() if k == call[p]}
