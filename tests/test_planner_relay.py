@@ -12,6 +12,7 @@ heads handed on between slots under DDP-free, checkpointed and FSDP2 runs).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -29,8 +30,8 @@ from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.relay import _even_tops, _fanned_tops, _pack, relay_cut
-from harts_hf.planner.sequences import Branches, Sequences, _count_up_to
+from harts_hf.planner.relay import GROUP_RANKS, _even_tops, _fanned_tops, _pack, relay_cut
+from harts_hf.planner.sequences import Branches, Sequences, _count_up_to, ordered_cuts
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -75,6 +76,39 @@ def test_ranges_keep_the_caps_and_cover_the_sequence():
     for g, order in enumerate(orders[1:], 1):
         alone = Sequences.of(geo, b, [order], 4).ranges(np.zeros((1, 2)), cap[:, :2], np.array([2]))
         assert np.array_equal(side[g], np.r_[alone[0], alone[0, -1]])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_orders_keep_the_least_spilling_then_the_least_loaded(seed):
+    """Groups of three of the relay forest's segments cut over two or three ranks under token caps that
+    bind: each group's order is the best of all six (spilling least, then loading its busiest rank
+    least); under some caps that is not the DFS order (the order decides how far the uncapped ranks
+    fill)."""
+    _, forest = forest_of("relay")
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    roots = np.flatnonzero(geo.parent == 0)
+    lo, hi = geo.start[roots], geo.end[roots]
+    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    rng = np.random.default_rng(seed)
+    members = [np.sort(rng.choice(roots.size, 3, replace=False)) for _ in range(6)]
+    width = rng.integers(2, 4, len(members))
+    extra = rng.uniform(0, 0.3, (len(members), 3)) * b.cost.mean()
+    cap = np.stack([rng.uniform(1.02, 1.4, 3) * b.tokens[m].sum() / w for m, w in zip(members, width)])
+    ends = np.array([b.cost.mean() * 0.7])
+    seq, cuts = ordered_cuts(geo, b, members, extra, cap, width, ends, 4, list(range(len(members))))
+
+    def score(order, g):
+        one, (e, c, w) = Sequences.of(geo, b, [order], 4), (x[g : g + 1] for x in (extra, cap, width))
+        cut = one.ranges(e, c, w)
+        return np.inf if one.inside(cut)[0] else one.spill(cut, ends)[0], one.load(cut, e, w)[0]
+
+    lighter = 0
+    for g, m in enumerate(members):
+        spill, load = score(np.searchsorted(b.lo, seq.lo[g, : m.size]), g)  # the order kept
+        assert (spill, load) == min(score(np.array(order), g) for order in itertools.permutations(m))
+        assert (np.diff(cuts[g, : width[g] + 1]) <= cap[g, : width[g]] + 1e-9).all()
+        lighter += load < score(m, g)[1]
+    assert lighter > 0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -171,8 +205,8 @@ def test_fanned_tops_spread_the_prompt_every_rank_reads():
 def test_plan_keeps_the_relay_on_an_agentic_batch():
     """SWE-like rollouts (5 tasks, 40 episodes) at half length on 32 ranks: the rank-wise plan
     recomputes the task prompts and split segments (redundancy > 0.1); ``plan()`` keeps the relay,
-    which computes every token once (its tops, the system and task prompts, in slot 0) and predicts
-    a lower step."""
+    which computes every token once (its tops, the system and task prompts, in the first slots, on
+    ranks spread over the groups: no group holds two) and predicts a lower step."""
     forest = get_workload("swe-like", scale=0.5).forest()
     kw = {
         "world_size": 32,
@@ -183,8 +217,10 @@ def test_plan_keeps_the_relay_on_an_agentic_batch():
     assert rank_wise.redundancy > 0.1
     assert kept.step_seconds < rank_wise.step_seconds
     assert not kept.piece_replica.any() and kept.redundancy < 0.01  # replays only
-    tops = kept.piece_slot == 0
-    assert (kept.piece_branch[tops] < 0).all() and (kept.piece_branch[~tops] >= 0).all()
+    tops = kept.piece_branch < 0
+    assert kept.piece_slot[tops].max() < kept.piece_slot[~tops].min()
+    holders = np.unique(kept.piece_rank[tops])
+    assert holders.size > 1 and np.unique(holders // GROUP_RANKS).size == holders.size
     assert kept.handoffs > 0
 
 

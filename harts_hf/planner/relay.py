@@ -10,17 +10,21 @@ wavefront as deep as the slot has ranks.
 
 Layout, the tops' slots then slots 1..S:
 - the *tops* (``assign.find_branches`` with branches of up to one rank's share: the chains above
-  them, a system prompt and task prompts) run first, once, over the first k ranks (k is whichever of
-  :data:`TOP_SHARES` predicts the lowest step), laid out either way (:func:`_even_tops`, in slot 0:
+  them, a system prompt and task prompts) run first, once, over k ranks (k is whichever of
+  :data:`TOP_SHARES` predicts the lowest step), every (R / k)-th (a holder sends its rows to many
+  readers, so its share of the branches shrinks: no group holds two), laid out either way (:func:`_even_tops`, in slot 0:
   their DFS order cut at equal cost, a context-parallel group that every later slot reads; or
   :func:`_fanned_tops`, against their fan-out: a top every rank reads costs its senders a message
   to each reader, so at hundreds of ranks the system prompt is spread thin over slot 0 and the task
   prompts, whole, follow in slot 1);
 - the branches are packed over groups of about :data:`GROUP_RANKS` consecutive ranks (largest first
-  onto the least loaded group, then moves and swaps off the busiest: :func:`_pack`), and each
-  group's branches, ordered so that every cut between two ranks lands in a branch that both halves
-  of it fit in their slots (DFS order first, then seeded shuffles: :func:`~.sequences.ordered_cuts`), are cut into one
-  range per rank at equal cost, each within its rank's token cap;
+  onto the least loaded group, then moves and swaps off the busiest: :func:`_pack`; a group's tokens
+  within its share and :data:`GROUP_ROOM` of the room its ranks' caps leave, so that its ranks can
+  even out under their caps), and each group's branches, ordered so that every cut between two
+  ranks lands in a branch that both halves of it fit in their slots and, where caps bind, the
+  busiest rank is least loaded (DFS order first, then seeded shuffles:
+  :func:`~.sequences.ordered_cuts`), are cut into one range per rank at equal cost, each within its
+  rank's token cap;
 - a rank runs its range as [the head of the branch it shares with the next rank, its whole
   branches, the tail of the branch it shares with the previous one], cut at the same costs into
   slots 1..S on every rank: the head lies in the first slots, the tail that reads it in the last,
@@ -58,9 +62,10 @@ __all__ = ["relay_cut"]
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
-PASSES = 4  # cuts re-made with each rank's priced extra and graph excess
+PASSES = 6  # cuts re-made with each rank's priced extra and graph excess
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
 EXTRA_BLEND = 0.5  # a later pass's extra: this share of the last pass's priced extra, the rest of the one before
+GROUP_ROOM = 0.25  # a group's token cap: its share of the tokens and this share of the room its ranks' caps leave
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
 
@@ -253,7 +258,9 @@ def _passes(
     group = lambda v: np.add.reduceat(v, np.r_[0, np.cumsum(widths)[:-1]])  # [R] -> [G] sums
     best = where = None
     for attempt in range(PASSES):
-        where = _pack(b, widths, group(extra), group(cap)) if attempt < 2 else where
+        even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
+        group_caps = np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
+        where = _pack(b, widths, group(extra), group_caps) if attempt < 2 else where
         rows = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk)
         if rows is None:
             break
@@ -313,7 +320,12 @@ def relay_cut(
     fewest = max(2, math.ceil(b.tokens.sum() / world_size / (budget.tokens * CAP_FILL)))
     none = (np.zeros(0, dtype=np.int64),) * 4
     top_ranks = top_ranks or tuple(sorted({max(1, world_size // s) for s in TOP_SHARES}))
-    laid = lambda layout, k: layout(geo, top_nodes, k, chunk, world_size, cost)
+
+    def laid(layout: TopLayout, k: int) -> Tops:
+        """``layout``'s tops on every (R / k)-th rank: no group of branches holds two of them."""
+        rank, *rest = layout(geo, top_nodes, k, chunk, world_size, cost)
+        return rank * (world_size // k), *rest
+
     tops = [laid(layout, k) for layout in layouts for k in top_ranks] if top_nodes.size else [none]
     for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
         relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
