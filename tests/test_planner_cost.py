@@ -3,6 +3,8 @@ match the forest and ``ops.rounds``, and ``calibrate`` fits a real (tiny) model'
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from tiny_models import tiny_model
@@ -14,6 +16,8 @@ from harts_hf.ops.rounds import build_rounds
 from harts_hf.ops.tree_batch import TreeBatch
 from harts_hf.planner import CostModel, fit_cost_model, plan
 from harts_hf.planner.balance import FORWARD_SHARE
+from harts_hf.planner.cost import DEFAULT_COST_MODEL
+from harts_hf.planner.handoffs import Transfers
 
 
 @pytest.mark.parametrize(
@@ -167,3 +171,25 @@ def test_calibrate_times_one_cpu_thread_by_its_cpu_time(monkeypatch):
     assert max(fitted.token, fitted.pair) > 0
     assert fitted.forward_share == pytest.approx(0.25) != FORWARD_SHARE  # measured, not assumed
     assert fitted.step == pytest.approx(0.002) and fitted.step_ranks == pytest.approx(0.003)
+
+
+def test_an_exchange_overlaps_its_sends_and_receives_but_for_duplex():
+    """A rank's sends and receives of one exchange, posted together: full duplex (the built-in)
+    costs the longer, one way at a time their sum; a duplex past 1 is refused."""
+    sends, receives = np.array([3.0, 1.0, 0.0]), np.array([1.0, 2.0, 4.0])
+    assert np.array_equal(DEFAULT_COST_MODEL.exchange(sends, receives), [3.0, 2.0, 4.0])
+    half = dataclasses.replace(DEFAULT_COST_MODEL, duplex=1.0)
+    assert np.array_equal(half.exchange(sends, receives), sends + receives)
+    assert dataclasses.replace(DEFAULT_COST_MODEL, duplex=0.5).exchange(3.0, 1.0) == 3.5
+    with pytest.raises(ValueError, match="duplex"):
+        dataclasses.replace(DEFAULT_COST_MODEL, duplex=1.5)
+
+
+def test_transfers_charge_each_rank_its_exchange():
+    """Rank 0 sends 2 rows to rank 1 and receives 1 from it; rank 2 receives 1 from rank 0: each
+    rank pays the longer of its sends and receives, priced by the cost model's transfer."""
+    rows = np.array([[0, 2, 1], [1, 0, 0], [0, 0, 0]])
+    t = Transfers.of_pairs(rows, np.zeros((3, 3)), DEFAULT_COST_MODEL)
+    one = float(DEFAULT_COST_MODEL.transfer(1, 0, 1))
+    two = float(DEFAULT_COST_MODEL.transfer(2, 0, 1))
+    assert np.allclose(t.seconds, [two + one, two, one]) and t.messages == 3

@@ -53,6 +53,7 @@ FEATURE_MEANINGS = {
 COMM_MEANINGS = {
     "byte": "per byte moved between ranks (a cross-rank handoff's values, and gradients back)",
     "message": "per message between ranks: its latency",
+    "duplex": "share of an exchange's shorter direction it adds (0: both ways at full speed)",
     "context_bytes": "bytes per handed context token: its K/V in every attention layer",
     "state_bytes": "bytes per handed path start: conv halos, replay rows, linear-attention states",
     "grad_bytes": "bytes of gradients all-reduced between ranks each step: the trainable parameters'",
@@ -185,7 +186,7 @@ def format_cost_model(cost: CostModel, title: str) -> str:
     """``title``, one line per coefficient and what it prices, and why a coefficient is 0: the fit
     is non-negative least squares, which drops a feature that does not explain the measured times."""
     values = cost.as_dict()
-    unit = {"context_bytes": "B", "state_bytes": "B", "grad_bytes": "B"}
+    unit = {"context_bytes": "B", "state_bytes": "B", "grad_bytes": "B", "duplex": "x"}
     meanings = FEATURE_MEANINGS | COMM_MEANINGS
     shown = {k: v for k, v in values.items() if k in meanings}
     lines = [title, legend({k: f"{v:.3e} {unit.get(k, 's')}  {meanings[k]}" for k, v in shown.items()})]

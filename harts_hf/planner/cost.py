@@ -20,7 +20,8 @@ parameters' bytes) over a ring at the communication terms' prices.
 Communication, for cross-rank handoffs (``handoffs.py``): a handed chain moves ``context_bytes`` per
 context token (its K/V in every attention layer) and ``state_bytes`` per path starting under it
 (linear-attention / SSM states, conv halos, replay rows), there and (their gradients) back, at
-``byte`` seconds per byte plus ``message`` seconds per message.
+``byte`` seconds per byte plus ``message`` seconds per message; a rank's sends and receives of
+an exchange, posted together, overlap but for ``duplex`` of the shorter (:meth:`CostModel.exchange`).
 
 :data:`DEFAULT_COST_MODEL` holds order-of-magnitude values for a ~1B-parameter hybrid model on one
 H100-class GPU (about 50K tokens/s forward + backward; attention at ~20K context costs as much
@@ -41,10 +42,11 @@ __all__ = ["COMM_DEFAULTS", "DEFAULT_COST_MODEL", "CostModel", "cost_origin", "f
 
 FEATURES = ("token", "pair", "round", "microbatch")
 
-COMM_DEFAULTS = {"byte": 4e-11, "message": 2e-5, "context_bytes": 12_288.0, "state_bytes": 2e7}
+COMM_DEFAULTS = {"byte": 4e-11, "message": 2e-5, "duplex": 0.0, "context_bytes": 12_288.0, "state_bytes": 2e7}
 """The built-in communication estimate (a cost model without these keys, as every one saved before
-handoffs, gets them): 25 GB/s and 20 us per message point to point (NCCL over InfiniBand between
-nodes; NVLink inside a node is faster), for a ~1B hybrid model like the compute terms' (6 attention
+handoffs, gets them): 25 GB/s and 20 us per message point to point, each way at once (NCCL over
+InfiniBand between nodes, full duplex as the ring all-reduce of :meth:`CostModel.outside` takes it;
+NVLink inside a node is faster), for a ~1B hybrid model like the compute terms' (6 attention
 layers of 2 K/V heads x 256 in bf16: 12 KiB per context token; 18 GDN layers of 16 x 128 x 128 fp32
 states plus a < 64-token bf16 replay of the 2,048-wide input: about 20 MB per path start)."""
 
@@ -52,7 +54,8 @@ states plus a < 64-token bf16 replay of the 2,048-wide input: about 20 MB per pa
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per compact token, per attended pair, per round and per microbatch; seconds per byte
-    and per message between ranks, bytes per handed context token and path start (all >= 0); the
+    and per message between ranks, the share of the shorter direction an exchange both ways adds
+    (``duplex``, in [0, 1]), bytes per handed context token and path start (all >= 0); the
     forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written before
     it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward) and
     the seconds a step spends outside its model calls (:meth:`outside`: ``step`` on one rank,
@@ -65,6 +68,7 @@ class CostModel:
     microbatch: float
     byte: float = COMM_DEFAULTS["byte"]
     message: float = COMM_DEFAULTS["message"]
+    duplex: float = COMM_DEFAULTS["duplex"]
     context_bytes: float = COMM_DEFAULTS["context_bytes"]
     state_bytes: float = COMM_DEFAULTS["state_bytes"]
     forward_share: float = FORWARD_SHARE
@@ -80,6 +84,8 @@ class CostModel:
             raise ValueError(f"cost model coefficients must be finite and >= 0, got {values}")
         if self.token <= 0 and self.pair <= 0:
             raise ValueError("a cost model needs a positive token or pair coefficient: tokens must cost something")
+        if self.duplex > 1:
+            raise ValueError(f"duplex is a share, in [0, 1]: {self.duplex}")
         if not 0 < self.forward_share <= 1:
             raise ValueError(
                 f"forward_share is a forward's share of forward + backward, in (0, 1]: {self.forward_share}"
@@ -108,6 +114,13 @@ class CostModel:
         return self.byte * self.transfer_bytes(context_tokens, path_starts) + 2 * self.message * np.asarray(
             messages, dtype=np.float64
         )
+
+    def exchange(self, sends, receives) -> np.ndarray:
+        """Predicted seconds a rank spends on an exchange whose sends and receives alone would take
+        ``sends`` and ``receives`` seconds, posted together (the engine's exchanges): the longer
+        and ``duplex`` of the shorter (broadcasts over arrays)."""
+        sends, receives = np.asarray(sends, dtype=np.float64), np.asarray(receives, dtype=np.float64)
+        return np.maximum(sends, receives) + self.duplex * np.minimum(sends, receives)
 
     def outside(self, world_size: int) -> float:
         """Predicted seconds a step over ``world_size`` ranks spends outside its model calls: the host

@@ -13,7 +13,7 @@ chains free (no rank pays for them).
 :func:`transfers` then prices the exchange the engine runs (``harts_hf.engine.exchange``): per
 (producer rank, consumer rank) one message carrying the distinct context rows the consumer's units
 read and one state per path starting on a handed token, values there and gradients back, charged to
-both ranks. The values move after slot 0's recording and the gradients in the backward, neither
+both ranks (a rank's sends and receives overlap: ``CostModel.exchange``). The values move after slot 0's recording and the gradients in the backward, neither
 again in a replay: the seconds go to the last slot, the one ``balance.step_seconds`` counts once.
 ``plan`` keeps the plan with handoffs only when its predicted step is lower, and when every
 microbatch, received context included, stays within the budget.
@@ -237,10 +237,11 @@ class Transfers:
     @classmethod
     def of_pairs(cls, rows: np.ndarray, states: np.ndarray, cost: CostModel, messages: int = 1) -> Transfers:
         """The transfers of [R, R] (producer, reader) context rows and path-start states, ``messages``
-        a pair that moves any, priced by ``cost`` and charged to both ranks of a pair."""
+        a pair that moves any, priced by ``cost``: a rank's sends and its receives, posted together
+        (:meth:`~.cost.CostModel.exchange`)."""
         used = (rows > 0) | (states > 0)
         pair_seconds = cost.transfer(rows, states, messages * used)
-        seconds = pair_seconds.sum(axis=1) + pair_seconds.sum(axis=0)
+        seconds = cost.exchange(pair_seconds.sum(axis=1), pair_seconds.sum(axis=0))
         return cls(seconds, int(messages * used.sum()), float(cost.transfer_bytes(rows, states).sum()))
 
     def onto(self, p: Plan) -> Plan:

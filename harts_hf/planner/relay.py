@@ -245,7 +245,8 @@ def _passes(
     beat: float,
 ) -> Plan | None:
     """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
-    tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept), then packed
+    tops': packed as they come (in every pass the tops laid out as each of ``tops``, the lowest kept:
+    which layout wins can change as the branches even out), then packed
     again with the extra seconds that pass priced on every rank, then on that packing cut again, each
     rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's and its token cap lowered by its
     graph excess (its context's memory counted: the cap keeps every slot's graph), while a pass
@@ -272,7 +273,7 @@ def _passes(
             if built.fits_budget and built.step_seconds < beat:
                 priced = crossreads.priced(built, geo, pieces, layers)
             if priced is not None and (relay is None or priced.step_seconds < relay.step_seconds):
-                relay, made, tops = priced, built, [layout]
+                relay, made = priced, built
         if relay is None:
             break
         lower = best is None or relay.step_seconds < best.step_seconds
