@@ -65,6 +65,7 @@ SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until on
 PASSES = 6  # cuts re-made with each rank's priced extra and graph excess
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
 EXTRA_BLEND = 0.5  # a later pass's extra: this share of the last pass's priced extra, the rest of the one before
+LAYOUT_MARGIN = 0.01  # a tops layout priced within this share of a pass's lowest is tried again
 GROUP_ROOM = 0.25  # a group's token cap: its share of the tokens and this share of the room its ranks' caps leave
 CAP_FILL = 0.97  # a rank's first token cap, of the budget (context and the graph budget's slack aside)
 
@@ -245,8 +246,9 @@ def _passes(
     beat: float,
 ) -> Plan | None:
     """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
-    tops': packed as they come (in every pass the tops laid out as each of ``tops``, the lowest kept:
-    which layout wins can change as the branches even out), then packed
+    tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept, and in later
+    passes each that came within :data:`LAYOUT_MARGIN` of it: which wins can change as the branches
+    even out), then packed
     again with the extra seconds that pass priced on every rank, then on that packing cut again, each
     rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's and its token cap lowered by its
     graph excess (its context's memory counted: the cap keeps every slot's graph), while a pass
@@ -266,16 +268,19 @@ def _passes(
         if rows is None:
             break
         relay = made = None
+        steps = []  # each layout's priced step (inf: none)
         for layout in tops:
             pieces = _pieces(geo, rows, layout, shares.size)
             built = build(pieces)
             priced = None
             if built.fits_budget and built.step_seconds < beat:
                 priced = crossreads.priced(built, geo, pieces, layers)
+            steps.append(math.inf if priced is None else priced.step_seconds)
             if priced is not None and (relay is None or priced.step_seconds < relay.step_seconds):
                 relay, made = priced, built
         if relay is None:
             break
+        tops = [layout for layout, step in zip(tops, steps) if step <= relay.step_seconds * (1 + LAYOUT_MARGIN)]
         lower = best is None or relay.step_seconds < best.step_seconds
         best = relay if lower else best
         over = graph_excess(memory, budget, made.tokens, made.context) / memory.token  # [R] own-token equivalents
