@@ -26,12 +26,13 @@ from test_planner_invariants import cases
 from harts_hf import RolloutForest, plan
 from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.ops.rounds import RoundsTable
+from harts_hf.planner import sequences
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
 from harts_hf.planner.relay import GROUP_RANKS, _even_tops, _fanned_tops, _pack, relay_cut
-from harts_hf.planner.sequences import Branches, Sequences, _count_up_to, ordered_cuts
+from harts_hf.planner.sequences import ORDER_MARGIN, Branches, Sequences, _count_up_to, ordered_cuts
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -79,7 +80,7 @@ def test_ranges_keep_the_caps_and_cover_the_sequence():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_orders_keep_the_least_spilling_then_the_least_loaded(seed):
+def test_orders_keep_the_least_spilling_then_the_least_loaded(seed, monkeypatch):
     """Groups of three of the relay forest's segments cut over two or three ranks under token caps that
     bind: each group's order is the best of all six (spilling least, then loading its busiest rank
     least); under some caps that is not the DFS order (the order decides how far the uncapped ranks
@@ -95,7 +96,7 @@ def test_orders_keep_the_least_spilling_then_the_least_loaded(seed):
     extra = rng.uniform(0, 0.3, (len(members), 3)) * b.cost.mean()
     cap = np.stack([rng.uniform(1.02, 1.4, 3) * b.tokens[m].sum() / w for m, w in zip(members, width)])
     ends = np.array([b.cost.mean() * 0.7])
-    seq, cuts = ordered_cuts(geo, b, members, extra, cap, width, ends, 4, list(range(len(members))))
+    seq, cuts, orders = ordered_cuts(geo, b, members, extra, cap, width, ends, 4, list(range(len(members))))
 
     def score(order, g):
         one, (e, c, w) = Sequences.of(geo, b, [order], 4), (x[g : g + 1] for x in (extra, cap, width))
@@ -104,11 +105,30 @@ def test_orders_keep_the_least_spilling_then_the_least_loaded(seed):
 
     lighter = 0
     for g, m in enumerate(members):
-        spill, load = score(np.searchsorted(b.lo, seq.lo[g, : m.size]), g)  # the order kept
+        assert np.array_equal(orders[g], np.searchsorted(b.lo, seq.lo[g, : m.size]))
+        spill, load = score(orders[g], g)  # the order kept
         assert (spill, load) == min(score(np.array(order), g) for order in itertools.permutations(m))
         assert (np.diff(cuts[g, : width[g] + 1]) <= cap[g, : width[g]] + 1e-9).all()
         lighter += load < score(m, g)[1]
     assert lighter > 0
+
+    # a group's last order stays unless another spills less or loads the margin less; another
+    # group's branches leave the choice as it was
+    others = lambda g: (np.array(o) for o in itertools.permutations(members[g]) if list(o) != orders[g].tolist())
+    spills_as = lambda o, g: score(o, g)[0] == score(orders[g], g)[0]
+    last = [min(others(g), key=lambda o: (not spills_as(o, g), score(o, g)[1])) for g in range(len(members))]
+    last[-1] = np.r_[last[-1], np.setdiff1d(np.arange(roots.size), members[-1])[:1]]
+    stayed = 0
+    for margin in (ORDER_MARGIN, 0.5):
+        monkeypatch.setattr(sequences, "ORDER_MARGIN", margin)
+        _, _, again = ordered_cuts(geo, b, members, extra, cap, width, ends, 4, list(range(len(members))), last)
+        assert np.array_equal(again[-1], orders[-1])
+        for g in range(len(members) - 1):
+            (spill, load), best = score(last[g], g), score(orders[g], g)
+            stays = spill <= best[0] and load <= best[1] * (1 + margin)
+            assert np.array_equal(again[g], last[g] if stays else orders[g])
+            stayed += stays and not np.array_equal(last[g], orders[g])
+    assert stayed > 0
 
 
 @pytest.mark.parametrize("seed", range(5))

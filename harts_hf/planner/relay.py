@@ -33,9 +33,10 @@ Layout, the tops' slots then slots 1..S:
 Pricing: ``crossreads.priced`` (a head that spills into its tail's slot streams: a wavefront).
 Every cut lies on the chunk grid where its node reaches it (no replay there). The transfers and
 waits priced on each rank (its *extra*), and each rank's excess over the graph budget (its earlier
-slots would rerun), go back into the cut: the extra comes off the rank's share (the branches packed
-again once, then the ranges cut again with the extra of each pass blended in) and the excess off its
-token cap, for up to :data:`PASSES` passes while they predict lower; the lowest is kept.
+slots would rerun), go back into the cut: the extra comes off the rank's share (the ranges cut again
+with the extra of each pass blended in, on the last packing and on one packed afresh with it, the
+lower kept; a group's order kept unless another is clearly better, since its extra was priced for
+that order) and the excess off its token cap, for :data:`PASSES` passes; the lowest is kept.
 
 Legend: R ranks, U branches, G groups, S slots after the tops' slots, K top nodes.
 """
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -200,10 +202,13 @@ def _branch_rows(
     cap: np.ndarray,
     shares: np.ndarray,
     chunk: int,
-) -> Rows | None:
-    """The branches' pieces, slots from 0: every group's ranges cut into slots of ``shares`` of a mean
-    rank's run at the same costs on every rank (a rank's ``extra`` [R] counted in its share, so the
-    last slots even out); None if a group's branches leave a range inside one of them."""
+    last: dict[int, np.ndarray],
+) -> tuple[Rows, dict[int, np.ndarray]] | None:
+    """The branches' pieces, slots from 0, and each group's order (by group index): every group's
+    ranges cut into slots of ``shares`` of a mean rank's run at the same costs on every rank (a
+    rank's ``extra`` [R] counted in its share, so the last slots even out; a group's ``last`` order
+    kept where no other is clearly better: ``ordered_cuts``); None if a group's branches leave a
+    range inside one of them."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
     groups = np.unique(where)
     begin, width = np.r_[0, np.cumsum(widths)[:-1]][groups], widths[groups]
@@ -211,13 +216,16 @@ def _branch_rows(
         begin[:, None] + np.arange(width.max()), widths.sum() - 1
     )  # [G, W], past a group's width: unused
     members = [np.flatnonzero(where == g) for g in groups.tolist()]
-    chosen = ordered_cuts(geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, groups.tolist())
+    seeds = groups.tolist()
+    chosen = ordered_cuts(
+        geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, seeds, [last.get(g) for g in seeds]
+    )
     if chosen is None:
         return None
-    sequences, cuts = chosen
+    sequences, cuts, orders = chosen
     group, rank, lo, hi = sequences.parts(cuts, width)
     rank, slot, lo, hi = slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
-    return rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1
+    return (rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1), dict(zip(seeds, orders))
 
 
 def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
@@ -230,6 +238,21 @@ def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
     if not np.array_equal(np.sort(lo), np.r_[0, np.sort(hi)[:-1]]) or hi.max() != geo.num_tokens:
         raise AssertionError("the relay's pieces do not cover every token once: a planner bug")
     return Pieces(rank, slot, lo, hi, branch, np.zeros(lo.size, dtype=bool), first + slots)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One cut of the branches, priced: the lowest relay over the tops' layouts and its unpriced build,
+    each layout's priced step (inf: none), and what it was cut with and left (packing, caps, orders,
+    each rank's graph excess in own tokens)."""
+
+    relay: Plan
+    made: Plan
+    steps: list[float]
+    where: np.ndarray
+    cap: np.ndarray
+    orders: dict[int, np.ndarray]
+    over: np.ndarray
 
 
 def _passes(
@@ -248,25 +271,26 @@ def _passes(
     """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
     tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept, and in later
     passes each that came within :data:`LAYOUT_MARGIN` of it: which wins can change as the branches
-    even out), then packed
-    again with the extra seconds that pass priced on every rank, then on that packing cut again, each
-    rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's and its token cap lowered by its
-    graph excess (its context's memory counted: the cap keeps every slot's graph), while a pass
-    predicts lower or a rank exceeds it; None if none fits and streams, or none can predict a step
+    even out), then packed again with the extra seconds that pass priced on every rank, then each
+    pass cut again on the last packing and on one packed afresh with the extra priced so far (the
+    lower kept), each rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's, each group's
+    order kept where no other is clearly better (the extra was priced for it), and each rank's
+    token cap lowered by its graph excess (its context's memory counted: the cap keeps every slot's
+    graph; a cut that leaves ranks past it is cut again once with their caps lowered, their context
+    having moved with their ranges); None if none fits and streams, or none can predict a step
     below ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its
     mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
     extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
     group = lambda v: np.add.reduceat(v, np.r_[0, np.cumsum(widths)[:-1]])  # [R] -> [G] sums
-    best = where = None
-    for attempt in range(PASSES):
-        even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
-        group_caps = np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
-        where = _pack(b, widths, group(extra), group_caps) if attempt < 2 else where
-        rows = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk)
-        if rows is None:
-            break
+    fitted = lambda c: np.maximum(c.made.tokens.sum(axis=1) - c.over - chunk, c.cap / 2)  # at most halved a pass
+
+    def cut(where: np.ndarray, cap: np.ndarray, orders: dict[int, np.ndarray]) -> _Cut | None:
+        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders)
+        if got is None:
+            return None
+        rows, orders = got
         relay = made = None
         steps = []  # each layout's priced step (inf: none)
         for layout in tops:
@@ -279,22 +303,38 @@ def _passes(
             if priced is not None and (relay is None or priced.step_seconds < relay.step_seconds):
                 relay, made = priced, built
         if relay is None:
-            break
-        tops = [layout for layout, step in zip(tops, steps) if step <= relay.step_seconds * (1 + LAYOUT_MARGIN)]
-        lower = best is None or relay.step_seconds < best.step_seconds
-        best = relay if lower else best
+            return None
         over = graph_excess(memory, budget, made.tokens, made.context) / memory.token  # [R] own-token equivalents
-        priced_extra = relay.cost.sum(axis=1) - made.cost.sum(axis=1)
+        return _Cut(relay, made, steps, where, cap, orders, over)
+
+    def repaired(c: _Cut | None) -> _Cut | None:
+        if c is None or not (c.over > 0).any():
+            return c
+        again = cut(c.where, np.where(c.over > 0, fitted(c), c.cap), c.orders)
+        return again if again is not None and again.relay.step_seconds < c.relay.step_seconds else c
+
+    best = last = None
+    for attempt in range(PASSES):
+        even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
+        group_caps = np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
+        packings = [_pack(b, widths, group(extra), group_caps)]
+        if attempt >= 2:
+            packings.insert(0, last.where)
+        cuts = [c for c in (repaired(cut(w, cap, last.orders if last else {})) for w in packings) if c is not None]
+        if not cuts:
+            break
+        last = min(cuts, key=lambda c: c.relay.step_seconds)
+        relay, steps = last.relay, last.steps
+        tops = [layout for layout, step in zip(tops, steps) if step <= relay.step_seconds * (1 + LAYOUT_MARGIN)]
+        best = relay if best is None or relay.step_seconds < best.step_seconds else best
+        priced_extra = relay.cost.sum(axis=1) - last.made.cost.sum(axis=1)
         if attempt == 0:
             extra = priced_extra
             if max(relay.cost.sum(axis=1).mean(), extra.max(), REPACK_GAIN * relay.step_seconds) >= beat:
                 break
-        elif not (lower or (over > 0).any()):
-            break
         else:
             extra = EXTRA_BLEND * priced_extra + (1 - EXTRA_BLEND) * extra
-        fitted = np.maximum(made.tokens.sum(axis=1) - over - chunk, cap / 2)  # at most halved a pass
-        cap = np.where(over > 0, fitted, cap) if attempt == 0 else np.minimum(cap, fitted)
+        cap = np.where(last.over > 0, fitted(last), last.cap) if attempt == 0 else np.minimum(last.cap, fitted(last))
     return best
 
 

@@ -21,6 +21,7 @@ from .geometry import Geometry
 __all__ = ["Branches", "Sequences", "ordered_cuts", "slotted"]
 
 ORDER_TRIES = 64  # orders of a group's branches cut for the best (swe-like at 64 ranks: 32 left 1.3% more)
+ORDER_MARGIN = 0.001  # a group's last order is kept unless another loads its busiest rank this share less
 LEVELS, LEVEL_ROUNDS = 33, 2  # a group's cost level where a token cap binds: levels tried at once, rounds
 
 
@@ -224,16 +225,22 @@ def ordered_cuts(
     ends: np.ndarray,
     chunk: int,
     seeds: list[int],
-) -> tuple[Sequences, np.ndarray] | None:
-    """The sequences and cuts (:meth:`Sequences.ranges`) of each group's branches ``members``: of its
-    DFS order and :data:`ORDER_TRIES` - 1 shuffles (group g's seeded by ``seeds[g]``), all cut side
-    by side, the one that spills least, then loads its busiest rank least (where token caps bind,
-    the order decides how far the others fill), then comes first; None if every order of a group
-    puts a range inside a branch."""
-    tries = [
-        [m, *(rng.permutation(m) for _ in range(ORDER_TRIES - 1))]
-        for m, rng in zip(members, map(np.random.default_rng, seeds))
-    ]
+    last: list[np.ndarray | None] | None = None,
+) -> tuple[Sequences, np.ndarray, list[np.ndarray]] | None:
+    """The sequences, cuts (:meth:`Sequences.ranges`) and orders of each group's branches ``members``:
+    of its DFS order and :data:`ORDER_TRIES` - 1 shuffles (group g's seeded by ``seeds[g]``), all cut
+    side by side, the one that spills least, then loads its busiest rank least (where token caps
+    bind, the order decides how far the others fill), then comes first; None if every order of a
+    group puts a range inside a branch. A group's ``last`` order (None: none), where it holds the
+    same branches, is tried first and kept unless another spills less or loads :data:`ORDER_MARGIN`
+    less: the ``extra`` of its ranks was priced for that order, so another order's smaller edge is
+    noise."""
+    last = last or [None] * len(members)
+    same = np.array([o is not None and np.array_equal(np.sort(o), np.sort(m)) for o, m in zip(last, members)])
+    tries = []
+    for m, rng, before, kept in zip(members, map(np.random.default_rng, seeds), last, same):
+        orders = [m, *m[rng.random((ORDER_TRIES - 1, m.size)).argsort(axis=1)]]
+        tries.append([before, *orders[:-1]] if kept else orders)
     row = np.repeat(np.arange(len(members)), ORDER_TRIES)  # [G T] the group of each order
     sequences = Sequences.of(geo, b, [order for group in tries for order in group], chunk)
     cut = sequences.ranges(extra[row], cap[row], width[row])
@@ -242,8 +249,12 @@ def ordered_cuts(
         return None
     load = sequences.load(cut, extra[row], width[row]).reshape(-1, ORDER_TRIES)
     first = np.broadcast_to(np.arange(ORDER_TRIES), load.shape)
-    best = np.lexsort((first, load, spilled))[:, 0] + np.arange(len(members)) * ORDER_TRIES
-    return sequences.select(best), cut[best]
+    groups = np.arange(len(members))
+    best = np.lexsort((first, load, spilled))[:, 0]
+    held = same & (spilled[:, 0] <= spilled[groups, best]) & (load[:, 0] <= load[groups, best] * (1 + ORDER_MARGIN))
+    best = np.where(held, 0, best)
+    chosen = best + groups * ORDER_TRIES
+    return sequences.select(chosen), cut[chosen], [tries[g][k] for g, k in enumerate(best.tolist())]
 
 
 def slotted(
