@@ -32,7 +32,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan, plan
-from harts_hf.planner.relay import _fanned_tops, relay_cut
+from harts_hf.planner.relay import _chained_tops, _fanned_tops, relay_cut
 
 
 def piece_plan(
@@ -151,6 +151,16 @@ def fanned_plan(forest: RolloutForest, world_size: int) -> Plan:
     )
 
 
+def chained_plan(forest: RolloutForest, world_size: int) -> Plan:
+    """The relay of the fanned forest with its tops as chains side by side over every rank: the
+    system prompt in slot 0, in slot 1 each task prompt on ranks of its own, the heavier split over
+    two (a context-parallel group beside a rank of its own), the segments in slots 2 and 3."""
+    cost, memory, budget, geo, build = _relay_setup(forest, world_size)
+    return relay_cut(
+        geo, budget, memory, world_size, 64, build, 4, cost, layouts=(_chained_tops,), top_ranks=(world_size,)
+    )
+
+
 def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
     """``plan()``'s choice for the deep forest under a 100-token budget, context at a tenth of an own
     token and a free link (a tiny model's microseconds of compute are no match for a message's
@@ -215,6 +225,7 @@ PLANS = {
     "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
     "relay3": (3, "relay", lambda f: relay_plan(f, 3)),  # two segments handed on, rank 0 -> 1 -> 2
     "fanned3": (3, "fanned", lambda f: fanned_plan(f, 3)),  # the system prompt a group in slot 0, tasks in slot 1
+    "chained3": (3, "fanned", lambda f: chained_plan(f, 3)),  # slot 1: a task over two ranks beside one whole
 }
 
 

@@ -142,7 +142,9 @@ def _check(out, cases) -> list[str]:
         saved = torch.load(out / f"{family}-{plan_name}-{wrapper}.pt")
         got = (saved["logprobs"], saved["grads"])
         assert saved["transfers"] > 0 and saved["bytes"][0] > 0 and saved["bytes"][1] > 0
-        assert (saved["streams"] > 0) == plan_name.startswith(("cp", "fanned"))  # a context-parallel group streams
+        assert (saved["streams"] > 0) == plan_name.startswith(
+            ("cp", "fanned", "chained")
+        )  # a context-parallel group streams
         if wrapper == "autocast":  # bf16 K/V etc. on the wire: the same units on one rank, to fp32 summation order
             _assert_same(saved["single"], got, tol=1e-5)
         else:
@@ -184,6 +186,8 @@ CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
     "kimi_linear:cpchain3:checkpointing",
     "nemotron_h:cp3:checkpointing",
     "qwen3_5:fanned3:plain",
+    "qwen3_5:chained3:plain",  # the relay's tops as chains: a task over two ranks beside one on a third, in slot 1
+    "kimi_linear:chained3:fsdp2",
     "qwen3_5:cpwave3:plain",  # plan()'s DFS cut of a deep tree: branching spans, two slots of three
     "kimi_linear:cpwave3:checkpointing",
 ]

@@ -26,12 +26,12 @@ from test_planner_invariants import cases
 from harts_hf import RolloutForest, plan
 from harts_hf.lab.plan_report import bench_memory_model
 from harts_hf.ops.rounds import RoundsTable
-from harts_hf.planner import sequences
+from harts_hf.planner import relay, sequences
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
-from harts_hf.planner.relay import GROUP_RANKS, _even_tops, _fanned_tops, _pack, relay_cut
+from harts_hf.planner.relay import GROUP_RANKS, _chained_tops, _even_tops, _fanned_tops, _pack, relay_cut
 from harts_hf.planner.sequences import ORDER_MARGIN, Branches, Sequences, _count_up_to, ordered_cuts
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
@@ -143,7 +143,7 @@ def test_rows_are_searched_on_their_own(seed):
             assert np.array_equal(_count_up_to(table, y, strict), rowwise)
 
 
-@pytest.mark.parametrize("layout", [_even_tops, _fanned_tops])
+@pytest.mark.parametrize("layout", [_even_tops, _fanned_tops, _chained_tops])
 @settings(max_examples=40, deadline=None)
 @given(case=cases())
 def test_relays_hold_on_random_forests(layout, case):
@@ -210,16 +210,74 @@ def test_fanned_tops_spread_the_prompt_every_rank_reads():
     forest = RolloutForest.from_sequences(rows)
     geo = Geometry.of([forest], DEFAULT_COST_MODEL)
     tops = np.flatnonzero(geo.level <= 1)  # the system prompt, then the tasks
-    rank, slot, lo, hi = _fanned_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
+    rank, slot, lo, hi = _fanned_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL, 4)
     order = np.argsort(lo)
     assert (hi[order][:-1] <= lo[order][1:]).all() and (hi - lo).sum() == geo.length[tops].sum()
     assert np.isin(geo.node_of(lo), tops).all()
     in_system = hi <= 4096
     assert (slot[in_system] == 0).all() and (slot[~in_system] == 1).all()
-    even_rank, _, _, even_hi = _even_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL)
+    even_rank, _, _, even_hi = _even_tops(geo, tops, 16, 64, 64, DEFAULT_COST_MODEL, 4)
     assert np.unique(rank[in_system]).size > np.unique(even_rank[even_hi <= 4096]).size
     task_of = geo.node_of(lo[~in_system])
     assert np.unique(task_of).size == 32 and all(np.unique(rank[~in_system][task_of == t]).size == 1 for t in task_of)
+
+
+@pytest.mark.parametrize("ranks", [16, 4])
+def test_chained_tops_run_each_task_on_ranks_of_its_own(ranks):
+    """A 4,096-token system prompt above six tasks, each a 256-token prompt and a trunk of 512-4,096
+    tokens its three segments share, on 64 ranks: every top token once; the system prompt in slot
+    0 over as many spans as the model has layers; in slot 1 each task (prompt and trunk) on ranks
+    of its own in DFS order, the longest on the most (over 16 ranks), or each whole on one rank
+    where the tasks outnumber the ranks (over 4)."""
+    rng = np.random.default_rng(1)
+    tokens = lambda n: rng.integers(3, 30_000, n).tolist()
+    system, rows, trunks = tokens(4096), [], [512, 4096, 1024, 2048, 768, 3072]
+    for n in trunks:
+        trunk = system + tokens(256) + tokens(n)
+        rows += [trunk + tokens(int(k)) for k in rng.integers(500, 1_500, 3)]
+    forest = RolloutForest.from_sequences(rows)
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    tops = np.flatnonzero(geo.level <= 1)  # the system prompt, then each task's prompt and trunk
+    assert tops.size == 7
+    rank, slot, lo, hi = _chained_tops(geo, tops, ranks, 64, 64, DEFAULT_COST_MODEL, 4)
+    order = np.argsort(lo)
+    assert (hi[order][:-1] <= lo[order][1:]).all() and (hi - lo).sum() == geo.length[tops].sum()
+    in_system = hi <= 4096
+    assert (slot[in_system] == 0).all() and (slot[~in_system] == 1).all()
+    assert np.unique(rank[in_system]).size == 4
+    task = geo.node_of(lo[~in_system])
+    held = {int(t): np.unique(rank[~in_system][task == t]) for t in np.unique(task)}
+    if ranks == 4:
+        assert all(h.size == 1 for h in held.values()) and np.unique(np.concatenate(list(held.values()))).size == 4
+        return
+    assert np.unique(np.concatenate(list(held.values()))).size == 16 == sum(h.size for h in held.values())
+    by_length = sorted(held, key=lambda t: geo.length[t])
+    assert held[by_length[-1]].size == max(h.size for h in held.values()) > held[by_length[0]].size
+    for t in held:  # along the DFS order, up the ranks: each span reads lower ranks only
+        mine = task == t
+        assert (np.diff(rank[~in_system][mine][np.argsort(lo[~in_system][mine])]) >= 0).all()
+
+
+@pytest.mark.slow
+def test_each_tops_layout_runs_its_own_passes(monkeypatch):
+    """SWE-like rollouts of 16 tasks on 256 ranks: ``plan()`` predicts the lowest step any one tops
+    layout reaches alone (each runs its passes with the extra its own holders' sends price), here
+    the chained layout's, its tasks' tops in slot 1 on more ranks than there are tasks."""
+    forest = get_workload("swe-like", num_tasks=16).forest()
+    kw = {
+        "world_size": 256,
+        "max_tokens_per_microbatch": 65_536,
+        "memory_model": bench_memory_model("qwen3_5", "default"),
+        "context_parallel": True,
+    }
+    both = plan(forest, **kw)
+    alone = {}
+    for layout in relay.TOP_LAYOUTS:
+        monkeypatch.setattr(relay, "TOP_LAYOUTS", (layout,))
+        alone[layout.__name__] = plan(forest, **kw).step_seconds
+    assert both.step_seconds == alone["_chained_tops"] < min(alone["_even_tops"], alone["_fanned_tops"])
+    in_slot1 = (both.piece_branch < 0) & (both.piece_slot == 1)
+    assert np.unique(both.piece_rank[in_slot1]).size > 16
 
 
 def test_plan_keeps_the_relay_on_an_agentic_batch():

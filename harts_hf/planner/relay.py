@@ -12,11 +12,14 @@ Layout, the tops' slots then slots 1..S:
 - the *tops* (``assign.find_branches`` with branches of up to one rank's share: the chains above
   them, a system prompt and task prompts) run first, once, over k ranks (k is whichever of
   :data:`TOP_SHARES` predicts the lowest step), every (R / k)-th (a holder sends its rows to many
-  readers, so its share of the branches shrinks: no group holds two), laid out either way (:func:`_even_tops`, in slot 0:
-  their DFS order cut at equal cost, a context-parallel group that every later slot reads; or
+  readers, so its share of the branches shrinks: no group holds two), laid out one of three ways
+  (each run through its passes of its own, :func:`_passes`): :func:`_even_tops`, in slot 0, their
+  DFS order cut at equal cost, a context-parallel group that every later slot reads;
   :func:`_fanned_tops`, against their fan-out: a top every rank reads costs its senders a message
   to each reader, so at hundreds of ranks the system prompt is spread thin over slot 0 and the task
-  prompts, whole, follow in slot 1);
+  prompts, whole, follow in slot 1; or :func:`_chained_tops`, as chains side by side: the system
+  prompt in slot 0, then each task's tops (its prompt and the trunks its episodes share) cut over
+  ranks of its own in slot 1, so that no task's trunk is one rank's slot;
 - the branches are packed over groups of about :data:`GROUP_RANKS` consecutive ranks (largest first
   onto the least loaded group, then moves and swaps off the busiest: :func:`_pack`; a group's tokens
   within its share and :data:`GROUP_ROOM` of the room its ranks' caps leave, so that its ranks can
@@ -127,7 +130,9 @@ def _pack(b: Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) -
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi, branch) [P]
 Tops = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi) of the tops' pieces
-TopLayout = Callable[[Geometry, np.ndarray, int, int, int, CostModel], Tops]
+TopLayout = Callable[
+    [Geometry, np.ndarray, int, int, int, CostModel, int], Tops
+]  # (..., ranks, chunk, R, cost, layers)
 
 
 def _cut_tops(
@@ -160,7 +165,9 @@ def _spans(geo: Geometry, tops: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarra
     return np.searchsorted(starts, lo, side="right") - 1, lo, hi
 
 
-def _even_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel) -> Tops:
+def _even_tops(
+    geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel, layers: int
+) -> Tops:
     """(rank, slot, lo, hi) of the tops' DFS order cut at equal cost into ``ranks`` spans in slot 0,
     span j on rank j."""
     none = np.zeros(tops.size)
@@ -168,7 +175,9 @@ def _even_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_si
     return rank, np.zeros_like(rank), lo, hi
 
 
-def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel) -> Tops:
+def _fanned_tops(
+    geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel, layers: int
+) -> Tops:
     """(rank, slot, lo, hi) of the tops laid out against their fan-out: a top read by many ranks
     (a system prompt every rank reads) costs its senders a message and its rows to each reader,
     so each token weighs its cost plus its sends (readers: the ranks its subtree's share of the
@@ -191,6 +200,55 @@ def _fanned_tops(geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_
         rank, lo, hi = _spans(geo, tops[mine], cuts)
         out.append((rank, np.full(rank.size, slot), lo, hi))
     return tuple(np.concatenate(col) for col in zip(*out))
+
+
+def _chained_tops(
+    geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel, layers: int
+) -> Tops:
+    """(rank, slot, lo, hi) of the tops as chains side by side: the chain above every other top (a
+    system prompt) cut at equal cost in slot 0 into spans that cost what the tops cost per rank,
+    then each subtree of the tops below it (a task's prompt and the trunks its episodes share), in
+    slot 1, cut in its DFS order at equal weight (cost plus sends, as :func:`_fanned_tops` weighs
+    them) over ranks of its own, one each and the rest by weight, largest remainders first (where
+    there are more subtrees than ranks, each whole on the rank with the least weight). A subtree's wavefront runs only through
+    its own spans: the even layout's runs through every top, and the fanned layout leaves each
+    task's tops whole on one rank (at 1,024 ranks, a task's shared trunk is the slot)."""
+    start, length = geo.start[tops], geo.length[tops]
+    above = (start <= start.min()) & (geo.end[tops] >= (start + length).max())  # every top in its subtree
+    work = geo.prefix(geo.end[tops]) - geo.prefix(start)
+    readers = np.minimum(world_size, np.ceil(work / (geo.total_cost / world_size)) + 1)
+    send = readers * float(cost.transfer(1, 0, 0))
+    weight = geo.node_cost[tops] + send * length
+    out = []
+    if above.any():
+        spans = min(ranks, layers)
+        none = np.zeros(int(above.sum()))
+        rank, lo, hi = _spans(geo, tops[above], _cut_tops(geo, tops[above], spans, chunk, none, none.astype(bool)))
+        out.append((rank, np.zeros_like(rank), lo, hi))
+    rest, send, weight = tops[~above], send[~above], weight[~above]
+    heads = rest[~np.isin(geo.parent[rest], rest)]  # each subtree's highest top
+    which = np.searchsorted(geo.start[heads], geo.start[rest], side="right") - 1  # [K'] its subtree
+    total = np.bincount(which, weight, minlength=heads.size)
+    slot = int(above.any())
+    if heads.size > ranks:
+        load, on = np.zeros(ranks), np.empty(heads.size, dtype=np.int64)
+        for g in np.argsort(-total, kind="stable").tolist():
+            on[g] = int(np.argmin(load))
+            load[on[g]] += total[g]
+        out.append((on[which], np.full(rest.size, slot), geo.start[rest], geo.start[rest] + geo.length[rest]))
+    elif heads.size:
+        quota = total / total.sum() * (ranks - heads.size)  # the ranks past one each, by weight
+        share = 1 + np.floor(quota).astype(np.int64)
+        share[np.argsort(np.floor(quota) - quota, kind="stable")[: ranks - int(share.sum())]] += 1  # largest remainders
+        for g, first in enumerate(np.r_[0, np.cumsum(share)[:-1]].tolist()):
+            mine = which == g
+            cuts = _cut_tops(geo, rest[mine], int(share[g]), chunk, send[mine], np.zeros(int(mine.sum()), dtype=bool))
+            rank, lo, hi = _spans(geo, rest[mine], cuts)
+            out.append((rank + first, np.full(rank.size, slot), lo, hi))
+    return tuple(np.concatenate(col) for col in zip(*out))
+
+
+TOP_LAYOUTS: tuple[TopLayout, ...] = (_even_tops, _fanned_tops, _chained_tops)  # tried side by side
 
 
 def _branch_rows(
@@ -242,17 +300,31 @@ def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
 
 @dataclass(frozen=True)
 class _Cut:
-    """One cut of the branches, priced: the lowest relay over the tops' layouts and its unpriced build,
-    each layout's priced step (inf: none), and what it was cut with and left (packing, caps, orders,
-    each rank's graph excess in own tokens)."""
+    """One cut of the branches under one tops layout, priced: the relay and its unpriced build, and
+    what it was cut with and left (packing, each rank's extra and cap, each group's order, each
+    rank's graph excess in own tokens)."""
 
     relay: Plan
     made: Plan
-    steps: list[float]
     where: np.ndarray
+    extra: np.ndarray
     cap: np.ndarray
     orders: dict[int, np.ndarray]
     over: np.ndarray
+
+    @property
+    def step(self) -> float:
+        return self.relay.step_seconds
+
+    @property
+    def priced_extra(self) -> np.ndarray:
+        """[R] the seconds its pricing added to each rank: transfers and waits."""
+        return self.relay.cost.sum(axis=1) - self.made.cost.sum(axis=1)
+
+    @property
+    def fitted(self) -> np.ndarray:
+        """[R] each rank's token cap less its graph excess (at most halved)."""
+        return np.maximum(self.made.tokens.sum(axis=1) - self.over - self.made.chunk_size, self.cap / 2)
 
 
 def _passes(
@@ -268,74 +340,98 @@ def _passes(
     layers: int,
     beat: float,
 ) -> Plan | None:
-    """The lowest predicted of :data:`PASSES` relays with slots of ``shares`` of a rank's run after the
-    tops': packed as they come (the tops laid out as each of ``tops``, the lowest kept, and in later
-    passes each that came within :data:`LAYOUT_MARGIN` of it: which wins can change as the branches
-    even out), then packed again with the extra seconds that pass priced on every rank, then each
-    pass cut again on the last packing and on one packed afresh with the extra priced so far (the
-    lower kept), each rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's, each group's
-    order kept where no other is clearly better (the extra was priced for it), and each rank's
-    token cap lowered by its graph excess (its context's memory counted: the cap keeps every slot's
-    graph; a cut that leaves ranks past it is cut again once with their caps lowered, their context
-    having moved with their ranges); None if none fits and streams, or none can predict a step
-    below ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its
-    mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
+    """The lowest predicted relay with slots of ``shares`` of a rank's run after the tops': the first
+    pass packs and cuts the branches as they come and prices them under each tops layout of
+    ``tops``; then each layout runs :data:`PASSES` - 1 passes of its own (the extra a pass prices
+    depends on which ranks hold the tops and send their rows), while it comes within
+    :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would predict with its
+    branch slots evened out around its extra, which that pass cut without; then by its lowest). A
+    pass packs the branches afresh with the extra priced so far and also (from the third) keeps the
+    last packing, the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`) with the last
+    pass's, each group's order kept where no other is clearly better (the extra was priced for it),
+    and each rank's token cap lowered by its graph excess (its context's memory counted: the cap
+    keeps every slot's graph; a cut that leaves ranks past it is cut again once with their caps
+    lowered, their context having moved with their ranges). None if none fits and streams, or none
+    can predict a step below ``beat``: the first, unpriced (its cross-rank reads only add), does
+    not, or, priced, its mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
-    extra, cap = np.zeros(world_size), np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
+    cap = np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
     group = lambda v: np.add.reduceat(v, np.r_[0, np.cumsum(widths)[:-1]])  # [R] -> [G] sums
-    fitted = lambda c: np.maximum(c.made.tokens.sum(axis=1) - c.over - chunk, c.cap / 2)  # at most halved a pass
+    even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
+    pack = lambda extra, cap: _pack(
+        b, widths, group(extra), np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
+    )
 
-    def cut(where: np.ndarray, cap: np.ndarray, orders: dict[int, np.ndarray]) -> _Cut | None:
+    def cut(where, extra, cap, orders, layouts: list[Tops]) -> list[_Cut | None]:
         got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders)
         if got is None:
-            return None
+            return [None] * len(layouts)
         rows, orders = got
-        relay = made = None
-        steps = []  # each layout's priced step (inf: none)
-        for layout in tops:
+        out = []
+        for layout in layouts:
             pieces = _pieces(geo, rows, layout, shares.size)
             built = build(pieces)
             priced = None
             if built.fits_budget and built.step_seconds < beat:
                 priced = crossreads.priced(built, geo, pieces, layers)
-            steps.append(math.inf if priced is None else priced.step_seconds)
-            if priced is not None and (relay is None or priced.step_seconds < relay.step_seconds):
-                relay, made = priced, built
-        if relay is None:
-            return None
-        over = graph_excess(memory, budget, made.tokens, made.context) / memory.token  # [R] own-token equivalents
-        return _Cut(relay, made, steps, where, cap, orders, over)
+            over = graph_excess(memory, budget, built.tokens, built.context) / memory.token
+            out.append(None if priced is None else _Cut(priced, built, where, extra, cap, orders, over))
+        return out
 
-    def repaired(c: _Cut | None) -> _Cut | None:
+    def repaired(c: _Cut | None, layout: Tops) -> _Cut | None:
         if c is None or not (c.over > 0).any():
             return c
-        again = cut(c.where, np.where(c.over > 0, fitted(c), c.cap), c.orders)
-        return again if again is not None and again.relay.step_seconds < c.relay.step_seconds else c
+        (again,) = cut(c.where, c.extra, np.where(c.over > 0, c.fitted, c.cap), c.orders, [layout])
+        return again if again is not None and again.step < c.step else c
 
-    best = last = None
-    for attempt in range(PASSES):
-        even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
-        group_caps = np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
-        packings = [_pack(b, widths, group(extra), group_caps)]
-        if attempt >= 2:
-            packings.insert(0, last.where)
-        cuts = [c for c in (repaired(cut(w, cap, last.orders if last else {})) for w in packings) if c is not None]
-        if not cuts:
-            break
-        last = min(cuts, key=lambda c: c.relay.step_seconds)
-        relay, steps = last.relay, last.steps
-        tops = [layout for layout, step in zip(tops, steps) if step <= relay.step_seconds * (1 + LAYOUT_MARGIN)]
-        best = relay if best is None or relay.step_seconds < best.step_seconds else best
-        priced_extra = relay.cost.sum(axis=1) - last.made.cost.sum(axis=1)
-        if attempt == 0:
-            extra = priced_extra
-            if max(relay.cost.sum(axis=1).mean(), extra.max(), REPACK_GAIN * relay.step_seconds) >= beat:
-                break
-        else:
-            extra = EXTRA_BLEND * priced_extra + (1 - EXTRA_BLEND) * extra
-        cap = np.where(last.over > 0, fitted(last), last.cap) if attempt == 0 else np.minimum(last.cap, fitted(last))
-    return best
+    @dataclass
+    class Run:
+        """One tops layout's passes: its lowest cut, its last, the extra and caps it cuts next with."""
+
+        layout: Tops
+        best: _Cut
+        last: _Cut
+        extra: np.ndarray
+        cap: np.ndarray
+        score: float  # what it is compared by: after the first pass its even step, then its lowest
+
+        def advance(self, attempt: int) -> None:
+            packings = [self.last.where] if attempt >= 2 else []
+            packings.append(pack(self.extra, self.cap))
+            cuts = [
+                repaired(cut(w, self.extra, self.cap, self.last.orders, [self.layout])[0], self.layout)
+                for w in packings
+            ]
+            cuts = [c for c in cuts if c is not None]
+            if cuts:
+                self.last = min(cuts, key=lambda c: c.step)
+                self.best = min(self.best, self.last, key=lambda c: c.step)
+                self.extra = EXTRA_BLEND * self.last.priced_extra + (1 - EXTRA_BLEND) * self.extra
+                self.cap = np.minimum(self.last.cap, self.last.fitted)
+            self.score = self.best.step
+
+    zero = np.zeros(world_size)
+    firsts = [repaired(c, layout) for c, layout in zip(cut(pack(zero, cap), zero, cap, {}, tops), tops)]
+
+    def even_step(c: _Cut, layout: Tops) -> float:
+        """The step ``c`` predicts once its branch slots even out around their extra: the tops'
+        slots as priced, then the mean rank's (the first pass prices its extra, cut without it)."""
+        first = int(layout[1].max()) + 1 if layout[1].size else 0
+        return float(c.relay.cost[:, :first].max(axis=0).sum() + c.relay.cost[:, first:].sum(axis=1).mean())
+
+    runs = [
+        Run(layout, c, c, c.priced_extra, np.where(c.over > 0, c.fitted, c.cap), even_step(c, layout))
+        for c, layout in zip(firsts, tops)
+        if c is not None and max(c.relay.cost.sum(axis=1).mean(), c.priced_extra.max(), REPACK_GAIN * c.step) < beat
+    ]
+    for attempt in range(1, PASSES):
+        lowest = min((run.score for run in runs), default=math.inf)
+        runs = [run for run in runs if run.score <= lowest * (1 + LAYOUT_MARGIN)]
+        for run in runs:
+            run.advance(attempt)
+    chosen = [run.best for run in runs] or [c for c in firsts if c is not None]
+    return min(chosen, key=lambda c: c.step).relay if chosen else None
 
 
 def relay_cut(
@@ -348,11 +444,11 @@ def relay_cut(
     layers: int,
     cost: CostModel,
     beat: float = math.inf,
-    layouts: tuple[TopLayout, ...] = (_even_tops, _fanned_tops),
+    layouts: tuple[TopLayout, ...] | None = None,
     top_ranks: tuple[int, ...] | None = None,
 ) -> Plan | None:
     """The relay over ``world_size`` ranks (module docstring): the tops laid out by whichever of
-    ``layouts`` over whichever of ``top_ranks`` ranks (default: R / :data:`TOP_SHARES`) predicts the
+    ``layouts`` (default :data:`TOP_LAYOUTS`) over whichever of ``top_ranks`` ranks (default: R / :data:`TOP_SHARES`) predicts the
     lowest step, priced with ``cost``'s links, the branches in the fewest slots whose microbatches
     the budget holds (two at least: a head before its tail; up to :data:`SLOT_TRIES` more where none
     fits); None where a branch costs more than one rank's share (a chain far deeper than the budget:
@@ -369,9 +465,10 @@ def relay_cut(
 
     def laid(layout: TopLayout, k: int) -> Tops:
         """``layout``'s tops on every (R / k)-th rank: no group of branches holds two of them."""
-        rank, *rest = layout(geo, top_nodes, k, chunk, world_size, cost)
+        rank, *rest = layout(geo, top_nodes, k, chunk, world_size, cost, layers)
         return rank * (world_size // k), *rest
 
+    layouts = layouts or TOP_LAYOUTS
     tops = [laid(layout, k) for layout in layouts for k in top_ranks] if top_nodes.size else [none]
     for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
         relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
