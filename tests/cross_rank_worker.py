@@ -32,7 +32,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import TOKEN_MEMORY, Budget, MemoryModel
 from harts_hf.planner.pieces import Pieces
 from harts_hf.planner.plan import Plan, build_plan, plan
-from harts_hf.planner.relay import _chained_tops, _fanned_tops, relay_cut
+from harts_hf.planner.relay import TopLayout, _chained_tops, _fanned_tops, relay_cut
 
 
 def piece_plan(
@@ -141,24 +141,15 @@ def fanned_forest(rng: np.random.Generator) -> list[list[int]]:
     return rows
 
 
-def fanned_plan(forest: RolloutForest, world_size: int) -> Plan:
-    """The relay of the fanned forest as ``relay_plan``'s, its tops laid out against their fan-out
-    over every rank: the system prompt split over the ranks in slot 0 (a context-parallel group),
-    each task prompt over two ranks in slot 1 (reading it handed over), the segments in slots 2 and 3."""
+def fanned_plan(forest: RolloutForest, world_size: int, layout: TopLayout = _fanned_tops) -> Plan:
+    """The relay of the fanned forest as ``relay_plan``'s, its tops laid out by ``layout`` over every
+    rank. Against their fan-out (the default): the system prompt split over the ranks in slot 0 (a
+    context-parallel group), each task prompt over two ranks in slot 1 (reading it handed over), the
+    segments in slots 2 and 3. As chains side by side (``_chained_tops``): the system prompt in slot
+    0, in slot 1 each task prompt on ranks of its own, the heavier split over two (a group beside a
+    rank of its own)."""
     cost, memory, budget, geo, build = _relay_setup(forest, world_size)
-    return relay_cut(
-        geo, budget, memory, world_size, 64, build, 4, cost, layouts=(_fanned_tops,), top_ranks=(world_size,)
-    )
-
-
-def chained_plan(forest: RolloutForest, world_size: int) -> Plan:
-    """The relay of the fanned forest with its tops as chains side by side over every rank: the
-    system prompt in slot 0, in slot 1 each task prompt on ranks of its own, the heavier split over
-    two (a context-parallel group beside a rank of its own), the segments in slots 2 and 3."""
-    cost, memory, budget, geo, build = _relay_setup(forest, world_size)
-    return relay_cut(
-        geo, budget, memory, world_size, 64, build, 4, cost, layouts=(_chained_tops,), top_ranks=(world_size,)
-    )
+    return relay_cut(geo, budget, memory, world_size, 64, build, 4, cost, layouts=(layout,), top_ranks=(world_size,))
 
 
 def wavefront_plan(forest: RolloutForest, world_size: int) -> Plan:
@@ -225,7 +216,7 @@ PLANS = {
     "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
     "relay3": (3, "relay", lambda f: relay_plan(f, 3)),  # two segments handed on, rank 0 -> 1 -> 2
     "fanned3": (3, "fanned", lambda f: fanned_plan(f, 3)),  # the system prompt a group in slot 0, tasks in slot 1
-    "chained3": (3, "fanned", lambda f: chained_plan(f, 3)),  # slot 1: a task over two ranks beside one whole
+    "chained3": (3, "fanned", lambda f: fanned_plan(f, 3, _chained_tops)),  # slot 1: a task on two ranks, one on one
 }
 
 

@@ -130,9 +130,8 @@ def _pack(b: Branches, widths: np.ndarray, extra: np.ndarray, cap: np.ndarray) -
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi, branch) [P]
 Tops = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (rank, slot, lo, hi) of the tops' pieces
-TopLayout = Callable[
-    [Geometry, np.ndarray, int, int, int, CostModel, int], Tops
-]  # (..., ranks, chunk, R, cost, layers)
+# (geometry, top nodes, ranks, chunk, R, cost model, decoder layers) -> the tops' pieces
+TopLayout = Callable[[Geometry, np.ndarray, int, int, int, CostModel, int], Tops]
 
 
 def _cut_tops(
@@ -165,6 +164,15 @@ def _spans(geo: Geometry, tops: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarra
     return np.searchsorted(starts, lo, side="right") - 1, lo, hi
 
 
+def _fan_out(geo: Geometry, tops: np.ndarray, world_size: int, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(send, weight) [K] of ``tops``: the seconds a token of each costs its holder in sends (to its
+    readers: the ranks its subtree's share of the work covers, plus one), and its cost plus those."""
+    work = geo.prefix(geo.end[tops]) - geo.prefix(geo.start[tops])
+    readers = np.minimum(world_size, np.ceil(work / (geo.total_cost / world_size)) + 1)
+    send = readers * float(cost.transfer(1, 0, 0))
+    return send, geo.node_cost[tops] + send * geo.length[tops]
+
+
 def _even_tops(
     geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel, layers: int
 ) -> Tops:
@@ -186,11 +194,7 @@ def _fanned_tops(
     each other); the others run in slot 1, reading slot 0 as handoffs (a message a pair, not one a
     layer), each whole on one span's rank unless it too weighs more than a span there (a cut never
     chains two of them: each waits only for its own ancestors)."""
-    start, length = geo.start[tops], geo.length[tops]
-    work = geo.prefix(geo.end[tops]) - geo.prefix(start)
-    readers = np.minimum(world_size, np.ceil(work / (geo.total_cost / world_size)) + 1)
-    send = readers * float(cost.transfer(1, 0, 0))
-    weight = geo.node_cost[tops] + send * length
+    send, weight = _fan_out(geo, tops, world_size, cost)
     split = weight > weight.sum() / ranks
     with_ancestors = np.concatenate([np.zeros(0, dtype=np.int64), *group_paths(geo, tops[split])])
     first = np.isin(tops, with_ancestors)
@@ -206,19 +210,18 @@ def _chained_tops(
     geo: Geometry, tops: np.ndarray, ranks: int, chunk: int, world_size: int, cost: CostModel, layers: int
 ) -> Tops:
     """(rank, slot, lo, hi) of the tops as chains side by side: the chain above every other top (a
-    system prompt) cut at equal cost in slot 0 into spans that cost what the tops cost per rank,
-    then each subtree of the tops below it (a task's prompt and the trunks its episodes share), in
-    slot 1, cut in its DFS order at equal weight (cost plus sends, as :func:`_fanned_tops` weighs
-    them) over ranks of its own, one each and the rest by weight, largest remainders first (where
-    there are more subtrees than ranks, each whole on the rank with the least weight). A subtree's wavefront runs only through
-    its own spans: the even layout's runs through every top, and the fanned layout leaves each
-    task's tops whole on one rank (at 1,024 ranks, a task's shared trunk is the slot)."""
-    start, length = geo.start[tops], geo.length[tops]
-    above = (start <= start.min()) & (geo.end[tops] >= (start + length).max())  # every top in its subtree
-    work = geo.prefix(geo.end[tops]) - geo.prefix(start)
-    readers = np.minimum(world_size, np.ceil(work / (geo.total_cost / world_size)) + 1)
-    send = readers * float(cost.transfer(1, 0, 0))
-    weight = geo.node_cost[tops] + send * length
+    system prompt) cut at equal cost in slot 0 over as many spans as the model has ``layers`` (a
+    wavefront of n spans takes (n + L - 1) / (n L) of the chain: past L spans there is little to
+    win, and every span's holder sends its rows to every rank), then each subtree of the tops below
+    it (a task's prompt and the trunks its episodes share), in slot 1, cut in its DFS order at
+    equal weight (:func:`_fan_out`) over ranks of its own, one each and the rest by weight, largest
+    remainders first (where there are more subtrees than ranks, each whole on the rank with the
+    least weight). A subtree's wavefront runs only through its own spans: the even layout's runs
+    through every top, and the fanned layout leaves each task's tops whole on one rank (at 1,024
+    ranks, a task's shared trunk is the slot)."""
+    start = geo.start[tops]
+    above = (start <= start.min()) & (geo.end[tops] >= (start + geo.length[tops]).max())  # every top below it
+    send, weight = _fan_out(geo, tops, world_size, cost)
     out = []
     if above.any():
         spans = min(ranks, layers)
@@ -375,8 +378,11 @@ def _passes(
             priced = None
             if built.fits_budget and built.step_seconds < beat:
                 priced = crossreads.priced(built, geo, pieces, layers)
-            over = graph_excess(memory, budget, built.tokens, built.context) / memory.token
-            out.append(None if priced is None else _Cut(priced, built, where, extra, cap, orders, over))
+            if priced is None:
+                out.append(None)
+                continue
+            over = graph_excess(memory, budget, built.tokens, built.context) / memory.token  # [R] own tokens
+            out.append(_Cut(priced, built, where, extra, cap, orders, over))
         return out
 
     def repaired(c: _Cut | None, layout: Tops) -> _Cut | None:
@@ -448,11 +454,12 @@ def relay_cut(
     top_ranks: tuple[int, ...] | None = None,
 ) -> Plan | None:
     """The relay over ``world_size`` ranks (module docstring): the tops laid out by whichever of
-    ``layouts`` (default :data:`TOP_LAYOUTS`) over whichever of ``top_ranks`` ranks (default: R / :data:`TOP_SHARES`) predicts the
-    lowest step, priced with ``cost``'s links, the branches in the fewest slots whose microbatches
-    the budget holds (two at least: a head before its tail; up to :data:`SLOT_TRIES` more where none
-    fits); None where a branch costs more than one rank's share (a chain far deeper than the budget:
-    the DFS cut's case) or no relay fits and predicts a step below ``beat``."""
+    ``layouts`` (default :data:`TOP_LAYOUTS`) over whichever of ``top_ranks`` ranks (default:
+    R / :data:`TOP_SHARES`) predicts the lowest step, priced with ``cost``'s links, the branches in
+    the fewest slots whose microbatches the budget holds (two at least: a head before its tail; up
+    to :data:`SLOT_TRIES` more where none fits); None where a branch costs more than one rank's
+    share (a chain far deeper than the budget: the DFS cut's case) or no relay fits and predicts a
+    step below ``beat``."""
     if world_size < 2:
         return None
     b, top_nodes = _split(geo, world_size, budget)
