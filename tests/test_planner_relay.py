@@ -131,6 +131,56 @@ def test_orders_keep_the_least_spilling_then_the_least_loaded(seed, monkeypatch)
     assert stayed > 0
 
 
+def test_a_rank_runs_its_densest_branches_last():
+    """Six segments in a sequence cut over two ranks inside the fourth: each rank runs the head it
+    hands on first and the tail it reads last, between them its whole branches in sequence order,
+    or ``densest_last`` by cost per token (where only the last slot keeps its graph, it then holds
+    the most cost its bytes allow)."""
+    _, forest = forest_of("relay")
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    roots = np.flatnonzero(geo.parent == 0)
+    lo, hi = geo.start[roots], geo.end[roots]
+    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    order = np.array([4, 0, 2, 3, 5, 1])
+    seq = Sequences.of(geo, b, [order], 4)
+    cuts = np.array([[0, seq.at[0, 3] + b.tokens[3] // 2, seq.end[0]]])  # inside branch 3
+    by_density = lambda whole: sorted(whole, key=lambda u: b.cost[u] / b.tokens[u])
+    assert by_density([4, 0, 2]) != [4, 0, 2] and by_density([5, 1]) != [5, 1]
+    for densest_last in (False, True):
+        _, rank, piece_lo, _ = seq.parts(cuts, np.array([2]), densest_last)
+        branch = (np.searchsorted(b.lo, piece_lo, side="right") - 1).tolist()
+        runs = [[4, 0, 2], [5, 1]]
+        if densest_last:
+            runs = [by_density(run) for run in runs]
+        assert branch == [3, *runs[0], *runs[1], 3] and rank.tolist() == [0, 0, 0, 0, 1, 1, 1]
+
+
+def test_the_kept_last_slot_fills_the_budget():
+    """SWE-like rollouts on 16 ranks, 32K-token microbatches: every rank holds far more than its
+    graphs can keep, so only its last slot keeps its graph and every earlier slot reruns. The
+    relay's last slot fills the budget on its fullest rank (its shares follow the room each slot
+    leaves), and it predicts a lower step than with slots of equal cost or with whole branches
+    in sequence order."""
+    forest = get_workload("swe-like").forest()
+    kw = {
+        "world_size": 16,
+        "max_tokens_per_microbatch": 32_768,
+        "memory_model": bench_memory_model("qwen3_5", "default"),
+        "context_parallel": True,
+    }
+    kept = plan(forest, **kw)
+    assert (kept.piece_branch >= 0).any() and (kept.graph_slots == 1).all() and kept.num_slots > 3
+    footprint = kept.budget.footprint(kept.tokens[:, -1], kept.context[:, -1])
+    assert 0.99 * kept.budget.tokens <= footprint.max() <= kept.budget.tokens
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(relay, "_kept_shares", lambda made, shares, first: shares)
+        assert plan(forest, **kw).step_seconds > kept.step_seconds
+    with pytest.MonkeyPatch.context() as patch:
+        parts = Sequences.parts
+        patch.setattr(Sequences, "parts", lambda self, cuts, width, densest_last: parts(self, cuts, width))
+        assert plan(forest, **kw).step_seconds > kept.step_seconds
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_rows_are_searched_on_their_own(seed):
     """Every row of a sorted table (repeats, a padded tail, ints and floats) searched at once, each

@@ -12,7 +12,8 @@ Layout, the tops' slots then slots 1..S:
 - the *tops* (``assign.find_branches`` with branches of up to one rank's share: the chains above
   them, a system prompt and task prompts) run first, once, over k ranks (k is whichever of
   :data:`TOP_SHARES` predicts the lowest step), every (R / k)-th (a holder sends its rows to many
-  readers, so its share of the branches shrinks: no group holds two), laid out one of three ways
+  readers, so its share of the branches shrinks: no group holds two, unless every rank holds a
+  span), laid out one of three ways
   (each run through its passes of its own, :func:`_passes`): :func:`_even_tops`, in slot 0, their
   DFS order cut at equal cost, a context-parallel group that every later slot reads;
   :func:`_fanned_tops`, against their fan-out: a top every rank reads costs its senders a message
@@ -32,6 +33,11 @@ Layout, the tops' slots then slots 1..S:
   branches, the tail of the branch it shares with the previous one], cut at the same costs into
   slots 1..S on every rank: the head lies in the first slots, the tail that reads it in the last,
   so the read crosses ranks between slots (a handoff, no wait).
+- where the ranks hold more than their graphs can keep (a scale-4 batch: four budgets a rank),
+  only the last slot keeps its graph and every earlier one reruns its forward in the backward, so
+  the last slot is made as large as the budget allows on its fullest rank (the slots' shares
+  follow the room the last cut left in each: :func:`_kept_shares`), and a rank runs its whole
+  branches by cost per token, the densest last (the kept slot holds the most cost its bytes allow).
 
 Pricing: ``crossreads.priced`` (a head that spills into its tail's slot streams: a wavefront).
 Every cut lies on the chunk grid where its node reaches it (no replay there). The transfers and
@@ -39,7 +45,8 @@ waits priced on each rank (its *extra*), and each rank's excess over the graph b
 slots would rerun), go back into the cut: the extra comes off the rank's share (the ranges cut again
 with the extra of each pass blended in, on the last packing and on one packed afresh with it, the
 lower kept; a group's order kept unless another is clearly better, since its extra was priced for
-that order) and the excess off its token cap, for :data:`PASSES` passes; the lowest is kept.
+that order) and the excess off its token cap (or, where every earlier slot reruns anyway, into
+the slots' shares), for :data:`PASSES` passes; the lowest is kept.
 
 Legend: R ranks, U branches, G groups, S slots after the tops' slots, K top nodes.
 """
@@ -65,7 +72,7 @@ from .sequences import Branches, ordered_cuts, slotted
 __all__ = ["relay_cut"]
 
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
-TOP_SHARES = (4, 16)  # the tops' group runs over R / share ranks (at least one)
+TOP_SHARES = (1, 4, 16)  # the tops' group runs over R / share ranks (at least one)
 SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
 PASSES = 6  # cuts re-made with each rank's priced extra and graph excess
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
@@ -264,12 +271,14 @@ def _branch_rows(
     shares: np.ndarray,
     chunk: int,
     last: dict[int, np.ndarray],
+    densest_last: bool,
 ) -> tuple[Rows, dict[int, np.ndarray]] | None:
     """The branches' pieces, slots from 0, and each group's order (by group index): every group's
     ranges cut into slots of ``shares`` of a mean rank's run at the same costs on every rank (a
     rank's ``extra`` [R] counted in its share, so the last slots even out; a group's ``last`` order
-    kept where no other is clearly better: ``ordered_cuts``); None if a group's branches leave a
-    range inside one of them."""
+    kept where no other is clearly better: ``ordered_cuts``; a rank's whole branches ``densest_last``
+    where its last slot alone keeps its graph: ``Sequences.parts``); None if a group's branches
+    leave a range inside one of them."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
     groups = np.unique(where)
     begin, width = np.r_[0, np.cumsum(widths)[:-1]][groups], widths[groups]
@@ -284,14 +293,32 @@ def _branch_rows(
     if chosen is None:
         return None
     sequences, cuts, orders = chosen
-    group, rank, lo, hi = sequences.parts(cuts, width)
+    group, rank, lo, hi = sequences.parts(cuts, width, densest_last)
     rank, slot, lo, hi = slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
     return (rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1), dict(zip(seeds, orders))
 
 
+def _top_slots(tops: Tops) -> int:
+    """How many slots the tops' pieces take before the branches'."""
+    return int(tops[1].max()) + 1 if tops[1].size else 0
+
+
+def _kept_shares(made: Plan, shares: np.ndarray, first: int) -> np.ndarray:
+    """[S] shares of a mean rank's run for the branch slots (from slot ``first``) of a relay whose
+    ranks keep only their last slot's graph (every earlier slot reruns in the backward): the last
+    slot as large as the budget allows on the rank it fills most (its context as ``made``, cut with
+    ``shares``, left it), the rest of the run over the other slots by the room each leaves on its
+    fullest rank. Every second the last slot gains is a forward less to rerun."""
+    own = made.tokens[:, first:]
+    room = made.budget.room(made.context[:, first:])  # [R, S] own tokens each slot could hold
+    capacity = np.minimum(shares * np.where(own > 0, room / np.maximum(own, 1), np.inf).min(axis=0), 1.0)
+    last = capacity[-1]
+    return np.r_[capacity[:-1] / capacity[:-1].sum() * (1 - last), last]
+
+
 def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
     """The relay's pieces: the tops (rank, slot, lo, hi) in their slots, if any, the branches' ``rows`` after them."""
-    first = int(tops[1].max()) + 1 if tops[1].size else 0
+    first = _top_slots(tops)
     columns = zip((*tops, np.full(tops[0].size, -1)), (rows[0], rows[1] + first, *rows[2:]))
     rank, slot, lo, hi, branch = (np.concatenate(pair) for pair in columns)
     order = np.lexsort((branch, hi, lo, slot, rank))
@@ -305,7 +332,7 @@ def _pieces(geo: Geometry, rows: Rows, tops: Tops, slots: int) -> Pieces:
 class _Cut:
     """One cut of the branches under one tops layout, priced: the relay and its unpriced build, and
     what it was cut with and left (packing, each rank's extra and cap, each group's order, each
-    rank's graph excess in own tokens)."""
+    rank's graph excess in own tokens, the branch slots' shares)."""
 
     relay: Plan
     made: Plan
@@ -314,6 +341,7 @@ class _Cut:
     cap: np.ndarray
     orders: dict[int, np.ndarray]
     over: np.ndarray
+    shares: np.ndarray
 
     @property
     def step(self) -> float:
@@ -343,31 +371,34 @@ def _passes(
     layers: int,
     beat: float,
 ) -> Plan | None:
-    """The lowest predicted relay with slots of ``shares`` of a rank's run after the tops': the first
-    pass packs and cuts the branches as they come and prices them under each tops layout of
-    ``tops``; then each layout runs :data:`PASSES` - 1 passes of its own (the extra a pass prices
-    depends on which ranks hold the tops and send their rows), while it comes within
-    :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would predict with its
-    branch slots evened out around its extra, which that pass cut without; then by its lowest). A
-    pass packs the branches afresh with the extra priced so far and also (from the third) keeps the
-    last packing, the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`) with the last
-    pass's, each group's order kept where no other is clearly better (the extra was priced for it),
-    and each rank's token cap lowered by its graph excess (its context's memory counted: the cap
-    keeps every slot's graph; a cut that leaves ranks past it is cut again once with their caps
-    lowered, their context having moved with their ranges). None if none fits and streams, or none
-    can predict a step below ``beat``: the first, unpriced (its cross-rank reads only add), does
-    not, or, priced, its mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
+    """The lowest predicted relay with S branch slots after the tops', the first pass's of
+    ``shares`` of a rank's run: the first pass packs and cuts the branches as they come and prices
+    them under each tops layout of ``tops``; then each layout runs :data:`PASSES` - 1 passes of its
+    own (the extra a pass prices depends on which ranks hold the tops and send their rows), while it
+    comes within :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would
+    predict with its branch slots evened out around its extra, which that pass cut without; then by
+    its lowest). A pass packs the branches afresh with the extra priced so far and also (from the
+    third) keeps the last packing, the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`)
+    with the last pass's, each group's order kept where no other is clearly better (the extra was
+    priced for it), and each rank's token cap lowered by its graph excess (its context's memory
+    counted: the cap keeps every slot's graph; a cut that leaves ranks past it is cut again once
+    with their caps lowered, their context having moved with their ranges), or, where the ranks hold
+    more than their graphs keep, the slots' shares made to fill the last slot (:func:`_kept_shares`;
+    the last cut's shares where that cut does not fit). None if none fits and streams, or none can
+    predict a step below ``beat``: the first, unpriced (its cross-rank reads only add), does not,
+    or, priced, its mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
-    fill = budget.tokens * CAP_FILL  # no cap where a rank's share is past it: some of its slots rerun anyway
-    cap = np.full(world_size, fill if b.tokens.sum() <= fill * world_size else np.inf)
+    fill = budget.tokens * CAP_FILL
+    keeps_all = bool(b.tokens.sum() <= fill * world_size)  # else slots rerun anyway: no cap, the last kept
+    cap = np.full(world_size, fill if keeps_all else np.inf)
     group = lambda v: np.add.reduceat(v, np.r_[0, np.cumsum(widths)[:-1]])  # [R] -> [G] sums
     even = widths * b.tokens.sum() / world_size  # [G] each group's share of the tokens
     pack = lambda extra, cap: _pack(
         b, widths, group(extra), np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
     )
 
-    def cut(where, extra, cap, orders, layouts: list[Tops]) -> list[_Cut | None]:
-        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders)
+    def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray = shares) -> list[_Cut | None]:
+        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, not keeps_all)
         if got is None:
             return [None] * len(layouts)
         rows, orders = got
@@ -382,18 +413,20 @@ def _passes(
                 out.append(None)
                 continue
             over = graph_excess(memory, budget, built.tokens, built.context) / memory.token  # [R] own tokens
-            out.append(_Cut(priced, built, where, extra, cap, orders, over))
+            out.append(_Cut(priced, built, where, extra, cap, orders, over, shares))
         return out
 
     def repaired(c: _Cut | None, layout: Tops) -> _Cut | None:
         if c is None or not (c.over > 0).any():
             return c
-        (again,) = cut(c.where, c.extra, np.where(c.over > 0, c.fitted, c.cap), c.orders, [layout])
+        (again,) = cut(c.where, c.extra, np.where(c.over > 0, c.fitted, c.cap), c.orders, [layout], c.shares)
         return again if again is not None and again.step < c.step else c
 
     @dataclass
     class Run:
-        """One tops layout's passes: its lowest cut, its last, the extra and caps it cuts next with."""
+        """One tops layout's passes: its lowest cut, its last, the extra and caps it cuts next with
+        (and the shares: where the last slot alone keeps its graph, as large as the budget allows,
+        else as its last cut's where that does not fit)."""
 
         layout: Tops
         best: _Cut
@@ -405,11 +438,14 @@ def _passes(
         def advance(self, attempt: int) -> None:
             packings = [self.last.where] if attempt >= 2 else []
             packings.append(pack(self.extra, self.cap))
-            cuts = [
-                repaired(cut(w, self.extra, self.cap, self.last.orders, [self.layout])[0], self.layout)
-                for w in packings
-            ]
-            cuts = [c for c in cuts if c is not None]
+            tries = [self.last.shares]
+            if not keeps_all:  # the last slot as large as the budget allows, else as the last cut's
+                tries.insert(0, _kept_shares(self.last.made, self.last.shares, _top_slots(self.layout)))
+            for slot_shares in tries:
+                cuts = [cut(w, self.extra, self.cap, self.last.orders, [self.layout], slot_shares)[0] for w in packings]
+                cuts = [c for c in (repaired(c, self.layout) for c in cuts) if c is not None]
+                if cuts:
+                    break
             if cuts:
                 self.last = min(cuts, key=lambda c: c.step)
                 self.best = min(self.best, self.last, key=lambda c: c.step)
@@ -423,7 +459,7 @@ def _passes(
     def even_step(c: _Cut, layout: Tops) -> float:
         """The step ``c`` predicts once its branch slots even out around their extra: the tops'
         slots as priced, then the mean rank's (the first pass prices its extra, cut without it)."""
-        first = int(layout[1].max()) + 1 if layout[1].size else 0
+        first = _top_slots(layout)
         return float(c.relay.cost[:, :first].max(axis=0).sum() + c.relay.cost[:, first:].sum(axis=1).mean())
 
     runs = [

@@ -182,10 +182,12 @@ class Sequences:
         spilled = np.maximum(head - np.r_[0.0, ends][np.searchsorted(ends, before, side="right")], 0.0)
         return np.where(handed, spilled, 0.0).sum(axis=1)
 
-    def parts(self, cuts: np.ndarray, width: np.ndarray) -> tuple[np.ndarray, ...]:
+    def parts(self, cuts: np.ndarray, width: np.ndarray, densest_last: bool = False) -> tuple[np.ndarray, ...]:
         """(group, rank in group, lo, hi): every rank's range as DFS ranges, one per branch it
         touches, rank by rank in the order it computes them: the head of the branch it hands to the
-        next rank first, its whole branches, the tail of the branch it reads from the previous last."""
+        next rank first, its whole branches (in sequence order, or ``densest_last``: by cost per
+        token, so that a last slot that keeps its graph holds the most cost its bytes allow), the
+        tail of the branch it reads from the previous last."""
         a, z = cuts[:, :-1], cuts[:, 1:]
         first, last = self.branch(self.at, a), self.branch(self.at, z, strict=True)
         count = np.where((np.arange(a.shape[1]) < width[:, None]) & (z > a), last - first + 1, 0)
@@ -197,7 +199,8 @@ class Sequences:
         lo, at, after = self.lo[group, i], self.at[group, i], self.at[group, i + 1]
         tail = (k == 0) & ~self.starts_branch(cuts[:, :-1])[group, rank]
         head = (k == n - 1) & ~self.starts_branch(cuts[:, 1:])[group, rank]
-        order = np.lexsort((np.where(head, -1, np.where(tail, n, k)), rank, group))
+        place = (self.cum[group, i + 1] - self.cum[group, i]) / (after - at) if densest_last else k
+        order = np.lexsort((np.where(head, -np.inf, np.where(tail, np.inf, place)), rank, group))
         parts = group, rank, lo + np.maximum(a - at, 0), lo + np.minimum(z, after) - at
         return tuple(x[order] for x in parts)
 
