@@ -32,7 +32,7 @@ from harts_hf.planner.geometry import Geometry
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import build_plan
 from harts_hf.planner.relay import GROUP_RANKS, _chained_tops, _even_tops, _fanned_tops, _pack, relay_cut
-from harts_hf.planner.sequences import ORDER_MARGIN, Branches, Sequences, _count_up_to, ordered_cuts
+from harts_hf.planner.sequences import ORDER_MARGIN, Branches, Sequences, _count_up_to, ordered_cuts, slotted
 from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
@@ -153,6 +153,33 @@ def test_a_rank_runs_its_densest_branches_last():
         if densest_last:
             runs = [by_density(run) for run in runs]
         assert branch == [3, *runs[0], *runs[1], 3] and rank.tolist() == [0, 0, 0, 0, 1, 1, 1]
+
+
+def test_the_kept_footprint_is_the_built_last_slot():
+    """Six segments in two orders, each cut over three ranks and each rank's run into two slots
+    (whole branches densest last): the footprint ``kept_footprint`` gives each order's fullest last
+    slot is the one its built plan prices (own tokens and context), and the orders differ in it."""
+    _, forest = forest_of("relay")
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    roots = np.flatnonzero(geo.parent == 0)
+    lo, hi = geo.start[roots], geo.end[roots]
+    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    memory = MemoryModel(token=1.0, context=0.1)
+    budget = memory.budget(max_tokens=4096)
+    orders, width = [np.arange(6), np.array([4, 0, 2, 3, 5, 1])], np.array([3, 3])
+    seq = Sequences.of(geo, b, orders, 4)
+    cuts = seq.ranges(np.zeros((2, 3)), np.full((2, 3), np.inf), width)
+    ends = np.array([0.55 * b.cost.sum() / 3])
+    footprint = seq.kept_footprint(cuts, width, ends, budget)
+    prompt = (np.array([0]), np.array([0]), geo.start[:1], geo.start[:1] + geo.length[:1])  # the tops, slot 0
+    for g in range(2):
+        _, rank, piece_lo, piece_hi = seq.select(np.array([g])).parts(cuts[g : g + 1], width[g : g + 1], True)
+        rank, slot, piece_lo, piece_hi = slotted(geo, rank, piece_lo, piece_hi, ends, 4)
+        branch = np.searchsorted(b.lo, piece_lo, side="right") - 1
+        pieces = relay._pieces(geo, (rank, slot, piece_lo, piece_hi, branch), prompt, 2)
+        built = build_plan(geo, [forest], pieces, DEFAULT_COST_MODEL, budget, memory, 4, time.perf_counter(), 3)
+        assert footprint[g] == budget.footprint(built.tokens[:, -1], built.context[:, -1]).max()
+    assert footprint[0] != footprint[1]
 
 
 def test_the_kept_last_slot_fills_the_budget():

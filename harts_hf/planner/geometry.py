@@ -168,6 +168,22 @@ class Geometry:
             vx, vy = np.where(mx, px, vx), np.where(my, py, vy)
         return np.where(same_tree, np.minimum(tx, ty) - self.start[vx] + self.depth[vx] + 1, 0)
 
+    def paths_union(self, t: np.ndarray, group: np.ndarray, count: int) -> np.ndarray:
+        """[count] tokens on the union of the root paths (each token ``t`` [E] itself excluded) of
+        every ``group`` [E]: a microbatch's context where ``t`` are its entries (a node part's first
+        token whose parent lies outside it; for DFS ranges their first tokens do: every ancestor
+        outside a range lies on its first token's root path). Taken in DFS order, a path adds what
+        lies past its common prefix with the one before (root paths part once and never meet
+        again), so the work is the entries', not their paths' (the square of a deep chain)."""
+        order = np.lexsort((t, group))
+        t, group = t[order], group[order]
+        depth = self.token_depth(t)  # [E] tokens on each root path, the token excluded
+        after = np.flatnonzero(group[1:] == group[:-1]) + 1  # entries after another of their group
+        shared = np.minimum(self.common_prefix(t[after - 1], t[after]), np.minimum(depth[after - 1], depth[after]))
+        return np.bincount(group, weights=depth, minlength=count).astype(np.int64) - np.bincount(
+            group[after], weights=shared, minlength=count
+        ).astype(np.int64)
+
     # ------------------------------------------------------------------ forests
     def forest_of(self, t: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.forest_tokens, t, side="right") - 1

@@ -84,21 +84,6 @@ def as_forests(forests: RolloutForest | Sequence[RolloutForest]) -> list[Rollout
     return out
 
 
-def _context_tokens(geo: Geometry, entry: np.ndarray, entry_mb: np.ndarray, num_mb: int) -> np.ndarray:
-    """[num_mb] context tokens of every microbatch: the union of its entries' root paths (computed
-    in earlier slots, of its own rank or, handed over, of another). Taken in DFS order, a path adds
-    what lies past its common prefix with the one before (root paths part once and never meet
-    again), so the work is the entries', not their paths' (the square of a deep chain)."""
-    order = np.lexsort((entry, entry_mb))
-    t, mb = entry[order], entry_mb[order]
-    depth = geo.token_depth(t)  # [E] tokens on each root path, the entry excluded
-    after = np.flatnonzero(mb[1:] == mb[:-1]) + 1  # entries after another of their microbatch
-    shared = np.minimum(geo.common_prefix(t[after - 1], t[after]), np.minimum(depth[after - 1], depth[after]))
-    return np.bincount(mb, weights=depth, minlength=num_mb).astype(np.int64) - np.bincount(
-        mb[after], weights=shared, minlength=num_mb
-    ).astype(np.int64)
-
-
 def _own_on_paths(geo: Geometry, parts: NodeParts, num_mb: int) -> np.ndarray:
     """[num_mb] tokens every microbatch computes itself on its entries' root paths, which its call reads
     as its own, not as context: where a context-parallel span lands in a microbatch that computes an
@@ -292,7 +277,7 @@ def build_plan(
     ext = parts.external
     entry, entry_mb = parts.lo[ext], parts.mb[ext]
     entry_rank = entry_mb // pieces.num_slots
-    context = _context_tokens(geo, entry, entry_mb, num_mb) - _own_on_paths(geo, parts, num_mb)
+    context = geo.paths_union(entry, entry_mb, num_mb) - _own_on_paths(geo, parts, num_mb)
 
     forest_of = geo.forest_of(pieces.lo)
     shape = (world_size, pieces.num_slots)

@@ -271,14 +271,15 @@ def _branch_rows(
     shares: np.ndarray,
     chunk: int,
     last: dict[int, np.ndarray],
-    densest_last: bool,
+    kept_last: Budget | None,
 ) -> tuple[Rows, dict[int, np.ndarray]] | None:
     """The branches' pieces, slots from 0, and each group's order (by group index): every group's
     ranges cut into slots of ``shares`` of a mean rank's run at the same costs on every rank (a
     rank's ``extra`` [R] counted in its share, so the last slots even out; a group's ``last`` order
-    kept where no other is clearly better: ``ordered_cuts``; a rank's whole branches ``densest_last``
-    where its last slot alone keeps its graph: ``Sequences.parts``); None if a group's branches
-    leave a range inside one of them."""
+    kept where no other is clearly better: ``ordered_cuts``; where only the last slot keeps its
+    graph under the budget ``kept_last``, the order that fills it least, and a rank's whole
+    branches densest last: ``Sequences.parts``); None if a group's branches leave a range inside
+    one of them."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
     groups = np.unique(where)
     begin, width = np.r_[0, np.cumsum(widths)[:-1]][groups], widths[groups]
@@ -288,12 +289,12 @@ def _branch_rows(
     members = [np.flatnonzero(where == g) for g in groups.tolist()]
     seeds = groups.tolist()
     chosen = ordered_cuts(
-        geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, seeds, [last.get(g) for g in seeds]
+        geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, seeds, [last.get(g) for g in seeds], kept_last
     )
     if chosen is None:
         return None
     sequences, cuts, orders = chosen
-    group, rank, lo, hi = sequences.parts(cuts, width, densest_last)
+    group, rank, lo, hi = sequences.parts(cuts, width, densest_last=kept_last is not None)
     rank, slot, lo, hi = slotted(geo, begin[group] + rank, lo, hi, ends, chunk)
     return (rank, slot, lo, hi, np.searchsorted(b.lo, lo, side="right") - 1), dict(zip(seeds, orders))
 
@@ -398,7 +399,7 @@ def _passes(
     )
 
     def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray = shares) -> list[_Cut | None]:
-        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, not keeps_all)
+        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, None if keeps_all else budget)
         if got is None:
             return [None] * len(layouts)
         rows, orders = got

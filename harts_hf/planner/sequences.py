@@ -17,6 +17,7 @@ import numpy as np
 
 from ..runs import aranges
 from .geometry import Geometry
+from .memory import Budget
 
 __all__ = ["Branches", "Sequences", "ordered_cuts", "slotted"]
 
@@ -161,6 +162,21 @@ class Sequences:
         cost = np.diff(self.cost_to(cuts), axis=1) + extra
         return np.where(np.arange(cost.shape[1]) < width[:, None], cost, -np.inf).max(axis=1)
 
+    def kept_footprint(self, cuts: np.ndarray, width: np.ndarray, ends: np.ndarray, budget: Budget) -> np.ndarray:
+        """[G] the largest footprint under ``budget`` of a rank's last slot (its own tokens and the
+        union of its pieces' root paths, a context its own tokens on them overcount): the rank's run
+        of ``cuts``, whole branches densest last (:meth:`parts`), past where it reaches ``ends``'
+        last cost. Where only that slot keeps its graph, its fullest rank decides how large the
+        slots' shares can make it."""
+        group, rank, lo, hi = self.parts(cuts, width, densest_last=True)
+        stride = cuts.shape[1] - 1
+        run, slot, lo, hi = slotted(self.geo, group * stride + rank, lo, hi, ends[-1:], self.chunk)
+        last = slot == 1
+        count = self.count.size * stride
+        own = np.bincount(run[last], hi[last] - lo[last], minlength=count)
+        footprint = budget.footprint(own, self.geo.paths_union(lo[last], run[last], count))
+        return footprint.reshape(-1, stride).max(axis=1)
+
     def inside(self, cuts: np.ndarray) -> np.ndarray:
         """[G] whether a group's ``cuts`` put a rank's range inside one branch (it would both read
         the previous rank's head and hand its own on)."""
@@ -229,15 +245,18 @@ def ordered_cuts(
     chunk: int,
     seeds: list[int],
     last: list[np.ndarray | None] | None = None,
+    kept_last: Budget | None = None,
 ) -> tuple[Sequences, np.ndarray, list[np.ndarray]] | None:
     """The sequences, cuts (:meth:`Sequences.ranges`) and orders of each group's branches ``members``:
     of its DFS order and :data:`ORDER_TRIES` - 1 shuffles (group g's seeded by ``seeds[g]``), all cut
     side by side, the one that spills least, then loads its busiest rank least (where token caps
-    bind, the order decides how far the others fill), then comes first; None if every order of a
-    group puts a range inside a branch. A group's ``last`` order (None: none), where it holds the
-    same branches, is tried first and kept unless another spills less or loads :data:`ORDER_MARGIN`
-    less: the ``extra`` of its ranks was priced for that order, so another order's smaller edge is
-    noise."""
+    bind, the order decides how far the others fill; or, where only the last slot keeps its graph
+    under the budget ``kept_last``, fills its fullest rank's last slot least: no cap binds, and
+    the slots' shares grow the last slot until one rank's is full), then comes first; None if every
+    order of a group puts a range inside a branch. A group's ``last`` order (None: none), where it
+    holds the same branches, is tried first and kept unless another spills less or loads (or
+    fills) :data:`ORDER_MARGIN` less: the ``extra`` of its ranks was priced for that order, so
+    another order's smaller edge is noise."""
     last = last or [None] * len(members)
     same = np.array([o is not None and np.array_equal(np.sort(o), np.sort(m)) for o, m in zip(last, members)])
     tries = []
@@ -250,7 +269,10 @@ def ordered_cuts(
     spilled = np.where(sequences.inside(cut), np.inf, sequences.spill(cut, ends)).reshape(-1, ORDER_TRIES)
     if not np.isfinite(spilled).any(axis=1).all():
         return None
-    load = sequences.load(cut, extra[row], width[row]).reshape(-1, ORDER_TRIES)
+    if kept_last is None:
+        load = sequences.load(cut, extra[row], width[row]).reshape(-1, ORDER_TRIES)
+    else:
+        load = sequences.kept_footprint(cut, width[row], ends, kept_last).reshape(-1, ORDER_TRIES)
     first = np.broadcast_to(np.arange(ORDER_TRIES), load.shape)
     groups = np.arange(len(members))
     best = np.lexsort((first, load, spilled))[:, 0]
