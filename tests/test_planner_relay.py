@@ -37,6 +37,25 @@ from harts_hf.schedule import rank_units
 from harts_hf.sources import get_workload
 
 
+def _segments() -> tuple[RolloutForest, Geometry, Branches]:
+    """The relay forest, its geometry and its six segments under the prompt as branches."""
+    _, forest = forest_of("relay")
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    roots = np.flatnonzero(geo.parent == 0)
+    lo, hi = geo.start[roots], geo.end[roots]
+    return forest, geo, Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+
+
+def _swe_like(world_size: int, max_tokens: int) -> dict:
+    """``plan`` keywords for SWE-like batches: the Qwen3.5 bench memory model, context parallel."""
+    return {
+        "world_size": world_size,
+        "max_tokens_per_microbatch": max_tokens,
+        "memory_model": bench_memory_model("qwen3_5", "default"),
+        "context_parallel": True,
+    }
+
+
 def test_packing_evens_the_groups_within_their_caps():
     """Twelve branches over a group of 2 ranks and one of 3: the load per rank evens out to within
     the smallest branch, and no group holds more tokens than its cap."""
@@ -57,12 +76,8 @@ def test_ranges_keep_the_caps_and_cover_the_sequence():
     the ranges end to end over the whole sequence; uncapped, the costs even out (to the chunk grid). Cut
     beside other groups' sequences (the segments in other orders, over two ranks), a group's cuts are
     what they are alone."""
-    _, forest = forest_of("relay")
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    roots = np.flatnonzero(geo.parent == 0)  # the six segments under the prompt
-    lo, hi = geo.start[roots], geo.end[roots]
-    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
-    seq = Sequences.of(geo, b, [np.arange(roots.size)], 4)  # cuts on a 4-token grid
+    _, geo, b = _segments()
+    seq = Sequences.of(geo, b, [np.arange(b.lo.size)], 4)  # cuts on a 4-token grid
     total, three = int(seq.end[0]), np.array([3])
     free = seq.ranges(np.zeros((1, 3)), np.full((1, 3), np.inf), three)
     costs = np.diff(seq.cost_to(free))
@@ -70,7 +85,7 @@ def test_ranges_keep_the_caps_and_cover_the_sequence():
     cap = np.array([[80, 200, 200]])
     capped = seq.ranges(np.zeros((1, 3)), cap, three)
     assert capped[0, 0] == 0 and capped[0, -1] == total and (np.diff(capped) <= cap).all()
-    orders = [np.arange(roots.size), np.arange(roots.size)[::-1], np.arange(3)]
+    orders = [np.arange(b.lo.size), np.arange(b.lo.size)[::-1], np.arange(3)]
     sequences = Sequences.of(geo, b, orders, 4)
     side = sequences.ranges(np.zeros((3, 3)), np.repeat(cap, 3, axis=0), np.array([3, 2, 2]))
     assert np.array_equal(side[0], capped[0])
@@ -85,13 +100,9 @@ def test_orders_keep_the_least_spilling_then_the_least_loaded(seed, monkeypatch)
     bind: each group's order is the best of all six (spilling least, then loading its busiest rank
     least); under some caps that is not the DFS order (the order decides how far the uncapped ranks
     fill)."""
-    _, forest = forest_of("relay")
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    roots = np.flatnonzero(geo.parent == 0)
-    lo, hi = geo.start[roots], geo.end[roots]
-    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    _, geo, b = _segments()
     rng = np.random.default_rng(seed)
-    members = [np.sort(rng.choice(roots.size, 3, replace=False)) for _ in range(6)]
+    members = [np.sort(rng.choice(b.lo.size, 3, replace=False)) for _ in range(6)]
     width = rng.integers(2, 4, len(members))
     extra = rng.uniform(0, 0.3, (len(members), 3)) * b.cost.mean()
     cap = np.stack([rng.uniform(1.02, 1.4, 3) * b.tokens[m].sum() / w for m, w in zip(members, width)])
@@ -117,7 +128,7 @@ def test_orders_keep_the_least_spilling_then_the_least_loaded(seed, monkeypatch)
     others = lambda g: (np.array(o) for o in itertools.permutations(members[g]) if list(o) != orders[g].tolist())
     spills_as = lambda o, g: score(o, g)[0] == score(orders[g], g)[0]
     last = [min(others(g), key=lambda o: (not spills_as(o, g), score(o, g)[1])) for g in range(len(members))]
-    last[-1] = np.r_[last[-1], np.setdiff1d(np.arange(roots.size), members[-1])[:1]]
+    last[-1] = np.r_[last[-1], np.setdiff1d(np.arange(b.lo.size), members[-1])[:1]]
     stayed = 0
     for margin in (ORDER_MARGIN, 0.5):
         monkeypatch.setattr(sequences, "ORDER_MARGIN", margin)
@@ -136,11 +147,7 @@ def test_a_rank_runs_its_densest_branches_last():
     hands on first and the tail it reads last, between them its whole branches in sequence order,
     or ``densest_last`` by cost per token (where only the last slot keeps its graph, it then holds
     the most cost its bytes allow)."""
-    _, forest = forest_of("relay")
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    roots = np.flatnonzero(geo.parent == 0)
-    lo, hi = geo.start[roots], geo.end[roots]
-    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    _, geo, b = _segments()
     order = np.array([4, 0, 2, 3, 5, 1])
     seq = Sequences.of(geo, b, [order], 4)
     cuts = np.array([[0, seq.at[0, 3] + b.tokens[3] // 2, seq.end[0]]])  # inside branch 3
@@ -159,11 +166,7 @@ def test_the_kept_footprint_is_the_built_last_slot():
     """Six segments in two orders, each cut over three ranks and each rank's run into two slots
     (whole branches densest last): the footprint ``kept_footprint`` gives each order's fullest last
     slot is the one its built plan prices (own tokens and context), and the orders differ in it."""
-    _, forest = forest_of("relay")
-    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
-    roots = np.flatnonzero(geo.parent == 0)
-    lo, hi = geo.start[roots], geo.end[roots]
-    b = Branches(lo, hi, geo.prefix(hi) - geo.prefix(lo), hi - lo)
+    forest, geo, b = _segments()
     memory = MemoryModel(token=1.0, context=0.1)
     budget = memory.budget(max_tokens=4096)
     orders, width = [np.arange(6), np.array([4, 0, 2, 3, 5, 1])], np.array([3, 3])
@@ -189,12 +192,7 @@ def test_the_kept_last_slot_fills_the_budget():
     leaves), and it predicts a lower step than with slots of equal cost or with whole branches
     in sequence order."""
     forest = get_workload("swe-like").forest()
-    kw = {
-        "world_size": 16,
-        "max_tokens_per_microbatch": 32_768,
-        "memory_model": bench_memory_model("qwen3_5", "default"),
-        "context_parallel": True,
-    }
+    kw = _swe_like(16, 32_768)
     kept = plan(forest, **kw)
     assert (kept.piece_branch >= 0).any() and (kept.graph_slots == 1).all() and kept.num_slots > 3
     footprint = kept.budget.footprint(kept.tokens[:, -1], kept.context[:, -1])
@@ -341,12 +339,7 @@ def test_each_tops_layout_runs_its_own_passes(monkeypatch):
     layout reaches alone (each runs its passes with the extra its own holders' sends price), here
     the chained layout's, its tasks' tops in slot 1 on more ranks than there are tasks."""
     forest = get_workload("swe-like", num_tasks=16).forest()
-    kw = {
-        "world_size": 256,
-        "max_tokens_per_microbatch": 65_536,
-        "memory_model": bench_memory_model("qwen3_5", "default"),
-        "context_parallel": True,
-    }
+    kw = _swe_like(256, 65_536)
     both = plan(forest, **kw)
     alone = {}
     for layout in relay.TOP_LAYOUTS:
