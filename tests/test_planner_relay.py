@@ -350,6 +350,22 @@ def test_each_tops_layout_runs_its_own_passes(monkeypatch):
     assert np.unique(both.piece_rank[in_slot1]).size > 16
 
 
+@pytest.mark.slow
+def test_the_relay_tries_slot_counts_side_by_side(monkeypatch):
+    """SWE-like rollouts of 16 tasks on 256 ranks: ``plan()`` predicts the lowest step any one count
+    of branch slots reaches alone, here three, not the fewest the budget allows (two): with more
+    slots, more of the branches cut between two ranks hand their heads on between slots rather
+    than stream them within one."""
+    forest = get_workload("swe-like", num_tasks=16).forest()
+    kw = _swe_like(256, 65_536)
+    kept, passes, alone = plan(forest, **kw), relay._passes, {}
+    for count in range(2, 2 + relay.SLOT_TRIES):
+        monkeypatch.setattr(relay, "_passes", lambda *a, n=count: passes(*a[:4], range(n, n + 1), *a[5:]))
+        alone[count] = plan(forest, **kw).step_seconds
+    branch_slots = kept.num_slots - kept.piece_slot[kept.piece_branch < 0].max() - 1
+    assert branch_slots == 3 and kept.step_seconds == alone[3] < min(alone[2], alone[4])
+
+
 def test_plan_keeps_the_relay_on_an_agentic_batch():
     """SWE-like rollouts (5 tasks, 40 episodes) at half length on 32 ranks: the rank-wise plan
     recomputes the task prompts and split segments (redundancy > 0.1); ``plan()`` keeps the relay,

@@ -32,7 +32,9 @@ Layout, the tops' slots then slots 1..S:
 - a rank runs its range as [the head of the branch it shares with the next rank, its whole
   branches, the tail of the branch it shares with the previous one], cut at the same costs into
   slots 1..S on every rank: the head lies in the first slots, the tail that reads it in the last,
-  so the read crosses ranks between slots (a handoff, no wait).
+  so the read crosses ranks between slots (a handoff, no wait; S is whichever of a few counts from
+  the fewest the budget allows predicts the lowest step: the more slots, the longer a head and its
+  tail can be and still meet only across slots).
 - where the ranks hold more than their graphs can keep (a scale-4 batch: four budgets a rank),
   only the last slot keeps its graph and every earlier one reruns its forward in the backward, so
   the last slot is made as large as the budget allows on its fullest rank (the slots' shares
@@ -73,7 +75,7 @@ __all__ = ["relay_cut"]
 
 GROUP_RANKS = 4  # ranks a group of branches is cut over (a group's ranges relay from one rank to the next)
 TOP_SHARES = (1, 4, 16)  # the tops' group runs over R / share ranks (at least one)
-SLOT_TRIES = 3  # slot counts tried, from the fewest the budget allows, until one fits
+SLOT_TRIES = 3  # slot counts tried side by side, from the fewest the budget allows
 PASSES = 6  # cuts re-made with each rank's priced extra and graph excess
 REPACK_GAIN = 0.8  # the most of the first pass's step the later passes are taken to win back (seen: 0.85)
 EXTRA_BLEND = 0.5  # a later pass's extra: this share of the last pass's priced extra, the rest of the one before
@@ -364,7 +366,7 @@ def _passes(
     b: Branches,
     tops: list[Tops],
     widths: np.ndarray,
-    shares: np.ndarray,
+    counts: range,
     budget: Budget,
     memory: MemoryModel,
     chunk: int,
@@ -372,11 +374,11 @@ def _passes(
     layers: int,
     beat: float,
 ) -> Plan | None:
-    """The lowest predicted relay with S branch slots after the tops', the first pass's of
-    ``shares`` of a rank's run: the first pass packs and cuts the branches as they come and prices
-    them under each tops layout of ``tops``; then each layout runs :data:`PASSES` - 1 passes of its
-    own (the extra a pass prices depends on which ranks hold the tops and send their rows), while it
-    comes within :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would
+    """The lowest predicted relay with any of ``counts`` branch slots after the tops': the first
+    pass packs and cuts the branches as they come into each count of slots of equal cost and prices
+    them under each tops layout of ``tops``; then each layout and count runs :data:`PASSES` - 1
+    passes of its own (the extra a pass prices depends on which ranks hold the tops and send their
+    rows), while it comes within :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would
     predict with its branch slots evened out around its extra, which that pass cut without; then by
     its lowest). A pass packs the branches afresh with the extra priced so far and also (from the
     third) keeps the last packing, the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`)
@@ -398,7 +400,7 @@ def _passes(
         b, widths, group(extra), np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
     )
 
-    def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray = shares) -> list[_Cut | None]:
+    def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray) -> list[_Cut | None]:
         got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, None if keeps_all else budget)
         if got is None:
             return [None] * len(layouts)
@@ -454,8 +456,10 @@ def _passes(
                 self.cap = np.minimum(self.last.cap, self.last.fitted)
             self.score = self.best.step
 
-    zero = np.zeros(world_size)
-    firsts = [repaired(c, layout) for c, layout in zip(cut(pack(zero, cap), zero, cap, {}, tops), tops)]
+    zero, firsts = np.zeros(world_size), []
+    for slots in counts:
+        made = cut(pack(zero, cap), zero, cap, {}, tops, np.full(slots, 1 / slots))
+        firsts += [(repaired(c, layout), layout) for c, layout in zip(made, tops)]
 
     def even_step(c: _Cut, layout: Tops) -> float:
         """The step ``c`` predicts once its branch slots even out around their extra: the tops'
@@ -465,7 +469,7 @@ def _passes(
 
     runs = [
         Run(layout, c, c, c.priced_extra, np.where(c.over > 0, c.fitted, c.cap), even_step(c, layout))
-        for c, layout in zip(firsts, tops)
+        for c, layout in firsts
         if c is not None and max(c.relay.cost.sum(axis=1).mean(), c.priced_extra.max(), REPACK_GAIN * c.step) < beat
     ]
     for attempt in range(1, PASSES):
@@ -473,7 +477,7 @@ def _passes(
         runs = [run for run in runs if run.score <= lowest * (1 + LAYOUT_MARGIN)]
         for run in runs:
             run.advance(attempt)
-    chosen = [run.best for run in runs] or [c for c in firsts if c is not None]
+    chosen = [run.best for run in runs] or [c for c, _ in firsts if c is not None]
     return min(chosen, key=lambda c: c.step).relay if chosen else None
 
 
@@ -493,10 +497,12 @@ def relay_cut(
     """The relay over ``world_size`` ranks (module docstring): the tops laid out by whichever of
     ``layouts`` (default :data:`TOP_LAYOUTS`) over whichever of ``top_ranks`` ranks (default:
     R / :data:`TOP_SHARES`) predicts the lowest step, priced with ``cost``'s links, the branches in
-    the fewest slots whose microbatches the budget holds (two at least: a head before its tail; up
-    to :data:`SLOT_TRIES` more where none fits); None where a branch costs more than one rank's
-    share (a chain far deeper than the budget: the DFS cut's case) or no relay fits and predicts a
-    step below ``beat``."""
+    whichever of :data:`SLOT_TRIES` slot counts does, from the fewest whose microbatches the budget
+    holds (two at least: a head before its tail; more slots let more of the branches cut between
+    two ranks hand their heads on between slots, where fewer would stream them within one: at
+    1,024 ranks three, not two); None where a branch costs more than one rank's share (a chain far
+    deeper than the budget: the DFS cut's case) or no relay fits and predicts a step below
+    ``beat``."""
     if world_size < 2:
         return None
     b, top_nodes = _split(geo, world_size, budget)
@@ -514,8 +520,5 @@ def relay_cut(
 
     layouts = layouts or TOP_LAYOUTS
     tops = [laid(layout, k) for layout in layouts for k in top_ranks] if top_nodes.size else [none]
-    for slots in range(fewest, fewest + SLOT_TRIES):  # more only where none fits
-        relay = _passes(geo, b, tops, widths, np.full(slots, 1 / slots), budget, memory, chunk, build, layers, beat)
-        if relay is not None:
-            return relay
-    return None
+    counts = range(fewest, fewest + SLOT_TRIES)
+    return _passes(geo, b, tops, widths, counts, budget, memory, chunk, build, layers, beat)
