@@ -456,16 +456,18 @@ def _passes(
                 self.cap = np.minimum(self.last.cap, self.last.fitted)
             self.score = self.best.step
 
-    zero, firsts = np.zeros(world_size), []
-    for slots in counts:
-        made = cut(pack(zero, cap), zero, cap, {}, tops, np.full(slots, 1 / slots))
-        firsts += [(repaired(c, layout), layout) for c, layout in zip(made, tops)]
-
     def even_step(c: _Cut, layout: Tops) -> float:
         """The step ``c`` predicts once its branch slots even out around their extra: the tops'
         slots as priced, then the mean rank's (the first pass prices its extra, cut without it)."""
         first = _top_slots(layout)
         return float(c.relay.cost[:, :first].max(axis=0).sum() + c.relay.cost[:, first:].sum(axis=1).mean())
+
+    zero, firsts, layouts = np.zeros(world_size), [], tops
+    for slots in counts:  # every layout at the fewest slots that fit, then those within the margin there
+        made = cut(pack(zero, cap), zero, cap, {}, layouts, np.full(slots, 1 / slots))
+        firsts += [(repaired(c, layout), layout) for c, layout in zip(made, layouts)]
+        if layouts is tops and (fit := [(even_step(c, t), t) for c, t in firsts if c is not None]):
+            layouts = [t for score, t in fit if score <= min(fit, key=lambda f: f[0])[0] * (1 + LAYOUT_MARGIN)]
 
     runs = [
         Run(layout, c, c, c.priced_extra, np.where(c.over > 0, c.fitted, c.cap), even_step(c, layout))
