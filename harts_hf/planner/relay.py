@@ -376,20 +376,22 @@ def _passes(
 ) -> Plan | None:
     """The lowest predicted relay with any of ``counts`` branch slots after the tops': the first
     pass packs and cuts the branches as they come into each count of slots of equal cost and prices
-    them under each tops layout of ``tops``; then each layout and count runs :data:`PASSES` - 1
-    passes of its own (the extra a pass prices depends on which ranks hold the tops and send their
-    rows), while it comes within :data:`LAYOUT_MARGIN` of the lowest (after the first pass by the step it would
-    predict with its branch slots evened out around its extra, which that pass cut without; then by
-    its lowest). A pass packs the branches afresh with the extra priced so far and also (from the
-    third) keeps the last packing, the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`)
-    with the last pass's, each group's order kept where no other is clearly better (the extra was
-    priced for it), and each rank's token cap lowered by its graph excess (its context's memory
-    counted: the cap keeps every slot's graph; a cut that leaves ranks past it is cut again once
-    with their caps lowered, their context having moved with their ranges), or, where the ranks hold
-    more than their graphs keep, the slots' shares made to fill the last slot (:func:`_kept_shares`;
-    the last cut's shares where that cut does not fit). None if none fits and streams, or none can
-    predict a step below ``beat``: the first, unpriced (its cross-rank reads only add), does not,
-    or, priced, its mean rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
+    them under each tops layout of ``tops`` (at more slots than the fewest that fit, only those
+    within :data:`LAYOUT_MARGIN` there: the layout and the count are near independent choices); then
+    each layout and count runs :data:`PASSES` - 1 passes of its own (the extra a pass prices depends
+    on which ranks hold the tops and send their rows), while it comes within :data:`LAYOUT_MARGIN`
+    of the lowest (after the first pass by the step it would predict with its branch slots evened
+    out around its extra, which that pass cut without; then by its lowest). A pass packs the
+    branches afresh with the extra priced so far and also (from the third) keeps the last packing,
+    the lower kept; each rank's extra blended (:data:`EXTRA_BLEND`) with the last pass's, each
+    group's order kept where no other is clearly better (the extra was priced for it), and each
+    rank's token cap lowered by its graph excess (its context's memory counted: the cap keeps every
+    slot's graph; a cut that leaves ranks past it is cut again once with their caps lowered, their
+    context having moved with their ranges), or, where the ranks hold more than their graphs keep,
+    the slots' shares made to fill the last slot (:func:`_kept_shares`; the last cut's shares where
+    that cut does not fit). None if none fits and streams, or none can predict a step below
+    ``beat``: the first, unpriced (its cross-rank reads only add), does not, or, priced, its mean
+    rank, a rank's extra alone or :data:`REPACK_GAIN` of its step does not."""
     world_size = int(widths.sum())
     fill = budget.tokens * CAP_FILL
     keeps_all = bool(b.tokens.sum() <= fill * world_size)  # else slots rerun anyway: no cap, the last kept
@@ -427,9 +429,9 @@ def _passes(
 
     @dataclass
     class Run:
-        """One tops layout's passes: its lowest cut, its last, the extra and caps it cuts next with
-        (and the shares: where the last slot alone keeps its graph, as large as the budget allows,
-        else as its last cut's where that does not fit)."""
+        """One tops layout's passes at one slot count: its lowest cut, its last, the extra and caps
+        it cuts next with (and the shares: where the last slot alone keeps its graph, as large as
+        the budget allows, else as its last cut's where that does not fit)."""
 
         layout: Tops
         best: _Cut
@@ -466,8 +468,10 @@ def _passes(
     for slots in counts:  # every layout at the fewest slots that fit, then those within the margin there
         made = cut(pack(zero, cap), zero, cap, {}, layouts, np.full(slots, 1 / slots))
         firsts += [(repaired(c, layout), layout) for c, layout in zip(made, layouts)]
-        if layouts is tops and (fit := [(even_step(c, t), t) for c, t in firsts if c is not None]):
-            layouts = [t for score, t in fit if score <= min(fit, key=lambda f: f[0])[0] * (1 + LAYOUT_MARGIN)]
+        scores = [(even_step(c, layout), layout) for c, layout in firsts if c is not None]
+        if layouts is tops and scores:
+            lowest = min(score for score, _ in scores)
+            layouts = [layout for score, layout in scores if score <= lowest * (1 + LAYOUT_MARGIN)]
 
     runs = [
         Run(layout, c, c, c.priced_extra, np.where(c.over > 0, c.fitted, c.cap), even_step(c, layout))
