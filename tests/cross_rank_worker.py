@@ -107,22 +107,24 @@ def relay_forest(rng: np.random.Generator) -> list[list[int]]:
     return rows
 
 
-def relay_plan(forest: RolloutForest, world_size: int) -> Plan:
+def relay_plan(forest: RolloutForest, world_size: int, max_tokens: int = 200) -> Plan:
     """The relay of the relay forest under a 200-token budget, context at a tenth of an own token and
     a free link (``planner/relay.py``): the prompt on rank 0 in slot 0, every segment on one rank or
-    cut between two, its head in slot 1 and its tail, on the next rank, in slot 2."""
-    cost, memory, budget, geo, build = _relay_setup(forest, world_size)
+    cut between two, its head in slot 1 and its tail, on the next rank, in slot 2. Under a budget of
+    ``max_tokens`` below a rank's share, only its last slot keeps its graph (filled to the budget)
+    and every earlier one reruns."""
+    cost, memory, budget, geo, build = _relay_setup(forest, world_size, max_tokens)
     return relay_cut(geo, budget, memory, world_size, 64, build, 4, cost)
 
 
 def _relay_setup(
-    forest: RolloutForest, world_size: int
+    forest: RolloutForest, world_size: int, max_tokens: int = 200
 ) -> tuple[CostModel, MemoryModel, Budget, Geometry, Callable[[Pieces], Plan]]:
-    """A 200-token budget, context at a tenth of an own token, a free link: (cost, memory, budget,
-    geometry, the plan builder) of the relay's tests."""
+    """A budget of ``max_tokens``, context at a tenth of an own token, a free link: (cost, memory,
+    budget, geometry, the plan builder) of the relay's tests."""
     cost = dataclasses.replace(DEFAULT_COST_MODEL, byte=0.0, message=0.0)
     memory = MemoryModel(token=1.0, context=0.1)
-    budget = memory.budget(max_tokens=200)
+    budget = memory.budget(max_tokens=max_tokens)
     geo = Geometry.of([forest], cost)
     build = lambda pieces: build_plan(geo, [forest], pieces, cost, budget, memory, 64, time.perf_counter(), world_size)
     return cost, memory, budget, geo, build
@@ -215,6 +217,7 @@ PLANS = {
     "cpwave3": (3, "deep", lambda f: wavefront_plan(f, 3)),  # 2 slots of 3
     "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
     "relay3": (3, "relay", lambda f: relay_plan(f, 3)),  # two segments handed on, rank 0 -> 1 -> 2
+    "kept2": (2, "relay", lambda f: relay_plan(f, 2, 100)),  # three branch slots, the last filled, two rerun
     "fanned3": (3, "fanned", lambda f: fanned_plan(f, 3)),  # the system prompt a group in slot 0, tasks in slot 1
     "chained3": (3, "fanned", lambda f: fanned_plan(f, 3, _chained_tops)),  # slot 1: a task on two ranks, one on one
 }

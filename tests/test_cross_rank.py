@@ -173,6 +173,8 @@ CASES_2 = [
     "falcon_h1:prompt2:plain",  # Mamba2 beside attention in one layer
     "qwen3_5:zigzag2:fsdp2",  # FSDP2's gradient sync off in every backward but the last
     "kimi_linear:relay2:fsdp2",
+    "qwen3_5:kept2:ddp",  # the relay where only the last slot keeps its graph: the earlier ones rerun
+    "nemotron_h:kept2:fsdp2",
 ]
 
 

@@ -7,7 +7,8 @@ it), its invariants on random forests of every workload shape (every compact tok
 replica, the budget holds, every same-slot read from a lower rank, every rank's units compile) and
 its choice (an agentic batch at 32 ranks: kept by ``plan()``, no recomputed chain, lower than the
 rank-wise plan). Exactness under ``torchrun`` is in ``test_cross_rank.py`` (``relay2``, ``relay3``:
-heads handed on between slots under DDP-free, checkpointed and FSDP2 runs).
+heads handed on between slots under DDP-free, checkpointed and FSDP2 runs; ``kept2``: only the last
+slot keeps its graph, under DDP and FSDP2).
 """
 
 from __future__ import annotations
@@ -419,3 +420,13 @@ def test_the_worker_relays_hand_heads_on():
                 tail = (branch == u) & (p.piece_rank == ranks[1])
                 assert ranks[1] == ranks[0] + 1 and p.piece_slot[head].max() < p.piece_slot[tail].min()
         assert (np.bincount(branch[branch >= 0]) > 0).all()
+
+
+def test_the_worker_keeps_the_last_slot():
+    """The worker's relay under a 100-token budget (``kept2``: a rank holds twice what it keeps):
+    three branch slots after the prompt's, only the last keeps its graph, filled to the budget on
+    its fullest rank, and every earlier one that holds tokens reruns."""
+    _, forest = forest_of("relay")
+    p = relay_plan(forest, 2, 100)
+    assert p.num_slots == 4 and (p.graph_slots == 1).all() and p.rerun[:, 1:-1].all()
+    assert 0.99 * p.budget.tokens <= p.budget.footprint(p.tokens[:, -1], p.context[:, -1]).max() <= p.budget.tokens
