@@ -468,8 +468,7 @@ def _passes(
     for slots in counts:  # every layout at the fewest slots that fit, then those within the margin there
         made = cut(pack(zero, cap), zero, cap, {}, layouts, np.full(slots, 1 / slots))
         firsts += [(repaired(c, layout), layout) for c, layout in zip(made, layouts)]
-        scores = [(even_step(c, layout), layout) for c, layout in firsts if c is not None]
-        if layouts is tops and scores:
+        if layouts is tops and (scores := [(even_step(c, layout), layout) for c, layout in firsts if c is not None]):
             lowest = min(score for score, _ in scores)
             layouts = [layout for score, layout in scores if score <= lowest * (1 + LAYOUT_MARGIN)]
 
@@ -520,7 +519,8 @@ def relay_cut(
     top_ranks = top_ranks or tuple(sorted({max(1, world_size // s) for s in TOP_SHARES}))
 
     def laid(layout: TopLayout, k: int) -> Tops:
-        """``layout``'s tops on every (R / k)-th rank: no group of branches holds two of them."""
+        """``layout``'s tops on every (R / k)-th rank: no group of branches holds two of them
+        unless k is R."""
         rank, *rest = layout(geo, top_nodes, k, chunk, world_size, cost, layers)
         return rank * (world_size // k), *rest
 
