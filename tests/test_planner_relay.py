@@ -207,6 +207,33 @@ def test_the_kept_last_slot_fills_the_budget():
         assert plan(forest, **kw).step_seconds > kept.step_seconds
 
 
+def test_a_group_is_cut_on_its_own():
+    """SWE-like rollouts of two tasks on 16 ranks (four groups): lowering the caps of one group's
+    ranks and cutting again changes that group's pieces alone, and cutting only that group gives
+    the same pieces and order (the relay re-cuts only the groups whose caps a repair lowers, the
+    others kept as cut: a group's pieces depend on its own branches, ranks, caps and order)."""
+    forest = get_workload("swe-like", num_tasks=2, scale=0.25).forest()
+    world, chunk = 16, 64
+    geo = Geometry.of([forest], DEFAULT_COST_MODEL)
+    budget = bench_memory_model("qwen3_5", "default").budget(max_tokens=forest.num_compact_tokens // world)
+    b, _ = relay._split(geo, world, budget)
+    widths = relay._widths(world)
+    cap = np.full(world, budget.tokens * 1.0)
+    where = _pack(b, widths, np.zeros(widths.size), np.full(widths.size, np.inf))
+    cut = lambda cap, last, redo=None: relay._branch_rows(
+        geo, b, widths, where, np.zeros(world), cap, np.full(2, 0.5), chunk, last, None, redo
+    )
+    (rows, orders), group = cut(cap, {}), lambda rows: rows[0] // GROUP_RANKS
+    lowered = np.where(np.arange(world) // GROUP_RANKS == 1, 0.8 * cap, cap)
+    again, again_orders = cut(lowered, orders)
+    alone, alone_orders = cut(lowered, orders, np.arange(widths.size) == 1)
+    pick = lambda rows, g: np.stack([column[group(rows) == g] for column in rows])
+    assert not np.array_equal(pick(rows, 1), pick(again, 1)) and np.array_equal(pick(again, 1), np.stack(alone))
+    assert list(alone_orders) == [1] and np.array_equal(alone_orders[1], again_orders[1])
+    for g in (0, 2, 3):
+        assert np.array_equal(pick(rows, g), pick(again, g)) and np.array_equal(orders[g], again_orders[g])
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_rows_are_searched_on_their_own(seed):
     """Every row of a sorted table (repeats, a padded tail, ints and floats) searched at once, each

@@ -274,16 +274,20 @@ def _branch_rows(
     chunk: int,
     last: dict[int, np.ndarray],
     kept_last: Budget | None,
+    redo: np.ndarray | None = None,
 ) -> tuple[Rows, dict[int, np.ndarray]] | None:
-    """The branches' pieces, slots from 0, and each group's order (by group index): every group's
-    ranges cut into slots of ``shares`` of a mean rank's run at the same costs on every rank (a
-    rank's ``extra`` [R] counted in its share, so the last slots even out; a group's ``last`` order
-    kept where no other is clearly better: ``ordered_cuts``; where only the last slot keeps its
-    graph under the budget ``kept_last``, the order that fills it least, and a rank's whole
-    branches densest last: ``Sequences.parts``); None if a group's branches leave a range inside
-    one of them."""
+    """The branches' pieces, slots from 0, and each group's order (by group index), of the groups
+    ``redo`` [G] (bool; None: all): every group's ranges cut into slots of ``shares`` of a mean
+    rank's run at the same costs on every rank (a rank's ``extra`` [R] counted in its share, so
+    the last slots even out; a group's ``last`` order kept where no other is clearly better:
+    ``ordered_cuts``; where only the last slot keeps its graph under the budget ``kept_last``, the
+    order that fills it least, and a rank's whole branches densest last: ``Sequences.parts``); None
+    if a group's branches leave a range inside one of them. A group's pieces depend on its own
+    branches, ranks and order alone."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
     groups = np.unique(where)
+    if redo is not None:
+        groups = groups[redo[groups]]
     begin, width = np.r_[0, np.cumsum(widths)[:-1]][groups], widths[groups]
     ranks = np.minimum(
         begin[:, None] + np.arange(width.max()), widths.sum() - 1
@@ -339,6 +343,7 @@ class _Cut:
 
     relay: Plan
     made: Plan
+    rows: Rows
     where: np.ndarray
     extra: np.ndarray
     cap: np.ndarray
@@ -402,11 +407,21 @@ def _passes(
         b, widths, group(extra), np.minimum(group(cap), even + GROUP_ROOM * (group(cap) - even))
     )
 
-    def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray) -> list[_Cut | None]:
-        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, None if keeps_all else budget)
+    group_of = np.repeat(np.arange(widths.size), widths)  # [R] each rank's group
+
+    def cut(where, extra, cap, orders, layouts: list[Tops], shares: np.ndarray, like: _Cut | None = None):
+        """[len(layouts)] cuts, each priced (None: it does not fit or stream); ``like``: a cut of the
+        same packing, extra, orders and shares whose groups with the same caps are kept as cut."""
+        redo = None if like is None else np.bincount(group_of, cap != like.cap, minlength=widths.size) > 0
+        kept_last = None if keeps_all else budget
+        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, kept_last, redo)
         if got is None:
             return [None] * len(layouts)
         rows, orders = got
+        if like is not None:
+            same = ~redo[group_of[like.rows[0]]]
+            rows = tuple(np.r_[old[same], new] for old, new in zip(like.rows, rows))
+            orders = {**{g: o for g, o in like.orders.items() if not redo[g]}, **orders}
         out = []
         for layout in layouts:
             pieces = _pieces(geo, rows, layout, shares.size)
@@ -418,13 +433,16 @@ def _passes(
                 out.append(None)
                 continue
             over = graph_excess(memory, budget, built.tokens, built.context) / memory.token  # [R] own tokens
-            out.append(_Cut(priced, built, where, extra, cap, orders, over, shares))
+            out.append(_Cut(priced, built, rows, where, extra, cap, orders, over, shares))
         return out
 
     def repaired(c: _Cut | None, layout: Tops) -> _Cut | None:
         if c is None or not (c.over > 0).any():
             return c
-        (again,) = cut(c.where, c.extra, np.where(c.over > 0, c.fitted, c.cap), c.orders, [layout], c.shares)
+        cap = np.where(c.over > 0, c.fitted, c.cap)
+        if np.array_equal(cap, c.cap):  # no cap to lower (every slot but the last reruns): the same cut
+            return c
+        (again,) = cut(c.where, c.extra, cap, c.orders, [layout], c.shares, like=c)
         return again if again is not None and again.step < c.step else c
 
     @dataclass

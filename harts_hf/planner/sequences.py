@@ -138,7 +138,7 @@ class Sequences:
         low, high = low[binding], self.total[binding] + most[binding]
         searching = np.ones(binding.size, dtype=bool)
         for _ in range(LEVEL_ROUNDS):
-            levels = np.stack([np.linspace(a, z, LEVELS) for a, z in zip(low, high)])
+            levels = np.linspace(low, high, LEVELS, axis=1)
             covers = part._fill(extra, cap, levels)[np.arange(width.size), width] >= part.end[:, None]
             searching &= covers.any(axis=1)
             k = np.argmax(covers, axis=1)
