@@ -96,6 +96,12 @@ def deep_forest(rng: np.random.Generator, levels: int = 12) -> list[list[int]]:
     return [*rows, chain]
 
 
+def branched_forest(rng: np.random.Generator) -> list[list[int]]:
+    """A 296-token chain and a 56-token branch off its 32nd token (352 tokens)."""
+    chain = [int(t) for t in rng.integers(3, 120, 296)]
+    return [chain, chain[:32] + [int(t) for t in rng.integers(3, 120, 56)]]
+
+
 def relay_forest(rng: np.random.Generator) -> list[list[int]]:
     """A 40-token prompt above six agent segments of 30-90 tokens, each a trunk and a branch off its
     middle (432 tokens): the relay's tops and branches."""
@@ -213,6 +219,13 @@ PLANS = {
     "cpchain2": (2, "chain", lambda f: group_plan(f, [50], [0, 1], [0, 0], 2)),
     "cpchain3": (3, "chain", lambda f: group_plan(f, [40, 80], [0, 1, 2], [0, 0, 0], 3)),
     "cp2slots": (2, "family", lambda f: group_plan(f, [50, 90, 100], [0, 1, 0, 1], [0, 0, 1, 1], 2)),
+    # three slots of three spans (the DFS cut's layout): rank 0's span of slot 0 streams rank 2 the
+    # rows its slot-2 branch replays, which rank 2's slot-0 span, reading only rank 1's state, does not
+    "cpbranch3": (
+        3,
+        "branched",
+        lambda f: group_plan(f, [32, 64, 112, 144, 192, 224, 272, 312], [0, 1, 2] * 3, [0, 0, 0, 1, 1, 1, 2, 2, 2], 3),
+    ),
     "cpwave2": (2, "deep", lambda f: wavefront_plan(f, 2)),  # 3 slots of 2 branching spans each
     "cpwave3": (3, "deep", lambda f: wavefront_plan(f, 3)),  # 2 slots of 3
     "relay2": (2, "relay", lambda f: relay_plan(f, 2)),  # one segment's head on rank 0, its tail on rank 1
@@ -238,6 +251,7 @@ def forest_of(kind: str) -> tuple[list[list[int]], RolloutForest]:
         "chain": lambda g: [[int(t) for t in g.integers(3, 120, 120)]],
         "deep": deep_forest,
         "relay": relay_forest,
+        "branched": branched_forest,
         "fanned": fanned_forest,
     }[kind](rng)
     return seqs, RolloutForest.from_sequences(seqs)

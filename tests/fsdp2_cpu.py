@@ -28,7 +28,7 @@ def shard(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     if isinstance(model, FSDPModule):
         return {}
     before = dict(model.named_parameters())
-    for layer in model.model.layers:
+    for layer in model.base_model.layers:
         fully_shard(layer)
     fully_shard(model)
     return {id(before[name]): p for name, p in model.named_parameters()}

@@ -22,6 +22,7 @@ import pytest
 import torch
 from cross_rank_worker import PLANS, forest_of, piece_plan
 from launch import torchrun
+from random_plan_worker import cases
 from tiny_models import tiny_model
 
 from harts_hf import patch_model
@@ -186,6 +187,9 @@ CP_CASES_3 = [  # context-parallel groups: spans of one slot on several ranks
     "kimi_linear:cpchain3:fsdp2",  # parameters gathered before the group's calls, none inside
     "kimi_linear:cpchain3:checkpointing",
     "nemotron_h:cp3:checkpointing",
+    "mamba2:cp3:plain",  # no attention: rank 2 reads rank 0's span as context rows no layer keeps
+    "mamba:cpbranch3:plain",  # rank 2's slot-0 span reads none of the rows rank 0 streams it (its slot 2 does)
+    "qwen3_5:cpbranch3:fsdp2",  # their gradients go back before rank 2's backward meets a reduce-scatter
     "qwen3_5:fanned3:plain",
     "qwen3_5:chained3:plain",  # the relay's tops as chains: a task over two ranks beside one on a third, in slot 1
     "kimi_linear:chained3:fsdp2",
@@ -224,6 +228,28 @@ def test_ranks_equal_the_oracles(ranks, cases, tmp_path, capsys):
     torchrun("cross_rank_worker.py", ranks, str(tmp_path), *cases, timeout=600)
     with capsys.disabled():
         print("\n" + "\n".join(_check(tmp_path, cases)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_random_plans_equal_the_oracles(ranks, tmp_path, capsys):
+    """``plan()``'s own context-parallel plans of random agentic forests (``random_plan_worker``: no
+    forest or plan built for a test; relays, DFS cuts, groups and handoffs as the planner chooses
+    them under random budgets, memory models, links and chunk grids), each on a family and wrapper
+    in turn (every layer kind; plain, DDP, checkpointing, FSDP2): the log-probs and gradients equal
+    the unpatched model's and the single-process engine's, and values crossed ranks."""
+    first, count = 1000 * ranks, 12
+    torchrun("random_plan_worker.py", ranks, str(tmp_path), str(first), str(count), timeout=600)
+    report = []
+    for case in cases(first, count, ranks)[2]:
+        saved = torch.load(tmp_path / f"{case.replace(':', '-')}.pt")
+        got = (saved["logprobs"], saved["grads"])
+        _assert_same(saved["oracle"], got)
+        _assert_same(saved["single"], got)
+        assert saved["bytes"][0] > 0 and float(saved["grads"][0].abs().max()) > 0
+        report.append(f"{case}: {saved['bytes'][0]:.0f} bytes of values sent, {saved['streams']} streamed")
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
 
 
 def test_plans_are_what_the_docstrings_say():

@@ -405,6 +405,7 @@ class TreeEngine:
             tensors.append(marker)
             grads.append(torch.ones_like(marker))
         live = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+        handoff.start_backward()
         if live:
             torch.autograd.backward(*zip(*live))
         store.add_grads(handoff.leaves)

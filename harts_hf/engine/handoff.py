@@ -43,6 +43,7 @@ from .stream import Inbox, Outbox, Streams
 
 __all__ = ["Handoff", "Store"]
 
+
 class Handoff(LayerHandoff):
     """One run of one unit: its layer calls' context in, boundary values out (module docstring).
     Every address comes compiled with the unit (``harts_hf.schedule.units``)."""
@@ -157,6 +158,17 @@ class Handoff(LayerHandoff):
                 )
             self._boxes[producer] = box
         return self._boxes[producer]
+
+    def start_backward(self) -> None:
+        """Before the unit's backward: send its group's producers the gradients due ahead of the
+        first value it reads, known now (values later slots read, or none: a model's layer kinds
+        may keep no value of a subset the plan sends). A producer waits for them in its backward
+        in that order: sent only as this unit's leaves receive theirs, they would wait on layers
+        that may first meet in a collective (FSDP2's reduce-scatter) or, where it reads none,
+        never come."""
+        if self.streams is not None and self.grad:
+            for producer in self.streams.producers(self.unit):
+                self._box(producer).start()
 
     def finish(self) -> None:
         """After the unit's backward: settle its group's streams (what no gradient asked for), and

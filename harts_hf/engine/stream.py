@@ -11,7 +11,8 @@ layer l then runs while the producer runs layer l + 1: R ranks run L layers in L
 times instead of R L (a pipelined wavefront).
 
 Backward, the reverse wavefront: the reader's context leaves send their gradients back as autograd
-produces them (a tensor hook; the rest, and the flush, in a callback at the end of the reader's
+produces them (a tensor hook; those of values it does not read itself, which later slots read or
+none, before its backward starts; the rest, and the flush, in a callback at the end of the reader's
 backward pass, before a data-parallel wrapper's own), in the reverse of the order the values came;
 the producer's kept values enter its backward through :class:`_GradIn`, whose backward receives
 them (the autograd engine runs these in reverse creation order: a later layer's first). Readers
@@ -88,6 +89,10 @@ class Streams:
         self.device, self.bytes = device, sent
         self.host = host_group(dist.group.WORLD)
         self._posted: list[tuple[Any, ...]] = []  # (work, tensor it sends): kept alive until waited
+
+    def producers(self, unit: Unit) -> list[int]:
+        """The producers ``unit`` reads in its group (streamed)."""
+        return [p for p, (_, index) in self.peers.items() if index == unit.index]
 
     def peer(self, unit: Unit, producer: int) -> int | None:
         """The rank of ``producer`` if ``unit`` reads it in its group (streamed), else None."""
@@ -187,7 +192,7 @@ class Inbox:
         value = self.store.values[key]
         total = torch.zeros_like(value)
         for q, left in self._left().items():
-            if key not in self.store.sent[self.unit.number, q]:
+            if key not in self.store.sent.get((self.unit.number, q), ()):  # none where q reads no kept value
                 continue
             while (q, key) not in self.got:
                 self._receive(q, left.popleft())
@@ -199,7 +204,7 @@ class Inbox:
         for q, left in self._left().items():
             while left:
                 self._receive(q, left.popleft())
-            del self.store.sent[self.unit.number, q]
+            self.store.sent.pop((self.unit.number, q), None)
         self.got.clear()
 
     def _left(self) -> dict[int, deque]:
@@ -251,6 +256,11 @@ class Outbox:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self.queued = True
         self.ready[key] = grad
+        self._advance(final=False)
+
+    def start(self) -> None:
+        """Before the reader's backward: send the gradients due ahead of the first value it reads
+        (those of values it does not: known, the later slots' backward ran first)."""
         self._advance(final=False)
 
     def flush(self) -> None:
