@@ -13,6 +13,8 @@ the last backward) and, for handoffs between slots, through FSDP2 (parameters sh
 each call between the exchange points); under bf16 autocast they equal the same units run on one
 rank. The groups run every layer kind of the families (GDN, KDA, Mamba1 and 2, lightning, conv,
 full / sliding / MLA attention, Zamba2's shared block) and every recurrent kind under checkpointing.
+Beside the hand-built plans, ``plan()``'s own plans of random agentic forests on 2 and 3 ranks
+(``random_plan_worker.py``), a family and wrapper in turn.
 """
 
 from __future__ import annotations
