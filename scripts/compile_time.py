@@ -19,6 +19,8 @@ the kernel faulting in fresh pages, which the first build of a process pays in f
         --context-parallel --sample 16    # 16 of its 1,024 ranks, spread evenly
     python scripts/compile_time.py --num-tasks 64 --model qwen3_5 --world-size 1024 --max-tokens 65536 \
         --context-parallel --rank 500 --rank 501    # one rank's step as a process runs it (the first), then warm
+    python scripts/compile_time.py --model qwen3_5 --world-size 64 --max-tokens 65536 --context-parallel \
+        --plan-only --planners 64    # every rank planning the step together: each one's CPU seconds
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import resource
 import statistics
 import time
 
+import numpy as np
+
 from harts_hf.app.cli import _workload_arg
 from harts_hf.lab.models import build_model
 from harts_hf.lab.plan_report import bench_memory_model
+from harts_hf.lab.planning import plan_together
 from harts_hf.modeling import patch_model
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
@@ -60,6 +65,13 @@ def main() -> None:
     parser.add_argument(
         "--context-parallel", action="store_true", help="plan with cross-rank handoffs and context-parallel groups"
     )
+    parser.add_argument(
+        "--planners",
+        type=int,
+        default=1,
+        help="also plan with this many planners together (harts_hf.lab.planning: threads, then three of them "
+        "alone on their records) and print their CPU seconds",
+    )
     parser.add_argument("--sample", type=int, help="compile this many ranks, spread evenly (default: every rank)")
     parser.add_argument(
         "--rank",
@@ -74,6 +86,13 @@ def main() -> None:
     workload = get_workload(args.workload, **swe | dict(args.set))
     memory = bench_memory_model(args.model) if args.model else None
     builds, plans = [], []
+    options = {
+        "world_size": args.world_size,
+        "max_tokens_per_microbatch": args.max_tokens,
+        "memory_model": memory,
+        "context_parallel": args.context_parallel,
+        "handoffs": args.context_parallel,
+    }
     for _ in range(args.repeat):
         forest = None  # the last forest's memory is freed before the next build
         u0, s0 = _cpu()
@@ -81,14 +100,7 @@ def main() -> None:
         u1, s1 = _cpu()
         builds.append((u1 - u0, s1 - s0))
         began = time.process_time()
-        the_plan = plan(
-            forest,
-            world_size=args.world_size,
-            max_tokens_per_microbatch=args.max_tokens,
-            memory_model=memory,
-            context_parallel=args.context_parallel,
-            handoffs=args.context_parallel,
-        )
+        the_plan = plan(forest, **options)
         plans.append(time.process_time() - began)
     print(
         f"{args.workload} {swe | dict(args.set)}: {workload.num_trajectories:,} trajectories, "
@@ -100,6 +112,16 @@ def main() -> None:
         f"(median {statistics.median(plans):.2f}); {the_plan.num_slots} slots of {args.max_tokens:,} tokens, "
         f"predicted step {the_plan.step_seconds:.3f} s"
     )
+    if args.planners > 1:
+        sampled = sorted({0, args.planners // 2, args.planners - 1})
+        together = plan_together(forest, args.planners, sampled, **options)
+        fields = ("piece_rank", "piece_slot", "piece_start", "piece_end", "cost")
+        same = all(np.array_equal(getattr(p, f), getattr(the_plan, f)) for p in together.plans for f in fields)
+        print(
+            f"plan with {args.planners} planners together, CPU s of planners {sampled}: "
+            f"{', '.join(f'{together.seconds[r]:.2f}' for r in sampled)} ({together.gathers[0]} gathers); "
+            f"{'the same plan' if same else 'A DIFFERENT PLAN'}"
+        )
     if args.plan_only:
         return
     hf, adapter = patched_adapter(patch_model(build_model("qwen3_5", max_positions=forest.max_length + 1).model))

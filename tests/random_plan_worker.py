@@ -3,22 +3,29 @@ CPU): ``plan()``'s own context-parallel plans of random agentic forests (no fore
 a test), each run by ``cross_rank_worker.run_case`` on a family and a wrapper in turn; rank 0 saves
 each case's log-probs and gradients beside the unpatched model's and the single-process engine's.
 
+Every rank plans each case with the others (``planners.py``), and the plan must be the one a
+process makes alone.
+
 argv: the output folder, the first seed, how many cases (seeds that give a plan with no cross-rank
 read are passed over)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
 import cross_rank_worker
 import numpy as np
+import torch.distributed as dist
+from test_planner_planners import assert_same_plan
 
 from harts_hf import RolloutForest, plan
 from harts_hf.planner.cost import DEFAULT_COST_MODEL
 from harts_hf.planner.memory import MemoryModel
 from harts_hf.planner.plan import Plan
+from harts_hf.planner.planners import ALONE, Planners
 
 FAMILIES = (
     "qwen3_5",
@@ -68,10 +75,11 @@ def random_rows(rng: np.random.Generator) -> list[list[int]]:
     return [row[:500] for row in rows]
 
 
-def random_plan(seed: int, world_size: int) -> tuple[list[list[int]], Plan | None]:
+def random_plan(seed: int, world_size: int, planners: Planners = ALONE) -> tuple[list[list[int]], Plan | None]:
     """The rows of ``seed`` and ``plan()``'s context-parallel plan of them over ``world_size`` ranks under
     a random budget, memory model (context from free to half an own token), link (free or the
-    built-in one) and chunk grid; None where the budget is below what the rows need."""
+    built-in one) and chunk grid, made by ``planners``; None where the budget is below what the rows
+    need."""
     rng = np.random.default_rng(seed)
     rows = random_rows(rng)
     link = float(rng.choice([0.0, 1.0]))
@@ -87,6 +95,7 @@ def random_plan(seed: int, world_size: int) -> tuple[list[list[int]], Plan | Non
             cost_model=cost,
             chunk_size=int(rng.choice([16, 64])),
             context_parallel=True,
+            planners=planners,
         )
     except ValueError:  # a budget below the longest row's context
         return rows, None
@@ -106,7 +115,24 @@ def cases(first: int, count: int, world_size: int) -> tuple[dict, dict, list[str
     return forests, plans, names
 
 
+def together(seed: int, alone: Plan, forest: RolloutForest) -> Plan:
+    """Seed ``seed``'s plan (of ``forest``) made by the launch's ranks together (``planners.py``, over
+    gloo), which must be ``alone``, the plan one process makes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def gather(obj: object) -> list:
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    made = random_plan(seed, world, Planners(rank, world, gather))[1]
+    assert_same_plan(made, alone)
+    return made
+
+
 if __name__ == "__main__":
     forests, plans, names = cases(int(sys.argv[2]), int(sys.argv[3]), int(os.environ["WORLD_SIZE"]))
+    for name, (world, kind, make) in plans.items():  # run the plans the ranks make together
+        plans[name] = (world, kind, functools.partial(together, int(name.removeprefix("random")), make(None)))
     sys.argv = [sys.argv[0], sys.argv[1], *names]
     cross_rank_worker.main(forests, plans)

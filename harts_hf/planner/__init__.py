@@ -10,6 +10,7 @@ from .balance import rank_imbalance, slot_imbalance, step_seconds
 from .cost import DEFAULT_COST_MODEL, CostModel, fit_cost_model
 from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .plan import DEFAULT_MAX_TOKENS, Plan, plan
+from .planners import Planners
 
 __all__ = [
     "CHUNK_SIZE",
@@ -20,6 +21,7 @@ __all__ = [
     "CostModel",
     "MemoryModel",
     "Plan",
+    "Planners",
     "fit_cost_model",
     "plan",
     "rank_imbalance",

@@ -64,6 +64,7 @@ from .memory import TOKEN_MEMORY, Budget, MemoryModel
 from .node_parts import NodeParts, find_in
 from .pieces import Pieces
 from .planned import Plan
+from .planners import ALONE, Planners
 from .relay import relay_cut
 from .shared_root import root_grouped
 from .slots import slot_costs, slot_pieces
@@ -152,6 +153,7 @@ def plan(
     handoffs: bool = False,
     context_parallel: bool = False,
     layers: int = DEFAULT_LAYERS,
+    planners: Planners = ALONE,
 ) -> Plan:
     """Plan one training step of ``forests`` (one forest or one per group; every root is a tree)
     on ``world_size`` data-parallel ranks; see the module docstring and :class:`Plan`.
@@ -167,6 +169,8 @@ def plan(
     such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
     ``context_parallel``: a trajectory's serial pieces may run at once over ranks with time to spare
     (``groups.py``, a wavefront over ``layers`` decoder layers; the same condition to run).
+    ``planners``: the processes planning this step together (every rank of the step, each calling
+    ``plan`` with the same arguments: ``planners.py``); each gets the plan one would make alone.
     """
     began = time.perf_counter()
     forests = as_forests(forests)
@@ -234,7 +238,9 @@ def plan(
         best = root_grouped(best, geo, build, layers) or best
         cut = wavefront_cut(geo, budget, world_size, chunk_size, build, layers)
         best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
-        cut = relay_cut(geo, budget, memory, world_size, chunk_size, build, layers, cost, best.step_seconds)
+        cut = relay_cut(
+            geo, budget, memory, world_size, chunk_size, build, layers, cost, best.step_seconds, planners=planners
+        )
         best = cut if cut is not None and cut.step_seconds < best.step_seconds else best
     if handoffs and world_size > 1:  # the best rule may differ with handoffs: every rule's branches are options
         options = [(branches, best_extra if branches is best_branches else None) for branches in tried]

@@ -69,6 +69,7 @@ from .graphs import graph_excess
 from .memory import Budget, MemoryModel
 from .pieces import Pieces
 from .planned import Plan
+from .planners import ALONE, Planners
 from .sequences import Branches, ordered_cuts, slotted
 
 __all__ = ["relay_cut"]
@@ -275,6 +276,7 @@ def _branch_rows(
     last: dict[int, np.ndarray],
     kept_last: Budget | None,
     redo: np.ndarray | None = None,
+    planners: Planners = ALONE,
 ) -> tuple[Rows, dict[int, np.ndarray]] | None:
     """The branches' pieces, slots from 0, and each group's order (by group index), of the groups
     ``redo`` [G] (bool; None: all): every group's ranges cut into slots of ``shares`` of a mean
@@ -283,7 +285,7 @@ def _branch_rows(
     ``ordered_cuts``; where only the last slot keeps its graph under the budget ``kept_last``, the
     order that fills it least, and a rank's whole branches densest last: ``Sequences.parts``); None
     if a group's branches leave a range inside one of them. A group's pieces depend on its own
-    branches, ranks and order alone."""
+    branches, ranks and order alone. ``planners`` cut the orders tried between them."""
     ends = (b.cost.sum() + extra.sum()) / widths.sum() * np.cumsum(shares)[:-1]  # [S - 1] in a mean rank's run
     groups = np.unique(where)
     if redo is not None:
@@ -294,8 +296,9 @@ def _branch_rows(
     )  # [G, W], past a group's width: unused
     members = [np.flatnonzero(where == g) for g in groups.tolist()]
     seeds = groups.tolist()
+    lasts = [last.get(g) for g in seeds]
     chosen = ordered_cuts(
-        geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, seeds, [last.get(g) for g in seeds], kept_last
+        geo, b, members, extra[ranks], cap[ranks], width, ends, chunk, seeds, lasts, kept_last, planners
     )
     if chosen is None:
         return None
@@ -378,6 +381,7 @@ def _passes(
     build: Callable[[Pieces], Plan],
     layers: int,
     beat: float,
+    planners: Planners,
 ) -> Plan | None:
     """The lowest predicted relay with any of ``counts`` branch slots after the tops': the first
     pass packs and cuts the branches as they come into each count of slots of equal cost and prices
@@ -414,7 +418,7 @@ def _passes(
         same packing, extra, orders and shares whose groups with the same caps are kept as cut."""
         redo = None if like is None else np.bincount(group_of, cap != like.cap, minlength=widths.size) > 0
         kept_last = None if keeps_all else budget
-        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, kept_last, redo)
+        got = _branch_rows(geo, b, widths, where, extra, cap, shares, chunk, orders, kept_last, redo, planners)
         if got is None:
             return [None] * len(layouts)
         rows, orders = got
@@ -516,6 +520,7 @@ def relay_cut(
     beat: float = math.inf,
     layouts: tuple[TopLayout, ...] | None = None,
     top_ranks: tuple[int, ...] | None = None,
+    planners: Planners = ALONE,
 ) -> Plan | None:
     """The relay over ``world_size`` ranks (module docstring): the tops laid out by whichever of
     ``layouts`` (default :data:`TOP_LAYOUTS`) over whichever of ``top_ranks`` ranks (default:
@@ -525,7 +530,8 @@ def relay_cut(
     two ranks hand their heads on between slots, where fewer would stream them within one: at
     1,024 ranks three, not two); None where a branch costs more than one rank's share (a chain far
     deeper than the budget: the DFS cut's case) or no relay fits and predicts a step below
-    ``beat``."""
+    ``beat``. ``planners``: the processes making it together (``planners.py``), each ending with
+    the same relay."""
     if world_size < 2:
         return None
     b, top_nodes = _split(geo, world_size, budget)
@@ -545,4 +551,4 @@ def relay_cut(
     layouts = layouts or TOP_LAYOUTS
     tops = [laid(layout, k) for layout in layouts for k in top_ranks] if top_nodes.size else [none]
     counts = range(fewest, fewest + SLOT_TRIES)
-    return _passes(geo, b, tops, widths, counts, budget, memory, chunk, build, layers, beat)
+    return _passes(geo, b, tops, widths, counts, budget, memory, chunk, build, layers, beat, planners)

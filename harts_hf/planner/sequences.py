@@ -18,6 +18,7 @@ import numpy as np
 from ..runs import aranges
 from .geometry import Geometry
 from .memory import Budget
+from .planners import ALONE, Planners
 
 __all__ = ["Branches", "Sequences", "ordered_cuts", "slotted"]
 
@@ -246,6 +247,7 @@ def ordered_cuts(
     seeds: list[int],
     last: list[np.ndarray | None] | None = None,
     kept_last: Budget | None = None,
+    planners: Planners = ALONE,
 ) -> tuple[Sequences, np.ndarray, list[np.ndarray]] | None:
     """The sequences, cuts (:meth:`Sequences.ranges`) and orders of each group's branches ``members``:
     of its DFS order and :data:`ORDER_TRIES` - 1 shuffles (group g's seeded by ``seeds[g]``), all cut
@@ -256,30 +258,38 @@ def ordered_cuts(
     order of a group puts a range inside a branch. A group's ``last`` order (None: none), where it
     holds the same branches, is tried first and kept unless another spills less or loads (or
     fills) :data:`ORDER_MARGIN` less: the ``extra`` of its ranks was priced for that order, so
-    another order's smaller edge is noise."""
+    another order's smaller edge is noise. ``planners``: each cuts its share of the orders, and all
+    choose from the gathered cuts and prices (``planners.py``)."""
     last = last or [None] * len(members)
     same = np.array([o is not None and np.array_equal(np.sort(o), np.sort(m)) for o, m in zip(last, members)])
     tries = []
     for m, rng, before, kept in zip(members, map(np.random.default_rng, seeds), last, same):
         orders = [m, *m[rng.random((ORDER_TRIES - 1, m.size)).argsort(axis=1)]]
         tries.append([before, *orders[:-1]] if kept else orders)
-    row = np.repeat(np.arange(len(members)), ORDER_TRIES)  # [G T] the group of each order
-    sequences = Sequences.of(geo, b, [order for group in tries for order in group], chunk)
-    cut = sequences.ranges(extra[row], cap[row], width[row])
-    spilled = np.where(sequences.inside(cut), np.inf, sequences.spill(cut, ends)).reshape(-1, ORDER_TRIES)
+    groups = np.arange(len(members))
+    mine = planners.share(ORDER_TRIES)
+    row = np.repeat(groups, len(mine))  # [G T'] the group of each order this planner cuts
+    spilled = load = np.zeros((groups.size, 0))
+    cut = np.zeros((groups.size, 0, extra.shape[1] + 1), dtype=np.int64)
+    if mine:
+        sequences = Sequences.of(geo, b, [group[k] for group in tries for k in mine], chunk)
+        cut = sequences.ranges(extra[row], cap[row], width[row])
+        spilled = np.where(sequences.inside(cut), np.inf, sequences.spill(cut, ends))
+        if kept_last is None:
+            load = sequences.load(cut, extra[row], width[row])
+        else:
+            load = sequences.kept_footprint(cut, width[row], ends, kept_last)
+        spilled, load, cut = (x.reshape(groups.size, len(mine), *x.shape[1:]) for x in (spilled, load, cut))
+    if planners.count > 1:  # [G, T] every planner's orders
+        spilled, load, cut = (np.concatenate(part, axis=1) for part in zip(*planners.gather((spilled, load, cut))))
     if not np.isfinite(spilled).any(axis=1).all():
         return None
-    if kept_last is None:
-        load = sequences.load(cut, extra[row], width[row]).reshape(-1, ORDER_TRIES)
-    else:
-        load = sequences.kept_footprint(cut, width[row], ends, kept_last).reshape(-1, ORDER_TRIES)
     first = np.broadcast_to(np.arange(ORDER_TRIES), load.shape)
-    groups = np.arange(len(members))
     best = np.lexsort((first, load, spilled))[:, 0]
     held = same & (spilled[:, 0] <= spilled[groups, best]) & (load[:, 0] <= load[groups, best] * (1 + ORDER_MARGIN))
     best = np.where(held, 0, best)
-    chosen = best + groups * ORDER_TRIES
-    return sequences.select(chosen), cut[chosen], [tries[g][k] for g, k in enumerate(best.tolist())]
+    orders = [tries[g][k] for g, k in enumerate(best.tolist())]
+    return Sequences.of(geo, b, orders, chunk), cut[groups, best], orders
 
 
 def slotted(

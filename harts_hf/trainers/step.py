@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..engine import TreeEngine
 from ..forest import RolloutForest
 from ..modeling.moe import router_aux_loss
-from ..planner import plan
+from ..planner import Planners, plan
 from .rows import row_sequences, to_completion_layout
 
 __all__ = ["HARTSStep", "batch_rows", "block_length"]
@@ -132,8 +132,12 @@ class HARTSStep:
         syncs = not inside_forward and acc.num_processes > 1  # the wrapper syncs gradients (one process: none)
         # the graphs the engine may keep under this wrapper (planner.graphs.GRAPH_RULES), priced by the plan
         graphs = "last" if sharded else "budget"
+        # every rank plans the same step: together, each cuts a share of the candidates (planner/planners.py)
+        planners = Planners(acc.process_index, acc.num_processes, lambda obj: gather_object([obj]))
         self.plan = (
-            previous.plan if same else plan(self.forest, world_size=acc.num_processes, graphs=graphs, **plan_options)
+            previous.plan
+            if same
+            else plan(self.forest, world_size=acc.num_processes, graphs=graphs, planners=planners, **plan_options)
         )
         calls = self.plan.unit_counts  # [R] units per rank
         # DDP syncs in each rank's last backward pass, so every rank needs a model call; FSDP2 gathers
