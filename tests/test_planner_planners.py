@@ -8,12 +8,13 @@ the same way."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
 
 from harts_hf.lab.plan_report import bench_memory_model
-from harts_hf.lab.planning import plan_together
+from harts_hf.lab.planning import plan_together, threaded_planners
 from harts_hf.planner import Plan, Planners, plan, sequences
 from harts_hf.planner.sequences import ORDER_TRIES
 from harts_hf.sources import get_workload
@@ -65,3 +66,26 @@ def test_planners_share_the_candidates_once():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
     with pytest.raises(ValueError, match="rank 2 is not one of 2 planners"):
         Planners(2, 2, lambda obj: [obj])
+
+
+def test_planners_of_different_steps_all_refuse():
+    """A rank that plans other forests or options than the others would pair its candidates with
+    theirs: every planner refuses before planning, with the ranks that differ."""
+    forest = get_workload("swe-like", scale=0.02, num_tasks=2).forest()
+    errors = []
+
+    def run(planners, max_tokens):
+        try:
+            plan(forest, world_size=4, max_tokens_per_microbatch=max_tokens, context_parallel=True, planners=planners)
+        except ValueError as error:
+            errors.append(str(error))
+
+    threads = [
+        threading.Thread(target=run, args=(planners, budget))
+        for planners, budget in zip(threaded_planners(3), (4096, 4096, 2048))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 3 and all("planners [2] plan a different step from planner 0" in e for e in errors)

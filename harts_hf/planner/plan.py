@@ -185,6 +185,10 @@ def plan(
     cost = cost_model or DEFAULT_COST_MODEL
     memory = memory_model or TOKEN_MEMORY
     budget = memory.budget(max_tokens=max_tokens_per_microbatch, max_bytes=max_bytes_per_microbatch)
+    digests = tuple(forest.shape_digest for forest in forests)
+    planners.check_same(
+        (digests, world_size, budget, memory, cost, chunk_size, graphs, handoffs, context_parallel, layers)
+    )
     geo = Geometry.of(forests, cost)
     longest = int((geo.depth + geo.length).max())
     if budget.room(longest - 1) < 1:

@@ -30,6 +30,18 @@ class Planners:
         if not 0 <= self.rank < self.count:
             raise ValueError(f"Planners: rank {self.rank} is not one of {self.count} planners")
 
+    def check_same(self, inputs: object) -> None:
+        """Raise on every planner where any of them plans from other ``inputs`` (a plan's shapes and
+        options): their gathers would join candidates of different steps into wrong plans."""
+        if self.count == 1:
+            return
+        everyone = self.gather(inputs)
+        if others := [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]:
+            raise ValueError(
+                f"planners {others} plan a different step from planner 0 (other forests or plan options): every "
+                "rank must call plan() with the same forests and arguments"
+            )
+
     def share(self, n: int) -> range:
         """This planner's share of ``n`` candidates: a contiguous run, the shares in rank order
         covering ``range(n)`` once (empty past the n-th planner)."""
