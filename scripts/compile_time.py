@@ -30,12 +30,10 @@ import resource
 import statistics
 import time
 
-import numpy as np
-
 from harts_hf.app.cli import _workload_arg
 from harts_hf.lab.models import build_model
 from harts_hf.lab.plan_report import bench_memory_model
-from harts_hf.lab.planning import plan_together
+from harts_hf.lab.planning import differing_fields, plan_together
 from harts_hf.modeling import patch_model
 from harts_hf.modeling.registry import patched_adapter
 from harts_hf.modeling.tables import model_tables
@@ -115,8 +113,7 @@ def main() -> None:
     if args.planners > 1:
         sampled = sorted({0, args.planners // 2, args.planners - 1})
         together = plan_together(forest, args.planners, sampled, **options)
-        fields = ("piece_rank", "piece_slot", "piece_start", "piece_end", "cost")
-        same = all(np.array_equal(getattr(p, f), getattr(the_plan, f)) for p in together.plans for f in fields)
+        same = not any(differing_fields(p, the_plan) for p in together.plans)
         print(
             f"plan with {args.planners} planners together, CPU s of planners {sampled}: "
             f"{', '.join(f'{together.seconds[r]:.2f}' for r in sampled)} ({together.gathers[0]} gathers); "

@@ -8,14 +8,24 @@ spends when every rank of the step plans on a host of its own (the gathers' late
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 from ..planner import Plan, Planners, plan
 
-__all__ = ["Together", "plan_together", "threaded_planners"]
+__all__ = ["Together", "differing_fields", "plan_together", "threaded_planners"]
+
+
+def differing_fields(got: Plan, alone: Plan) -> list[str]:
+    """The fields of ``got`` that are not ``alone``'s (its planning time aside): none where planners
+    together made the plan one process makes alone."""
+    same = lambda a, b: all(map(np.array_equal, a, b)) if isinstance(a, list) else np.array_equal(a, b)
+    names = [field.name for field in dataclasses.fields(Plan) if field.name != "plan_seconds"]
+    return [name for name in names if not same(getattr(got, name), getattr(alone, name))]
 
 
 def threaded_planners(count: int) -> list[Planners]:
@@ -32,7 +42,7 @@ def threaded_planners(count: int) -> list[Planners]:
     return [Planners(rank, count, lambda obj, rank=rank: gather(rank, obj)) for rank in range(count)]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Together:
     """``plans`` by planner; ``gathers`` each made; ``seconds``: a sampled planner's CPU seconds alone."""
 
