@@ -2,7 +2,8 @@
 kernels (fp32 and bf16, forward and gradients; every kind in both the zero-extra-round layout,
 GDN and KDA on our state-gradient kernel with fla's q/k l2norm, and the cut layout) and timings
 of tree waves vs trajectory-wise calls per layer kind and layout at realistic sizes, and the
-same for the tree conv (fla's kernel vs the torch gather). Exits cleanly without CUDA.
+same for the tree conv (fla's kernel vs the torch gather); then every bench family verified on the
+GPU, and a step whose graphs wait in host memory against its reruns. Exits cleanly without CUDA.
 
     python scripts/gpu_check.py              # on a CUDA machine with fla + triton (>= 3.7.1 on Hopper)
     python scripts/gpu_check.py --part kernels --kinds gated_delta   # a part (fla compiles and
@@ -130,11 +131,62 @@ def model_check(dev) -> None:
                 print(f"{family} ({dtype}): FAILED with {type(err).__name__}: {err}")
 
 
+def host_graphs_check(dev, scale: int = 10) -> None:
+    """Graphs in host memory on the GPU (``harts_hf.engine.offload``: pinned copies on a copy
+    stream): a 4-slot step of the default bench model whose budget keeps one graph, its 3 others in
+    host memory or rerun; the gradients of the two agree, and the step's time, peak device memory
+    and the bytes moved to the host, for both (``scale``: the trajectories' length in hundreds of
+    tokens; on a CPU device, a smoke test of the script)."""
+    import dataclasses
+
+    import torch
+
+    from harts_hf.engine import TreeEngine, memory_model
+    from harts_hf.lab.models import build_model
+    from harts_hf.modeling import patch_model
+    from harts_hf.planner import plan
+    from harts_hf.sources import grpo_group
+
+    print("\n== graphs in host memory vs reruns (qwen3_5 default size, bf16, one rank)")
+    model = patch_model(build_model("qwen3_5", "default", dtype=torch.bfloat16).model.to(dev))
+    forest = grpo_group(prompt_len=400 * scale, G=8, max_completion=300 * scale, seed=0, vocab=8192).forest()
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    host = plan(
+        forest,
+        world_size=1,
+        max_tokens_per_microbatch=forest.num_compact_tokens // 4 + 64,
+        memory_model=memory_model(model),
+        max_host_bytes=64e9,
+    )
+    rerun = dataclasses.replace(host, budget=dataclasses.replace(host.budget, host_bytes=0.0))
+    print(f"{host.num_slots} slots, host graphs {int(host.host_graphs.sum())}, reruns without {int(rerun.rerun.sum())}")
+    grads = {}
+    for name, the_plan in (("rerun", rerun), ("host", host)):
+        engine = TreeEngine(model, forest, the_plan)
+        for _ in range(3):  # the last of 3 steps counts
+            model.zero_grad(set_to_none=True)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            began = time.perf_counter()
+            engine.backward(lambda lps: sum(lp.float().sum() for lp in lps))
+            sync()
+        ms = 1e3 * (time.perf_counter() - began)
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan")
+        grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        print(f"{name:6s} {ms:9.1f} ms  peak {peak:6.2f} GiB  moved to host {engine.host.moved / 2**30:6.2f} GiB")
+    diff = (grads["host"] - grads["rerun"]).abs().max() / grads["rerun"].abs().max()
+    print(f"gradients: max |host - rerun| / max |rerun| = {diff:.1e} ({'ok' if diff < 5e-2 else 'FAIL'})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="Triton interpreter on CPU, tiny sizes")
     parser.add_argument("--tokens", type=int, default=32768, help="compact tokens of the timing tree")
-    parser.add_argument("--part", choices=("all", "kernels", "models"), default="all", help="which checks to run")
+    parser.add_argument(
+        "--part", choices=("all", "kernels", "models", "host"), default="all", help="which checks to run"
+    )
     parser.add_argument("--kinds", nargs="+", metavar="KIND", help="linear kinds to check (default: all four)")
     args = parser.parse_args()
     if args.interpret:
@@ -172,8 +224,8 @@ def main() -> int:
         return 0 if ok else 1
 
     dev = torch.device("cuda")
-    if args.part == "models":
-        model_check(dev)
+    if args.part in ("models", "host"):
+        (model_check if args.part == "models" else host_graphs_check)(dev)
         return 0
     from harts_hf.forest import RolloutForest
     from harts_hf.ops import tree_gated_delta_rule, tree_gla, tree_kda, tree_simple_gla
@@ -241,6 +293,7 @@ def main() -> int:
     conv_check(small, big, traj, dev)
     if args.part == "all":
         model_check(dev)
+        host_graphs_check(dev)
     return 0
 
 

@@ -92,6 +92,31 @@ def test_plan_takes_workload_arguments_and_a_models_memory_model(tmp_path, capsy
     assert record["world_size"] == 2 and record["pieces"] > 2 and record["baselines"]
 
 
+def test_plan_takes_a_memory_model_file_and_host_memory(tmp_path, capsys):
+    """``--memory-model`` prices the plan with a JSON memory model (as ``--model``'s, not both);
+    ``--host-memory`` keeps the graphs the budget cannot hold in host memory instead of rerunning
+    them: the report says how many and how much a rank holds, and the step is lower."""
+    from harts_hf.planner import MemoryModel
+
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps(MemoryModel(token=1.0, context=0.1).as_dict()))
+    args = ["plan", "--workload", "grpo-group", "--world-size", "2", "--max-tokens", "40"]
+    args += ["--memory-model", str(path)]
+    steps = []
+    for extra in ([], ["--host-memory", "1"]):
+        out = tmp_path / f"plan{len(extra)}.json"
+        assert main([*args, *extra, "--json", str(out)]) == 0
+        record = json.loads(out.read_text())
+        steps.append(record["step_seconds"])
+        host, rerun = record["graphs"]["host"], record["graphs"]["rerun"]
+        assert (host > 0 and rerun == 0) if extra else (host == 0 and rerun > 0)
+    printed = capsys.readouterr().out
+    assert "graphs in host memory:" in printed and steps[1] < steps[0]
+    with pytest.raises(SystemExit):
+        main([*args, "--model", "qwen3_5"])
+    assert "give --model or --memory-model, not both" in capsys.readouterr().err
+
+
 def test_calibrate_memory_writes_a_memory_model_the_trainer_reads(tmp_path, capsys):
     from harts_hf.planner import MemoryModel
     from harts_hf.trainers import HARTSGRPOConfig

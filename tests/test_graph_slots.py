@@ -6,6 +6,7 @@ plan within the budget predicts a step below the lower bound with the reruns the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,10 +15,10 @@ from hypothesis import given, settings
 from test_planner_invariants import case_plan, cases
 
 from harts_hf.lab.plan_report import lower_bound
-from harts_hf.planner import CostModel, MemoryModel, plan
+from harts_hf.planner import Budget, CostModel, MemoryModel, plan
 from harts_hf.planner.balance import FORWARD_SHARE, rank_seconds, step_seconds
 from harts_hf.planner.cost import cost_origin
-from harts_hf.planner.graphs import graph_excess, graph_slots
+from harts_hf.planner.graphs import graph_excess, graph_slots, host_seconds, host_slots
 from harts_hf.sources import grpo_group
 from harts_hf.trainers.config import HARTSGRPOConfig
 
@@ -90,6 +91,58 @@ def test_a_plan_prices_the_reruns_of_the_slots_that_keep_no_graph():
         np.testing.assert_allclose(p.rank_seconds, p.cost.sum(axis=1) + 0.4 * (p.cost * rerun).sum(axis=1) + 0.01)
         if graphs == "last":
             assert (p.graph_slots == 1).all()
+
+
+def test_host_copies_add_what_their_passes_do_not_hide():
+    """A graph in host memory moves what its microbatch saves there in its forward and back in its
+    backward, each way at ``host_byte`` a byte: the step pays what outlasts each pass."""
+    memory = MemoryModel(token=10.0, context=2.0)
+    cost = dataclasses.replace(COST, host_byte=0.01)  # forward 0.4 of the seconds, backward 0.6
+    tokens, context, seconds = np.array([[5, 10, 20]]), np.array([[0, 50, 0]]), np.array([[2.0, 1.0, 1.0]])
+    copies = 0.01 * np.array([50.0, 200.0, 200.0])  # 0.5, 2.0 and 2.0 s each way
+    want = np.maximum(copies - 0.4 * seconds, 0) + np.maximum(copies - 0.6 * seconds, 0)
+    np.testing.assert_allclose(host_seconds(memory, cost, tokens, context, seconds), want)
+    assert want[0, 0] == 0  # hidden by both passes
+    # kept in host memory where that adds less than the rerun (0.4 of the seconds): only slot 0;
+    # never the kept last slot, an empty slot, without host memory or under FSDP2's rule
+    kept, host = np.array([1]), Budget(100, host_bytes=1e6)
+    np.testing.assert_array_equal(host_slots(memory, cost, host, tokens, context, seconds, kept, "budget"), [[1, 0, 0]])
+    assert not host_slots(memory, cost, host, tokens * [[0, 1, 1]], context, seconds, kept, "budget").any()
+    assert not host_slots(memory, cost, Budget(100), tokens, context, seconds, kept, "budget").any()
+    assert not host_slots(memory, cost, host, tokens, context, seconds, kept, "last").any()
+
+
+def test_host_memory_takes_the_graphs_that_save_the_most_per_byte():
+    """Where host memory holds only some of the graphs that would pay, a rank takes those saving the
+    most seconds per byte first, while they fit together."""
+    memory, cost = MemoryModel(token=10.0, context=0.0), dataclasses.replace(COST, host_byte=0.0)  # free copies
+    tokens, seconds = np.array([[10, 20, 10, 30, 5]]), np.array([[1.0, 1.0, 3.0, 1.0, 1.0]])  # bytes 100 200 100 300
+    pick = lambda host_bytes: host_slots(
+        memory, cost, Budget(100, host_bytes=host_bytes), tokens, 0 * tokens, seconds, np.array([1]), "budget"
+    )
+    # saved per byte: 0.4 s a slot over 100, 200, 100 and 300 bytes; slot 2 saves 1.2 s over 100
+    np.testing.assert_array_equal(pick(100.0), [[0, 0, 1, 0, 0]])
+    np.testing.assert_array_equal(pick(250.0), [[1, 0, 1, 0, 0]])
+    np.testing.assert_array_equal(pick(1000.0), [[1, 1, 1, 1, 0]])
+
+
+def test_a_plan_keeps_in_host_memory_what_costs_less_than_its_rerun():
+    """With host memory a plan charges its host graphs their copies instead of a rerun (a step below
+    the plan without, where the copies hide); where the host link is too slow to pay, it reruns
+    exactly as without. Either way no other slot changes."""
+    forest = grpo_group(prompt_len=40, G=8, max_completion=40, seed=3).forest()
+    options = {"world_size": 2, "max_tokens_per_microbatch": 100, "memory_model": MemoryModel(1.0, 1.0)}
+    reruns = plan(forest, cost_model=COST, **options)
+    assert reruns.rerun.any()
+    host = plan(forest, cost_model=COST, max_host_bytes=1e6, **options)
+    np.testing.assert_array_equal(host.host_graphs, reruns.rerun)
+    assert not host.rerun.any() and host.host_bytes.max() > 0
+    assert host.step_seconds == pytest.approx(host.cost.max(axis=0).sum() + 0.01)  # every copy hidden
+    assert host.step_seconds < reruns.step_seconds
+    slow = dataclasses.replace(COST, host_byte=1.0)
+    too_slow = plan(forest, cost_model=slow, max_host_bytes=1e6, **options)
+    assert not too_slow.host_graphs.any()
+    assert too_slow.step_seconds == pytest.approx(plan(forest, cost_model=slow, **options).step_seconds)
 
 
 def test_more_slots_where_they_keep_more_graphs_and_only_where_that_lowers_the_step():

@@ -2,7 +2,8 @@
 plan's byte budget holds them alive together, and are not rerun; the numbers stay the oracle's
 (token- and sequence-level losses, through the replay and a caller's own backward, with gradient
 checkpointing), and under a data-parallel wrapper every call keeps its graph inside ``no_sync``
-and a closing call syncs."""
+and a closing call syncs. With host memory in the budget, the graphs the budget cannot hold wait
+there instead of rerunning."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def with_budget(the_plan, budget: Budget):
     return dataclasses.replace(the_plan, budget=budget, graph_slots=kept)
 
 
+def _host_plan(forest):
+    """The 4-slot plan under a budget that holds one graph, and host memory for the 3 others."""
+    the_plan = with_budget(dfs_cut_plan(forest, CUTS), Budget(min(KEPT), host_bytes=1e6))
+    assert the_plan.host_graphs.tolist() == [[True, True, True, False]] and not the_plan.rerun.any()
+    return the_plan
+
+
 @pytest.mark.parametrize("tokens", list(KEPT), ids=lambda t: f"keeps-{KEPT[t]}-of-4")
 @pytest.mark.parametrize("objective", ["token", "sequence"])
 def test_kept_graphs_equal_the_oracle_and_the_replay(model, tokens, objective):
@@ -74,6 +82,42 @@ def test_kept_graphs_equal_the_oracle_and_the_replay(model, tokens, objective):
         assert not any(calls[units:]) or all(calls[units:])  # the reruns, all with grad
         assert_same(ref, got)
         assert_same(rerun, got, tol=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["token", "sequence"])
+def test_graphs_in_host_memory_equal_the_oracle_and_run_once(model, objective):
+    """With host memory for them, the 3 slots the budget cannot keep record with grad, their saved
+    tensors in host memory (copies: what the CPU runs of the GPU's path), and none reruns: 4 units
+    make 4 model calls, with the oracle's log-probs and gradients, through the engine's backward
+    and a caller's."""
+    seqs, forest = _forest(1)
+    if objective == "token":
+        weights = np.random.default_rng(2).standard_normal((forest.num_trajectories, forest.max_length - 1))
+        loss_fn = per_token_loss(torch.as_tensor(weights, dtype=torch.float32))
+    else:
+        loss_fn = sequence_loss(forest)
+    ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
+    for attached in (False, True):
+        got, calls, engine = engine_step(model, forest, _host_plan(forest), loss_fn, attached=attached)
+        assert engine.schedule.graph_calls() == 1 and engine.schedule.host_calls() == {0, 1, 2}
+        assert calls == [True] * 4
+        assert engine.host.moved > 0
+        assert_same(ref, got)
+
+
+def test_graphs_in_host_memory_under_gradient_checkpointing_and_no_sync():
+    """With gradient checkpointing (its recomputation in the backward reads host copies of the
+    checkpoints' inputs) and under ``no_sync``: call 0 keeps its graph in host memory, so every call
+    runs inside ``no_sync`` and a closing call syncs; the oracle's numbers."""
+    model = patch_model(tiny_model("kimi_linear"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seqs, forest = _forest(1)
+    loss_fn = sequence_loss(forest)
+    got, calls, engine = engine_step(model, forest, _host_plan(forest), loss_fn, no_sync=contextlib.nullcontext)
+    assert calls == [True] * 5  # 4 units, then the closing call
+    assert engine.host.moved > 0
+    assert_same(oracle(model, seqs, loss_fn, forest.max_length - 1), got)
 
 
 def test_kept_graphs_under_gradient_checkpointing():

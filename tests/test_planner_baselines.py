@@ -32,6 +32,7 @@ FIELDS = {
     "slot_seconds",
     "plan_seconds",
     "handoffs",
+    "graphs",
     "lower_bound",
     "no_exchange",
     "baselines",

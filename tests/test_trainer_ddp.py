@@ -11,7 +11,8 @@ between the ranks and their slots, the log-probs are summed over the ranks, TRL'
 stock's rows and microbatches, and the engine backpropagates once per step through DDP (gradient
 sync in the last backward pass only). Most cases put one system prompt in front of every prompt, so
 the step's rows are ONE tree that the plan divides; every loss type of TRL 1.16 is a case, and
-forests several times the budget are cut into pieces; the entropy bonus backpropagates through
+forests several times the budget are cut into pieces (and, in one case, keep the graphs the
+budget cannot hold in host memory instead of rerunning them); the entropy bonus backpropagates through
 the step's entropies, and the MoE router aux loss of each microbatch comes from the step's router
 logits (pieces and two microbatches per step).
 """
@@ -64,6 +65,9 @@ CASES: dict[str, dict] = {
         harts_max_tokens_per_microbatch=32,
         harts_memory_model=LIGHT_CONTEXT,  # the derived one: a context row costs 0.7 checkpointed tokens here
     ),
+    "dapo-host-graphs-pieces-one-tree": dict(
+        loss_type="dapo", harts_max_tokens_per_microbatch=48, harts_max_host_bytes=1e9, num_iterations=2
+    ),
     "dapo-lora-beta-one-tree": dict(loss_type="dapo", beta=0.1, lora=True),
     "bnpo-pieces-two-microbatches": dict(
         loss_type="bnpo",
@@ -77,6 +81,7 @@ CASES: dict[str, dict] = {
 RESUME = "resume-mid-run"
 ON_THREE = (
     "dapo-one-tree",
+    "dapo-host-graphs-pieces-one-tree",
     "bnpo-pieces-two-microbatches",
     "grpo-groups",
     "dapo-generation-over-two-steps-one-tree",
@@ -123,6 +128,7 @@ def test_several_processes_match_stock(case, ddp_run):
     assert min(harts["metrics"]["harts/rows"]) == harts["block_rows"]  # the step's rows of both ranks
     if "pieces" in case:
         assert min(harts["metrics"]["harts/microbatches"]) >= 3
+    assert (harts["host_calls"] > 0) == ("host-graphs" in case)  # graphs kept in host memory, call 0's among them
 
 
 @pytest.mark.slow
@@ -145,10 +151,15 @@ def _worker(out: Path, cases: list[str]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from harts_hf.engine.offload import HostGraphs
     from harts_hf.sources.tokenizer import build_tokenizer
     from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
 
     torch.set_num_threads(1)
+    # harts_max_host_bytes on CPU (refused there): the GPU's path, its copies in the same memory
+    HARTSGRPOTrainer._check_host_graphs = lambda self: None
+    host_calls, saving = [], HostGraphs.saving
+    HostGraphs.saving = lambda self: host_calls.append(1) or saving(self)
 
     def with_system(prompts, trainer) -> dict:
         rows = branching_rollout(prompts, trainer)
@@ -189,6 +200,7 @@ def _worker(out: Path, cases: list[str]) -> None:
                 else None,
             )
             rows, real, compute = [], [], trainer._compute_loss
+            host_calls.clear()
 
             def counting(model, inputs, compute=compute, rows=rows, real=real):
                 rows.append(int(inputs["completion_mask"].size(0)))
@@ -211,6 +223,7 @@ def _worker(out: Path, cases: list[str]) -> None:
                     * min(trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation),
                     "rows": counts[0::2].tolist(),
                     "real_rows": counts[1::2].tolist(),
+                    "host_calls": len(host_calls),
                     "metrics": {
                         k: [h[k] for h in history if k in h]
                         for k in ("harts/compression", "harts/plan_imbalance", "harts/rows", "harts/microbatches")

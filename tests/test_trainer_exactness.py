@@ -21,6 +21,7 @@ from tiny_models import tiny_model
 from trainer_args import saved_model, sgd_args
 from trl import GRPOConfig, GRPOTrainer
 
+from harts_hf.engine.offload import HostGraphs
 from harts_hf.schedule import Schedule
 from harts_hf.sources.tokenizer import build_tokenizer
 from harts_hf.trainers import HARTSGRPOConfig, HARTSGRPOTrainer
@@ -259,6 +260,7 @@ def test_config_accepts_every_grpo_field():
         dict(harts_max_bytes_per_microbatch=-1.0),
         dict(harts_memory_model={"tokens": 1.0}),
         dict(harts_memory_model={"token": 1.0, "context": -1.0}),
+        {"harts_max_host_bytes": -1.0},
     ],
 )
 def test_config_validation(bad):
@@ -293,6 +295,32 @@ def test_engine_pieces_same_as_trl(overrides, model_dir, tmp_path, monkeypatch):
     assert any(served) == both, served
     microbatches = [h["harts/microbatches"] for h in harts.state.log_history if "harts/microbatches" in h]
     assert microbatches and min(microbatches) >= 3  # the engine split every forest
+    np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
+    assert max_param_diff(harts.model, stock.model) < TOL
+
+
+def test_host_graphs_same_as_trl(model_dir, tmp_path, monkeypatch):
+    """``harts_max_host_bytes``: the slots the budget cannot keep record with grad, their saved tensors
+    in host memory, and none reruns; the losses and weights are stock TRL's. Refused on CPU, where
+    the host's memory is the budget's; here the refusal is lifted to run the GPU's path (whose
+    copies on CPU are copies in the same memory)."""
+    with pytest.raises(ValueError, match="harts_max_host_bytes keeps .* a CPU run"):
+        train(HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_host_bytes=1e9)
+    overrides = {"loss_type": "dapo", "beta": 0.1}
+    stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    monkeypatch.setattr(HARTSGRPOTrainer, "_check_host_graphs", lambda self: None)
+    saving, calls = HostGraphs.saving, []
+    monkeypatch.setattr(HostGraphs, "saving", lambda self: calls.append(torch.is_grad_enabled()) or saving(self))
+    harts, harts_losses = train(
+        HARTSGRPOTrainer,
+        HARTSGRPOConfig,
+        model_dir,
+        tmp_path,
+        harts_max_tokens_per_microbatch=40,
+        harts_max_host_bytes=1e9,
+        **overrides,
+    )
+    assert calls and all(calls)  # the recordings with grad kept graphs in host memory
     np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
     assert max_param_diff(harts.model, stock.model) < TOL
 

@@ -21,7 +21,7 @@ from typing import NoReturn, TypeVar
 
 from ..lab import plan_record, plot_plan, record_table
 from ..lab.plan_report import bench_memory_model
-from ..planner import DEFAULT_MAX_TOKENS, CostModel, plan
+from ..planner import DEFAULT_MAX_TOKENS, CostModel, MemoryModel, plan
 from ..planner.groups import DEFAULT_LAYERS
 from ..sources import CPU_SCALE, WORKLOADS, forest_stats, get_workload
 from .train import add_parser as add_train_parsers
@@ -195,6 +195,13 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--size", default="default", help="the --model's size from harts_hf.lab.SIZES (default default)")
     p.add_argument(
+        "--memory-model",
+        type=Path,
+        metavar="JSON",
+        help="price the context with these memory model coefficients instead (what `harts-hf calibrate --memory "
+        "--json` writes: a real model's, with gradient checkpointing where it trains with it)",
+    )
+    p.add_argument(
         "--no-handoffs",
         action="store_true",
         help="recompute every shared chain on the ranks reading it, never hand one over (a plan each rank can "
@@ -211,6 +218,14 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_LAYERS,
         metavar="L",
         help=f"decoder layers a context-parallel group's wavefront passes (default {DEFAULT_LAYERS})",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="host memory per rank for the graphs the budget cannot hold, instead of rerunning them where the "
+        "copies cost less (a GPU, one process or DDP: the trainers' harts_max_host_bytes; default 0: none)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report to this JSON file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw the slots per rank, coloured by tree")
@@ -235,7 +250,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kwargs = ({} if args.scale is None else {"scale": args.scale}) | dict(args.set)
     try:
         cost = None if args.cost_model is None else CostModel(**json.loads(args.cost_model.read_text()))
+        if args.model is not None and args.memory_model is not None:
+            raise ValueError("give --model or --memory-model, not both")
         memory = None if args.model is None else bench_memory_model(args.model, args.size)
+        if args.memory_model is not None:
+            memory = MemoryModel(**json.loads(args.memory_model.read_text()))
         forest = get_workload(args.workload, **kwargs).forest()
         result = plan(
             forest,
@@ -246,6 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             handoffs=not args.no_handoffs,
             context_parallel=args.context_parallel,
             layers=args.layers,
+            max_host_bytes=args.host_memory * 1e9,
         )
     except (TypeError, ValueError) as err:
         raise SystemExit(f"harts-hf plan: {err}") from err

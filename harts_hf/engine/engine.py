@@ -10,8 +10,9 @@ tree kwarg. The model run makes no host transfer (``tests/test_host_transfers.py
 Backward (one path, bounded, exact for every objective): a recording pass computes every model
 call once, keeping its boundary values (inputs at the rows later units read, states at their
 chunk-aligned restarts); the last calls run with grad and keep their graphs, as many as the plan's
-byte budget holds alive together (``Schedule.graph_calls``; the last always), the others run
-without grad. The loss is applied to the complete per-trajectory log-probs (so sequence-level
+byte budget holds alive together (``Schedule.graph_calls``; the last always), and so do those the
+plan keeps in host memory (``Schedule.host_calls``, their saved tensors there: :mod:`.offload`);
+the others run without grad. The loss is applied to the complete per-trajectory log-probs (so sequence-level
 objectives such as GSPO's see whole trajectories); its gradients w.r.t. them then flow back
 through the calls in reverse call order: the kept calls first, from their graphs, then every
 other unit rerun with grad, each backpropagating its log-prob gradients plus the boundary
@@ -79,6 +80,7 @@ from ..planner.plan import plan as make_plan
 from ..schedule import Schedule, Unit
 from .exchange import Exchanger
 from .handoff import Handoff
+from .offload import HostCall, HostGraphs
 from .store import Store
 
 __all__ = ["Recording", "TreeEngine"]
@@ -179,6 +181,7 @@ class TreeEngine:
             schedule = Schedule.compile(self.forests, plan, rank, tables, self.device, calls)
         self.schedule = schedule
         self.exchanged_bytes = {"values": 0, "grads": 0}  # cross-rank handoffs sent (class docstring)
+        self.host = HostGraphs(self.device)  # graphs the plan keeps in host memory (offload.py)
         self._joined = False  # whether this engine's ranks met once (_exchanger)
 
     @property
@@ -239,9 +242,9 @@ class TreeEngine:
         if return_router_logits:
             validate_router_logits(self.adapter)
         store = Store()
-        keep, closing = self._graph_calls(keep_graph)
+        keep, host, closing = self._graph_calls(keep_graph)
         values, ents, routers, stats, kept = self._record(
-            store, return_entropy, return_router_logits, statistics, keep=keep, closing=closing
+            store, return_entropy, return_router_logits, statistics, keep=keep, host=host, closing=closing
         )
         return Recording(self, store, values, ents, routers, stats, kept, closing)
 
@@ -274,10 +277,11 @@ class TreeEngine:
             recording.backward([torch.zeros_like(v) if g is None else g for g, v in zip(grads, lp)])
         return loss.detach()
 
-    def _graph_calls(self, keep_graph: bool) -> tuple[int, bool]:
-        """How many of the last calls keep their graphs in a recording made now, and whether a
-        closing sync call ends its backward: the calls of the slots the plan keeps
-        (``Plan.graph_slots``, by ``Schedule.graph_calls``), none without grad. Under a
+    def _graph_calls(self, keep_graph: bool) -> tuple[int, frozenset[int], bool]:
+        """How many of the last calls keep their graphs in a recording made now, which earlier calls
+        keep theirs in host memory, and whether a closing sync call ends its backward: the calls of
+        the slots the plan keeps (``Plan.graph_slots`` and ``Plan.host_graphs``, by
+        ``Schedule.graph_calls`` and ``Schedule.host_calls``), none without grad. Under a
         data-parallel wrapper (``no_sync``) call 0's backward is the last and syncs; where call 0
         keeps its graph, its forward (which decides a DDP backward's sync) runs inside ``no_sync``
         as every other, and the closing sync call syncs instead (:meth:`_sync_call`), unless it is
@@ -287,12 +291,15 @@ class TreeEngine:
         ``pre_backward`` state check), so call 0 is rerun there (a plan made with ``graphs=`` for
         the wrapper prices what each does: ``planner.graphs.GRAPH_RULES``)."""
         if not torch.is_grad_enabled():
-            return 0, False
-        keep = min(self.schedule.graph_calls(), 1) if isinstance(self.hf, FSDPModule) else self.schedule.graph_calls()
-        every = keep == self.calls and self._no_sync is not None and not (keep_graph and self.calls == 1)
-        if every and isinstance(self.hf, FSDPModule):
-            return keep - 1, False
-        return keep, every
+            return 0, frozenset(), False
+        sharded = isinstance(self.hf, FSDPModule)
+        keep = min(self.schedule.graph_calls(), 1) if sharded else self.schedule.graph_calls()
+        host = frozenset() if sharded else self.schedule.host_calls()
+        first = keep == self.calls or 0 in host  # call 0 keeps its graph
+        every = first and self._no_sync is not None and not (keep_graph and self.calls == 1)
+        if every and sharded:
+            return keep - 1, host, False
+        return keep, host, every
 
     def _replay_units(
         self,
@@ -323,6 +330,8 @@ class TreeEngine:
                     outputs = self._run(unit, handoff, entropy and not padding, router and not padding)
                     run = _GradRun(handoff, outputs[:3])
                 self._gather(index)  # again for its backward: its forward freed each layer's after use
+                if run.host is not None:
+                    run.host.fetch()
                 if padding:
                     torch.autograd.backward(run.outputs[0], torch.zeros_like(run.outputs[0]))
                 else:
@@ -465,6 +474,7 @@ class TreeEngine:
         statistics: tuple[str, ...] = (),
         *,
         keep: int = 0,
+        host: frozenset[int] = frozenset(),
         closing: bool = False,
     ) -> tuple[
         list[torch.Tensor],
@@ -474,19 +484,21 @@ class TreeEngine:
         dict[int, _GradRun],
     ]:
         """Every model call of the rank (its units, then its padding calls) without grad, but the last
-        ``keep``, which run with grad, each in the sync context of its backward pass in the replay
-        (``closing``: a sync call follows them all), and are returned with their graphs, by call
-        index; the values come detached."""
+        ``keep`` and the ``host`` calls (their saved tensors in host memory: :mod:`.offload`), which
+        run with grad, each in the sync context of its backward pass in the replay (``closing``: a
+        sync call follows them all), and are returned with their graphs, by call index; the values
+        come detached."""
         calls = self.schedule.call_order()
         exchanger = self._exchanger()
         lps, ents, routers, stats, kept, like = [], [], [], [], {}, None
         for i, unit in enumerate(calls):
-            grad = i >= len(calls) - keep
+            grad = i >= len(calls) - keep or i in host
             padding = unit is self.schedule.padding
             self._gather(i)
             with (
                 torch.set_grad_enabled(grad),
                 self._sync_last(len(calls) - 1 - i, closing) if grad else contextlib.nullcontext(),
+                self.host.saving() if i in host else contextlib.nullcontext() as saved,
             ):
                 streams = None if padding or exchanger is None else exchanger.streams
                 handoff = Handoff(Store() if padding else store, unit, grad=grad, recording=True, streams=streams)
@@ -495,7 +507,7 @@ class TreeEngine:
             if exchanger is not None:
                 exchanger.after_record(i, store)
             if grad:
-                kept[i] = _GradRun(handoff, (lp, ent, logits))
+                kept[i] = _GradRun(handoff, (lp, ent, logits), saved)
             like = like if like is not None or logits is None else logits.detach()  # any call's: the shape only
             if padding:
                 continue
@@ -528,10 +540,11 @@ class TreeEngine:
 
 class _GradRun(NamedTuple):
     """One run of a model call with grad: its handoff and (log-probs, entropies, router logits),
-    the graph alive until its backward."""
+    the graph alive until its backward (its saved tensors in host memory where ``host`` holds them)."""
 
     handoff: Handoff
     outputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    host: HostCall | None = None
 
 
 class Recording:

@@ -71,7 +71,8 @@ def lower_bound(forests: Sequence[RolloutForest], ours: Plan) -> dict:
     of the two work terms plus what every step spends outside its model calls (with context-parallel
     groups the longest path's term is its wavefront over every rank, ``ours.group_layers`` layers).
 
-    Nor, within ``ours``' budget, than ``with_reruns``: a rank's kept graphs hold at most the own
+    Nor, within ``ours``' budget and without graphs in host memory (``graphs.GRAPH_RULES``), than
+    ``with_reruns``: a rank's kept graphs hold at most the own
     tokens of the budget's bytes less its fixed phase, so where the forests hold more than every rank
     can keep, the rest is recorded and rerun in the backward; ``rerun`` is the least that costs a
     rank (the cost model's forward share of the cheapest such tokens, the shallowest, spread evenly)."""
@@ -120,6 +121,8 @@ def no_exchange(forests: Sequence[RolloutForest], ours: Plan) -> dict:
             memory_model=ours.memory_model,
             cost_model=ours.cost_model,
             chunk_size=ours.chunk_size,
+            graphs=ours.graph_rule,
+            max_host_bytes=ours.budget.host_bytes,
         )
     summary = other.summary()
     keys = ("imbalance", "redundancy", "step_seconds", "plan_seconds", "handoffs", "context_parallel")
@@ -129,7 +132,7 @@ def no_exchange(forests: Sequence[RolloutForest], ours: Plan) -> dict:
 def plan_record(forests: Sequence[RolloutForest], plan: Plan, *, exact_seconds: float = EXACT_SECONDS) -> dict:
     """``{"world_size", "slots", "pieces", "imbalance": {"slot", "rank"}, "redundancy",
     "plan_seconds", "handoffs": {"messages", "bytes", "seconds"}, "context_parallel": {"groups",
-    "ranks", "bytes", "layers"}, "lower_bound": {...},
+    "ranks", "bytes", "layers"}, "graphs": {"rule", "rerun", "host", "host_bytes"}, "lower_bound": {...},
     "no_exchange": {...}, "baselines": {name: {"imbalance", "redundancy", "plan_seconds", ...}}}``."""
     return {
         **plan.summary(),
@@ -197,7 +200,13 @@ def record_table(record: dict) -> str:
             + (f" + outside the model calls {bound['outside']:.4f}" if bound.get("outside") else "")
             + f": harts at {record['step_seconds'] / bound['seconds']:.3f}x"
         )
-        if bound.get("rerun"):
+        graphs = record.get("graphs") or {}
+        if graphs.get("host"):
+            head += (
+                f"\ngraphs in host memory: {graphs['host']} microbatches (up to {graphs['host_bytes'] / 1e9:.1f} GB "
+                f"a rank), {graphs['rerun']} rerun"
+            )
+        elif bound.get("rerun"):
             head += (
                 f"\nwithin the budget {bound['with_reruns']:.4f} s (every rank reruns at least "
                 f"{bound['rerun']:.4f} s: its kept graphs hold one budget): harts at "

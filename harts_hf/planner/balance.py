@@ -29,23 +29,28 @@ def rank_imbalance(cost: np.ndarray) -> float:
     return float(total.max() / total.mean()) if total.mean() > 0 else 1.0
 
 
-def _replays(cost: np.ndarray, rerun: np.ndarray | None, share: float) -> np.ndarray:
+def _replays(cost: np.ndarray, rerun: np.ndarray | None, share: float, host: np.ndarray | None) -> np.ndarray:
     """[R, S] seconds of the reruns: ``share`` of every slot ``rerun`` [R, S] marks (default: all
-    but the last, no graph kept but the last one's)."""
+    but the last, no graph kept but the last one's), plus ``host`` [R, S] (the copies of graphs kept
+    in host memory that their passes do not hide; default none)."""
     if rerun is None:
         rerun = np.arange(cost.shape[1]) < cost.shape[1] - 1
-    return share * np.where(rerun, cost, 0.0)
+    return share * np.where(rerun, cost, 0.0) + (0.0 if host is None else host)
 
 
-def step_seconds(cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE) -> float:
+def step_seconds(
+    cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE, host: np.ndarray | None = None
+) -> float:
     """Predicted step time in lockstep: per slot the slowest rank's cost, and per slot the slowest
     rank's rerun (``share`` of the cost of every slot ``rerun`` [R, S] marks; default all but the
-    last) in the backward."""
-    return float(cost.max(axis=0).sum() + _replays(cost, rerun, share).max(axis=0).sum())
+    last) or host copies (``host`` [R, S] seconds) in the backward."""
+    return float(cost.max(axis=0).sum() + _replays(cost, rerun, share, host).max(axis=0).sum())
 
 
-def rank_seconds(cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE) -> np.ndarray:
+def rank_seconds(
+    cost: np.ndarray, rerun: np.ndarray | None = None, share: float = FORWARD_SHARE, host: np.ndarray | None = None
+) -> np.ndarray:
     """[R] predicted forward + backward seconds of each rank on its own (no lockstep waits): its
-    slots and its reruns, as :func:`step_seconds` counts them. What a rank's measured engine step
-    compares with."""
-    return cost.sum(axis=1) + _replays(cost, rerun, share).sum(axis=1)
+    slots, its reruns and host copies, as :func:`step_seconds` counts them. What a rank's measured
+    engine step compares with."""
+    return cost.sum(axis=1) + _replays(cost, rerun, share, host).sum(axis=1)

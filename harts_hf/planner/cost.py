@@ -38,7 +38,7 @@ import numpy as np
 
 from .balance import FORWARD_SHARE
 
-__all__ = ["COMM_DEFAULTS", "DEFAULT_COST_MODEL", "CostModel", "cost_origin", "fit_cost_model"]
+__all__ = ["COMM_DEFAULTS", "DEFAULT_COST_MODEL", "HOST_BYTE", "CostModel", "cost_origin", "fit_cost_model"]
 
 FEATURES = ("token", "pair", "round", "microbatch")
 
@@ -51,16 +51,24 @@ layers of 2 K/V heads x 256 in bf16: 12 KiB per context token; 18 GDN layers of 
 states plus a < 64-token bf16 replay of the 2,048-wide input: about 20 MB per path start)."""
 
 
+HOST_BYTE = 4e-11
+"""The built-in estimate of seconds per byte between a GPU and its host's pinned memory, each way:
+25 GB/s, below what one PCIe 5.0 x16 link carries (about 50 GB/s), as GPUs sharing a switch or a
+socket see it (``graphs.host_seconds``: graphs kept in host memory)."""
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per compact token, per attended pair, per round and per microbatch; seconds per byte
     and per message between ranks, the share of the shorter direction an exchange both ways adds
     (``duplex``, in [0, 1]), bytes per handed context token and path start (all >= 0); the
     forward's share of a microbatch's seconds (in (0, 1]; absent from a cost model written before
-    it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward) and
-    the seconds a step spends outside its model calls (:meth:`outside`: ``step`` on one rank,
+    it was measured: :data:`~.balance.FORWARD_SHARE`, the backward taken as twice the forward), the
+    seconds a step spends outside its model calls (:meth:`outside`: ``step`` on one rank,
     ``step_ranks`` more planned over several, ``grad_bytes`` all-reduced between them; absent: 0, as
-    a cost model written before they were measured), all measured by ``harts-hf calibrate``."""
+    a cost model written before they were measured), all measured by ``harts-hf calibrate``; and
+    the seconds per byte each way between a GPU and its host's memory (``host_byte``, for graphs
+    kept there: :data:`HOST_BYTE`, an estimate, unless the JSON sets it)."""
 
     token: float
     pair: float
@@ -72,6 +80,7 @@ class CostModel:
     context_bytes: float = COMM_DEFAULTS["context_bytes"]
     state_bytes: float = COMM_DEFAULTS["state_bytes"]
     forward_share: float = FORWARD_SHARE
+    host_byte: float = HOST_BYTE
     step: float = 0.0
     step_ranks: float = 0.0
     grad_bytes: float = 0.0

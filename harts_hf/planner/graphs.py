@@ -11,6 +11,11 @@ in the replay). Empty slots (no unit) save nothing.
 
 FSDP2 narrows what the budget allows (:data:`GRAPH_RULES`): the engine enforces it; the plan
 prices it. DDP does not: where call 0 keeps its graph, a closing call syncs (``harts_hf.engine``).
+On a GPU a graph the budget cannot hold may instead wait in host memory (``Budget.host_bytes`` of
+it; not under FSDP2): its saved tensors go there as its forward makes them and come back as its
+backward needs them (``harts_hf.engine.offload``), on a copy stream beside the compute; a slot
+whose copies, there and back, would add more than its rerun still reruns (:func:`host_seconds`),
+and so do those past the host memory (:func:`host_slots`).
 
 Legend: R ranks, S slots.
 """
@@ -19,13 +24,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cost import CostModel
 from .memory import Budget, MemoryModel
 
-__all__ = ["GRAPH_RULES", "graph_excess", "graph_slots", "rerun_slots"]
+__all__ = ["GRAPH_RULES", "graph_excess", "graph_slots", "host_seconds", "host_slots", "rerun_slots"]
 
 GRAPH_RULES = ("budget", "last")
-"""What may keep a graph besides the byte budget: ``budget``, any slot it holds; ``last``, only the
-last slot (FSDP2: its parameter groups allow one pending forward with grad before a backward)."""
+"""What may keep a graph besides the byte budget: ``budget``, any slot it holds (and host memory
+the others); ``last``, only the last slot (FSDP2: its parameter groups allow one pending forward
+with grad before a backward)."""
 
 
 def graph_slots(
@@ -60,3 +67,44 @@ def graph_excess(memory: MemoryModel, budget: Budget, tokens: np.ndarray, contex
 def rerun_slots(num_slots: int, kept: np.ndarray) -> np.ndarray:
     """[R, S] bool: the slots each rank reruns in the backward, all but its ``kept`` [R] last."""
     return np.arange(num_slots) < num_slots - np.asarray(kept)[:, None]
+
+
+def host_seconds(
+    memory: MemoryModel, cost: CostModel, tokens: np.ndarray, context: np.ndarray, seconds: np.ndarray
+) -> np.ndarray:
+    """[R, S] seconds that keeping each microbatch's graph in host memory adds to it: what it saves
+    (``token * n + context * c`` bytes) goes there during its forward (``forward_share`` of its
+    ``seconds``) and back during its backward (the rest), at ``cost.host_byte`` seconds a byte each
+    way, on a copy stream: the part of each copy its pass does not hide."""
+    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    copy = cost.host_byte * (memory.token * tokens + memory.context * context)
+    forward = cost.forward_share * np.asarray(seconds, dtype=np.float64)
+    return np.maximum(copy - forward, 0.0) + np.maximum(copy - (seconds - forward), 0.0)
+
+
+def host_slots(
+    memory: MemoryModel,
+    cost: CostModel,
+    budget: Budget,
+    tokens: np.ndarray,
+    context: np.ndarray,
+    seconds: np.ndarray,
+    kept: np.ndarray,
+    rule: str,
+) -> np.ndarray:
+    """[R, S] bool: the microbatches (of ``tokens``, ``context`` and ``seconds`` [R, S]) whose graphs
+    wait in host memory for their backward: under the ``budget`` rule, of the non-empty ones before
+    each rank's ``kept`` [R] last whose copies add less than their rerun, those saving the most
+    seconds per byte first, while they fit ``budget.host_bytes`` together."""
+    if rule != "budget" or budget.host_bytes <= 0:
+        return np.zeros(np.shape(tokens), dtype=bool)
+    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    saved = memory.token * tokens + memory.context * context
+    gain = cost.forward_share * seconds - host_seconds(memory, cost, tokens, context, seconds)
+    worth = rerun_slots(tokens.shape[1], kept) & (tokens > 0) & (gain > 0)
+    per_byte = np.divide(-gain, saved, out=np.full(saved.shape, np.inf), where=worth)  # [R, S] lowest: best
+    order = np.argsort(per_byte, axis=1, kind="stable")
+    held = np.cumsum(np.take_along_axis(np.where(worth, saved, 0.0), order, axis=1), axis=1)
+    out = np.zeros_like(worth)
+    np.put_along_axis(out, order, np.take_along_axis(worth, order, axis=1) & (held <= budget.host_bytes), axis=1)
+    return out

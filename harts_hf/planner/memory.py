@@ -25,16 +25,21 @@ __all__ = ["TOKEN_MEMORY", "Budget", "MemoryModel"]
 
 @dataclass(frozen=True)
 class Budget:
-    """A microbatch holds ``own + context_weight * context <= tokens`` (own-token equivalents)."""
+    """A microbatch holds ``own + context_weight * context <= tokens`` (own-token equivalents); the
+    graphs a rank's budget cannot keep may take ``host_bytes`` of host memory
+    (``graphs.host_slots``; 0: none, they rerun)."""
 
     tokens: int
     context_weight: float = 1.0
+    host_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, np.integer)) or self.tokens <= 0:
             raise ValueError(f"a budget holds a positive whole number of tokens, got {self.tokens!r}")
         if not (isinstance(self.context_weight, (int, float, np.number)) and 0 <= self.context_weight < math.inf):
             raise ValueError(f"a context token costs a finite number >= 0 of own tokens, got {self.context_weight!r}")
+        if not (isinstance(self.host_bytes, (int, float, np.number)) and 0 <= self.host_bytes < math.inf):
+            raise ValueError(f"host memory for graphs is a finite number of bytes >= 0, got {self.host_bytes!r}")
 
     def footprint(self, own, context) -> np.ndarray:
         """Own-token equivalents of microbatches with ``own`` tokens and ``context`` ancestors."""
@@ -92,9 +97,12 @@ class MemoryModel:
     def _phases(self, n) -> np.ndarray:
         return np.maximum(self.head * np.minimum(n, self.head_chunk), self.fixed + self.layer * n)
 
-    def budget(self, *, max_tokens: int | None = None, max_bytes: float | None = None) -> Budget:
+    def budget(
+        self, *, max_tokens: int | None = None, max_bytes: float | None = None, host_bytes: float = 0.0
+    ) -> Budget:
         """The planner's budget: ``max_tokens`` own tokens (the memory of that many tokens without
-        context), or as many as ``max_bytes`` holds; exactly one of the two.
+        context), or as many as ``max_bytes`` holds; exactly one of the two; and ``host_bytes`` of
+        host memory for the graphs it cannot keep.
 
         A context token is priced against the cheapest own token below the budget (the peak's
         slope in own tokens changes where the head's chunk fills and where one phase overtakes the
@@ -103,7 +111,7 @@ class MemoryModel:
         if (max_tokens is None) == (max_bytes is None):
             raise ValueError("give a microbatch budget in tokens or in bytes, not both or neither")
         tokens = Budget(self._tokens_within(max_bytes) if max_tokens is None else max_tokens).tokens
-        return Budget(tokens, self.context / (self.token + self._cheapest_slope(tokens)))
+        return Budget(tokens, self.context / (self.token + self._cheapest_slope(tokens)), host_bytes)
 
     def _tokens_within(self, max_bytes: float) -> int:
         """The most own tokens (no context) whose peak is at most ``max_bytes`` (the peak grows with n)."""

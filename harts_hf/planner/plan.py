@@ -150,6 +150,7 @@ def plan(
     cost_model: CostModel | None = None,
     chunk_size: int = CHUNK_SIZE,
     graphs: str = "budget",
+    max_host_bytes: float = 0.0,
     handoffs: bool = False,
     context_parallel: bool = False,
     layers: int = DEFAULT_LAYERS,
@@ -164,7 +165,9 @@ def plan(
     :data:`~.memory.TOKEN_MEMORY`, prices a context token as an own token (safe for any model:
     pass the model's, ``harts_hf.modeling.memory_model(model)``, to train trajectories longer
     than the budget). ``cost_model`` defaults to :data:`DEFAULT_COST_MODEL`. ``graphs``: which slots
-    may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper). ``handoffs``: shared
+    may keep their graphs besides the byte budget (``graphs.GRAPH_RULES``: the trainer's wrapper);
+    ``max_host_bytes``: host memory a rank's graphs may take where the budget cannot keep them and
+    the copies cost less than their rerun (``graphs.host_slots``: a GPU's host; 0, none). ``handoffs``: shared
     chains may run once and be handed to other ranks (``handoffs.py``) instead of recomputed there;
     such a plan runs only with one process per rank under torch.distributed (``harts_hf.engine``).
     ``context_parallel``: a trajectory's serial pieces may run at once over ranks with time to spare
@@ -184,7 +187,9 @@ def plan(
             raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}")
     cost = cost_model or DEFAULT_COST_MODEL
     memory = memory_model or TOKEN_MEMORY
-    budget = memory.budget(max_tokens=max_tokens_per_microbatch, max_bytes=max_bytes_per_microbatch)
+    budget = memory.budget(
+        max_tokens=max_tokens_per_microbatch, max_bytes=max_bytes_per_microbatch, host_bytes=max_host_bytes
+    )
     digests = tuple(forest.shape_digest for forest in forests)
     planners.check_same(
         (digests, world_size, budget, memory, cost, chunk_size, graphs, handoffs, context_parallel, layers)
@@ -317,4 +322,5 @@ def build_plan(
         replicated_tokens=int((pieces.hi - pieces.lo)[pieces.replica].sum()),
         replay_tokens=_replay(geo, pieces, parts, parts.parent_token[ext], entry_rank, chunk_size),
         plan_seconds=time.perf_counter() - began,
+        graph_rule=graphs,
     )

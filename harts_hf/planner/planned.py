@@ -10,7 +10,7 @@ import numpy as np
 
 from .balance import rank_imbalance, rank_seconds, slot_imbalance, step_seconds
 from .cost import CostModel, cost_origin
-from .graphs import rerun_slots
+from .graphs import host_seconds, host_slots, rerun_slots
 from .memory import Budget, MemoryModel
 
 __all__ = ["Plan"]
@@ -45,7 +45,9 @@ class Plan:
 
     ``graph_slots`` [R]: how many last slots of each rank keep their graphs from the recording to
     their backward (at least 1; ``graphs.py``): the engine reruns the others in the backward, and
-    the predicted step charges them a forward more (``cost_model.forward_share``).
+    the predicted step charges them a forward more (``cost_model.forward_share``), or, where the
+    budget gives host memory (``budget.host_bytes``) and the ``graph_rule`` allows
+    (``graphs.GRAPH_RULES``), keeps them there (``host_graphs``), charged what the copies add.
 
     With ``context_parallel=True``, ``groups`` context-parallel groups (``groups.py``: microbatches
     of one slot on several ranks reading each other, streamed by the engine), the largest over
@@ -81,6 +83,7 @@ class Plan:
     replicated_tokens: int
     replay_tokens: int
     plan_seconds: float
+    graph_rule: str = "budget"
     handoffs: int = 0
     handoff_bytes: float = 0.0
     handoff_seconds: float = 0.0
@@ -127,23 +130,51 @@ class Plan:
         return np.where(self.tokens > 0, self.memory_model(self.tokens, self.context), 0.0)
 
     @property
+    def host_graphs(self) -> np.ndarray:
+        """[R, S] bool: the microbatches whose graphs wait in host memory for their backward."""
+        return host_slots(
+            self.memory_model,
+            self.cost_model,
+            self.budget,
+            self.tokens,
+            self.context,
+            self.cost,
+            self.graph_slots,
+            self.graph_rule,
+        )
+
+    @property
     def rerun(self) -> np.ndarray:
         """[R, S] bool: the microbatches rerun in the backward (no graph kept; empty ones never)."""
-        return rerun_slots(self.num_slots, self.graph_slots) & (self.tokens > 0)
+        return rerun_slots(self.num_slots, self.graph_slots) & (self.tokens > 0) & ~self.host_graphs
+
+    @property
+    def host_copy_seconds(self) -> np.ndarray:
+        """[R, S] seconds the host graphs' copies add (0 elsewhere)."""
+        copies = host_seconds(self.memory_model, self.cost_model, self.tokens, self.context, self.cost)
+        return np.where(self.host_graphs, copies, 0.0)
+
+    @property
+    def host_bytes(self) -> np.ndarray:
+        """[R] bytes of graphs each rank keeps in host memory at once (before its backward)."""
+        saved = self.memory_model.token * self.tokens + self.memory_model.context * self.context
+        return np.where(self.host_graphs, saved, 0.0).sum(axis=1)
 
     @property
     def step_seconds(self) -> float:
-        """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun;
-        and the step's work outside its model calls (``cost_model.outside``)."""
-        return step_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.outside(
+        """Predicted lockstep step time: per slot, the slowest rank, and the slowest rank's rerun or
+        host copies; and the step's work outside its model calls (``cost_model.outside``)."""
+        share = self.cost_model.forward_share
+        return step_seconds(self.cost, self.rerun, share, self.host_copy_seconds) + self.cost_model.outside(
             self.world_size
         )
 
     @property
     def rank_seconds(self) -> np.ndarray:
-        """[R] each rank's predicted forward + backward seconds on its own, reruns and the step's
-        work outside its model calls included."""
-        return rank_seconds(self.cost, self.rerun, self.cost_model.forward_share) + self.cost_model.outside(
+        """[R] each rank's predicted forward + backward seconds on its own, reruns, host copies and
+        the step's work outside its model calls included."""
+        share = self.cost_model.forward_share
+        return rank_seconds(self.cost, self.rerun, share, self.host_copy_seconds) + self.cost_model.outside(
             self.world_size
         )
 
@@ -171,6 +202,12 @@ class Plan:
             "slot_seconds": {"slowest": self.cost.max(axis=0).tolist(), "mean": self.cost.mean(axis=0).tolist()},
             "plan_seconds": self.plan_seconds,
             "handoffs": {"messages": self.handoffs, "bytes": self.handoff_bytes, "seconds": self.handoff_seconds},
+            "graphs": {
+                "rule": self.graph_rule,
+                "rerun": int(self.rerun.sum()),
+                "host": int(self.host_graphs.sum()),
+                "host_bytes": float(self.host_bytes.max()),
+            },
             "context_parallel": {
                 "groups": self.groups,
                 "ranks": self.group_ranks,

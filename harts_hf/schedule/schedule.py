@@ -176,6 +176,15 @@ class Schedule:
                 return kept
         return self.calls
 
+    def host_calls(self) -> frozenset[int]:
+        """The model calls whose graphs wait in host memory for their backward (the engine then does
+        not rerun them): the units of the slots ``plan.host_graphs`` marks on this rank (padding
+        calls rerun). A whole forest's schedule: none."""
+        if self.plan is None:
+            return frozenset()
+        host = self.plan.host_graphs[self.rank]
+        return frozenset(i for i, index in enumerate(self.order) if index >= 0 and host[self.units[index].slot])
+
     def call_order(self) -> list[Unit]:
         """Every model call of a pass, in order: units and padding calls."""
         return [self.padding if i < 0 else self.units[i] for i in self.order]

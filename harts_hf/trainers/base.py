@@ -44,6 +44,8 @@ class HARTSTrainerMixin:
                 f"{type(self).__name__} runs its passes through its own plan, which DeepSpeed's engine does not let "
                 "it drive: train with DDP or FSDP2 (accelerate config), or pass harts_enable=False"
             )
+        if self.args.harts_max_host_bytes:
+            self._check_host_graphs()
         for m in models:
             if m is None:
                 continue
@@ -51,6 +53,21 @@ class HARTSTrainerMixin:
             base = m.get_base_model() if is_peft_model(m) else m
             patch_model(base)
             add_tree_forward(base)
+
+    def _check_host_graphs(self) -> None:
+        """Refuse ``harts_max_host_bytes`` where there is no host memory apart from the budget's (a
+        CPU run) or the wrapper keeps one graph (FSDP2)."""
+        acc = self.accelerator
+        if acc.device.type != "cuda" or acc.distributed_type == DistributedType.FSDP:
+            where = (
+                "FSDP2, which keeps one graph,"
+                if acc.device.type == "cuda"
+                else "a CPU run, whose memory is the host's,"
+            )
+            raise ValueError(
+                "harts_max_host_bytes keeps the graphs the budget cannot hold in a GPU host's memory, with one "
+                f"process or DDP on a GPU; {where} cannot: leave it unset"
+            )
 
     def _plan(self, forest: RolloutForest) -> Plan:
         """This rank's own forest, planned alone (the per-microbatch path, which runs inside the
@@ -83,6 +100,7 @@ class HARTSTrainerMixin:
             chunk_size=self.args.harts_chunk_size,
             handoffs=self.args.harts_handoffs,
             context_parallel=self.args.harts_context_parallel,
+            max_host_bytes=self.args.harts_max_host_bytes or 0.0,
             layers=len(decoder_layer_modules(self.accelerator.unwrap_model(self.model_wrapped))),
         )
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -53,6 +54,11 @@ class HARTSArguments:
             a subtree cut between two ranks handed from one's early slot to the next's late slot
             (`harts_hf.planner.relay`), where the cost model predicts that faster; off by default. Checked exact for GRPO, RLOO, SFT and DPO under DDP and FSDP2 (gloo, CPU).
             Under FSDP2 a group's call holds every parameter gathered.
+        harts_max_host_bytes (`float`, *optional*):
+            Host memory (bytes per rank) for the graphs of microbatch slots the budget cannot keep: they wait in the
+            host's pinned memory (their saved tensors copied there and back on a copy stream beside the compute:
+            `harts_hf.engine.offload`) instead of rerunning their forward in the backward, where the cost model
+            predicts the copies cost less (`host_byte`). One process or DDP on a GPU; refused on CPU and under FSDP2.
     """
 
     harts_enable: bool = field(
@@ -95,6 +101,14 @@ class HARTSArguments:
         },
     )
 
+    harts_max_host_bytes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Host memory (bytes per rank) for the graphs the budget cannot keep, instead of rerunning them "
+            "where the plan predicts it faster (a GPU, one process or DDP)."
+        },
+    )
+
     loss_types: ClassVar[tuple[str, ...]] = ()
     """The ``loss_type`` values TRL's trainer computes (TRL 1.16's branches); any other fails at its first step."""
 
@@ -119,6 +133,8 @@ class HARTSArguments:
             raise ValueError(
                 f"harts_max_bytes_per_microbatch must be positive, got {self.harts_max_bytes_per_microbatch}"
             )
+        if self.harts_max_host_bytes is not None and not 0 <= self.harts_max_host_bytes < math.inf:
+            raise ValueError(f"harts_max_host_bytes must be a finite number >= 0, got {self.harts_max_host_bytes}")
         if self.harts_chunk_size <= 0:
             raise ValueError(f"harts_chunk_size must be positive, got {self.harts_chunk_size}")
         if isinstance(self.harts_cost_model, str):  # the command line gives JSON
