@@ -60,17 +60,21 @@ def _host_plan(forest):
     return the_plan
 
 
+def _loss(forest, objective: str, seed: int):
+    """A token-level loss (random weights) or a sequence-level one over ``forest``."""
+    if objective == "sequence":
+        return sequence_loss(forest)
+    weights = np.random.default_rng(seed).standard_normal((forest.num_trajectories, forest.max_length - 1))
+    return per_token_loss(torch.as_tensor(weights, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("tokens", list(KEPT), ids=lambda t: f"keeps-{KEPT[t]}-of-4")
 @pytest.mark.parametrize("objective", ["token", "sequence"])
 def test_kept_graphs_equal_the_oracle_and_the_replay(model, tokens, objective):
     """U units keeping K graphs make 2U - K model calls (K with grad in the recording, none of them
     rerun), with the oracle's log-probs and gradients, and the all-but-last-rerun path's."""
     seqs, forest = _forest(1)
-    if objective == "token":
-        weights = np.random.default_rng(1).standard_normal((forest.num_trajectories, forest.max_length - 1))
-        loss_fn = per_token_loss(torch.as_tensor(weights, dtype=torch.float32))
-    else:
-        loss_fn = sequence_loss(forest)
+    loss_fn = _loss(forest, objective, seed=1)
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
     rerun, _, _ = engine_step(model, forest, _plan(forest, min(KEPT)), loss_fn)
     for attached in (False, True):
@@ -91,11 +95,7 @@ def test_graphs_in_host_memory_equal_the_oracle_and_run_once(model, objective):
     make 4 model calls, with the oracle's log-probs and gradients, through the engine's backward
     and a caller's."""
     seqs, forest = _forest(1)
-    if objective == "token":
-        weights = np.random.default_rng(2).standard_normal((forest.num_trajectories, forest.max_length - 1))
-        loss_fn = per_token_loss(torch.as_tensor(weights, dtype=torch.float32))
-    else:
-        loss_fn = sequence_loss(forest)
+    loss_fn = _loss(forest, objective, seed=2)
     ref = oracle(model, seqs, loss_fn, forest.max_length - 1)
     for attached in (False, True):
         got, calls, engine = engine_step(model, forest, _host_plan(forest), loss_fn, attached=attached)
