@@ -78,8 +78,9 @@ def random_rows(rng: np.random.Generator) -> list[list[int]]:
 def random_plan(seed: int, world_size: int, planners: Planners = ALONE) -> tuple[list[list[int]], Plan | None]:
     """The rows of ``seed`` and ``plan()``'s context-parallel plan of them over ``world_size`` ranks under
     a random budget, memory model (context from free to half an own token), link (free or the
-    built-in one) and chunk grid, made by ``planners``; None where the budget is below what the rows
-    need."""
+    built-in one), chunk grid and host memory (none, or room for every graph the budget cannot keep:
+    they wait there instead of rerunning), made by ``planners``; None where the budget is below what
+    the rows need."""
     rng = np.random.default_rng(seed)
     rows = random_rows(rng)
     link = float(rng.choice([0.0, 1.0]))
@@ -96,6 +97,7 @@ def random_plan(seed: int, world_size: int, planners: Planners = ALONE) -> tuple
             chunk_size=int(rng.choice([16, 64])),
             context_parallel=True,
             planners=planners,
+            max_host_bytes=float(rng.choice([0.0, 1e9])),  # drawn last: the draws above are the seed's as before
         )
     except ValueError:  # a budget below the longest row's context
         return rows, None

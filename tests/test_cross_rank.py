@@ -243,7 +243,8 @@ def test_ranks_equal_the_oracles(ranks, cases, tmp_path, capsys):
 def test_random_plans_equal_the_oracles(ranks, tmp_path, capsys):
     """``plan()``'s own context-parallel plans of random agentic forests (``random_plan_worker``: no
     forest or plan built for a test; relays, DFS cuts, groups and handoffs as the planner chooses
-    them under random budgets, memory models, links and chunk grids), each on a family and wrapper
+    them under random budgets, memory models, links, chunk grids and host memory, where the graphs
+    the budget cannot keep then wait instead of rerunning), each on a family and wrapper
     in turn (every layer kind; plain, DDP, checkpointing, FSDP2): the log-probs and gradients equal
     the unpatched model's and the single-process engine's, values and their gradients crossed ranks,
     streamed where the plan holds a context-parallel group (``_check``)."""
