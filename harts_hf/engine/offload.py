@@ -113,7 +113,7 @@ class HostCall:
     def unpack(self, packed: torch.Tensor | _Saved) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
-        if packed.back is None:  # read before fetch (a graph backpropagated twice): copy now
+        if packed.back is None:  # a backward before the replay fetched it: copied now
             return packed.host.to(self.graphs.device, copy=True)
         if packed.ready is not None:
             compute = torch.cuda.current_stream(self.graphs.device)
