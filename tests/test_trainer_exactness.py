@@ -308,6 +308,8 @@ def test_host_graphs_same_as_trl(model_dir, tmp_path, monkeypatch):
         train(HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_host_bytes=1e9)
     overrides = {"loss_type": "dapo", "beta": 0.1}
     stock, stock_losses = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path, **overrides)
+    reruns = train(HARTSGRPOTrainer, HARTSGRPOConfig, model_dir, tmp_path, harts_max_tokens_per_microbatch=40)[0]
+    assert min(h["harts/reruns"] for h in reruns.state.log_history if "harts/reruns" in h) > 0  # without host memory
     monkeypatch.setattr(HARTSGRPOTrainer, "_check_host_graphs", lambda self: None)
     saving, calls = HostGraphs.saving, []
     monkeypatch.setattr(HostGraphs, "saving", lambda self: calls.append(torch.is_grad_enabled()) or saving(self))
@@ -321,6 +323,8 @@ def test_host_graphs_same_as_trl(model_dir, tmp_path, monkeypatch):
         **overrides,
     )
     assert calls and all(calls)  # the recordings with grad kept graphs in host memory
+    logged = lambda key: [h[key] for h in harts.state.log_history if key in h]
+    assert min(logged("harts/host_graphs")) > 0 and max(logged("harts/reruns")) == 0
     np.testing.assert_allclose(harts_losses, stock_losses, rtol=TOL, atol=TOL)
     assert max_param_diff(harts.model, stock.model) < TOL
 

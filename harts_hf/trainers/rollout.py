@@ -192,6 +192,8 @@ class HARTSRolloutMixin(HARTSTrainerMixin):
             self._pass = step.stats()
             metrics["harts/rounds"].append(float(step.plan.rounds.sum()))
             metrics["harts/microbatches"].append(float(step.plan.num_slots))
+            metrics["harts/reruns"].append(float(step.plan.rerun.sum()))  # microbatches rerun, every rank's
+            metrics["harts/host_graphs"].append(float(step.plan.host_graphs.sum()))  # kept in host memory instead
             metrics["harts/rows"].append(float(step.forest.num_trajectories))
             metrics["harts/forward_seconds"].append(step.forward_seconds)
             metrics["harts/backward_seconds"].append(step.backward_seconds)
