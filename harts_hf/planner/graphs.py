@@ -27,7 +27,7 @@ import numpy as np
 from .cost import CostModel
 from .memory import Budget, MemoryModel
 
-__all__ = ["GRAPH_RULES", "graph_excess", "graph_slots", "host_seconds", "host_slots", "rerun_slots"]
+__all__ = ["GRAPH_RULES", "graph_excess", "graph_slots", "host_seconds", "host_slots", "rerun_slots", "unkept"]
 
 GRAPH_RULES = ("budget", "last")
 """What may keep a graph besides the byte budget: ``budget``, any slot it holds (and host memory
@@ -52,9 +52,8 @@ def graph_slots(
 
 def _held(memory: MemoryModel, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
     """[R, S] bytes the last k + 1 slots' graphs hold alive together (k = 0 ..), at their peak."""
-    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
-    saved = memory.token * tokens + memory.context * context  # [R, S] kept until the backward
-    phase = np.where(tokens > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
+    saved = memory.saved(tokens, context)  # [R, S] kept until the backward
+    phase = np.where(np.asarray(tokens) > 0, memory(tokens, context) - saved, 0.0)  # [R, S] transient, one at a time
     return np.cumsum(saved[:, ::-1], axis=1) + np.maximum.accumulate(phase[:, ::-1], axis=1)
 
 
@@ -73,12 +72,12 @@ def host_seconds(
     memory: MemoryModel, cost: CostModel, tokens: np.ndarray, context: np.ndarray, seconds: np.ndarray
 ) -> np.ndarray:
     """[R, S] seconds that keeping each microbatch's graph in host memory adds to it: what it saves
-    (``token * n + context * c`` bytes) goes there during its forward (``forward_share`` of its
-    ``seconds``) and back during its backward (the rest), at ``cost.host_byte`` seconds a byte each
-    way, on a copy stream: the part of each copy its pass does not hide."""
-    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
-    copy = cost.host_byte * (memory.token * tokens + memory.context * context)
-    forward = cost.forward_share * np.asarray(seconds, dtype=np.float64)
+    (``MemoryModel.saved``) goes there during its forward (``forward_share`` of its ``seconds``) and
+    back during its backward (the rest), at ``cost.host_byte`` seconds a byte each way, on a copy
+    stream: the part of each copy its pass does not hide."""
+    copy = cost.host_byte * memory.saved(tokens, context)
+    seconds = np.asarray(seconds, dtype=np.float64)
+    forward = cost.forward_share * seconds
     return np.maximum(copy - forward, 0.0) + np.maximum(copy - (seconds - forward), 0.0)
 
 
@@ -98,8 +97,8 @@ def host_slots(
     seconds per byte first, while they fit ``budget.host_bytes`` together."""
     if rule != "budget" or budget.host_bytes <= 0:
         return np.zeros(np.shape(tokens), dtype=bool)
-    tokens, context = np.asarray(tokens, dtype=np.float64), np.asarray(context, dtype=np.float64)
-    saved = memory.token * tokens + memory.context * context
+    tokens = np.asarray(tokens)
+    saved = memory.saved(tokens, context)
     gain = cost.forward_share * seconds - host_seconds(memory, cost, tokens, context, seconds)
     worth = rerun_slots(tokens.shape[1], kept) & (tokens > 0) & (gain > 0)
     per_byte = np.divide(-gain, saved, out=np.full(saved.shape, np.inf), where=worth)  # [R, S] lowest: best
@@ -108,3 +107,22 @@ def host_slots(
     out = np.zeros_like(worth)
     np.put_along_axis(out, order, np.take_along_axis(worth, order, axis=1) & (held <= budget.host_bytes), axis=1)
     return out
+
+
+def unkept(
+    memory: MemoryModel,
+    cost: CostModel,
+    budget: Budget,
+    tokens: np.ndarray,
+    context: np.ndarray,
+    seconds: np.ndarray,
+    kept: np.ndarray,
+    rule: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([R, S] rerun, [R, S] host, [R, S] copies) of the non-empty microbatches before each rank's
+    ``kept`` [R] last under ``rule``: those rerun in the backward, those whose graphs wait in host
+    memory instead (:func:`host_slots`), and the seconds the latter's copies add (0 elsewhere):
+    what the predicted step charges besides the slots (``balance.step_seconds``)."""
+    host = host_slots(memory, cost, budget, tokens, context, seconds, kept, rule)
+    rerun = rerun_slots(np.shape(tokens)[1], kept) & (np.asarray(tokens) > 0) & ~host
+    return rerun, host, np.where(host, host_seconds(memory, cost, tokens, context, seconds), 0.0)

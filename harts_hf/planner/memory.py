@@ -91,8 +91,12 @@ class MemoryModel:
 
     def __call__(self, tokens, context=0) -> np.ndarray:
         """Predicted peak bytes (broadcasts over arrays)."""
-        n = np.asarray(tokens, dtype=np.float64)
-        return self.token * n + self.context * np.asarray(context) + self._phases(n)
+        return self.saved(tokens, context) + self._phases(np.asarray(tokens, dtype=np.float64))
+
+    def saved(self, tokens, context=0) -> np.ndarray:
+        """Bytes a microbatch's graph keeps until its backward, ``token * n + context * c`` (broadcasts
+        over arrays): what the graphs alive together add up, and what a graph in host memory moves."""
+        return self.token * np.asarray(tokens, dtype=np.float64) + self.context * np.asarray(context)
 
     def _phases(self, n) -> np.ndarray:
         return np.maximum(self.head * np.minimum(n, self.head_chunk), self.fixed + self.layer * n)

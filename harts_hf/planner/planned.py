@@ -5,12 +5,13 @@ what the schedule compiles. In a file of its own so the planner's passes (``hand
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from .balance import rank_imbalance, rank_seconds, slot_imbalance, step_seconds
 from .cost import CostModel, cost_origin
-from .graphs import host_seconds, host_slots, rerun_slots
+from .graphs import unkept
 from .memory import Budget, MemoryModel
 
 __all__ = ["Plan"]
@@ -129,10 +130,11 @@ class Plan:
         """[R, S] bytes the memory model predicts each microbatch holds (0 when empty)."""
         return np.where(self.tokens > 0, self.memory_model(self.tokens, self.context), 0.0)
 
-    @property
-    def host_graphs(self) -> np.ndarray:
-        """[R, S] bool: the microbatches whose graphs wait in host memory for their backward."""
-        return host_slots(
+    @cached_property
+    def _unkept(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rerun, host graphs, host copies' seconds) [R, S] (``graphs.unkept``), once per plan: the
+        step's price reads them all."""
+        return unkept(
             self.memory_model,
             self.cost_model,
             self.budget,
@@ -146,19 +148,22 @@ class Plan:
     @property
     def rerun(self) -> np.ndarray:
         """[R, S] bool: the microbatches rerun in the backward (no graph kept; empty ones never)."""
-        return rerun_slots(self.num_slots, self.graph_slots) & (self.tokens > 0) & ~self.host_graphs
+        return self._unkept[0]
+
+    @property
+    def host_graphs(self) -> np.ndarray:
+        """[R, S] bool: the microbatches whose graphs wait in host memory for their backward."""
+        return self._unkept[1]
 
     @property
     def host_copy_seconds(self) -> np.ndarray:
         """[R, S] seconds the host graphs' copies add (0 elsewhere)."""
-        copies = host_seconds(self.memory_model, self.cost_model, self.tokens, self.context, self.cost)
-        return np.where(self.host_graphs, copies, 0.0)
+        return self._unkept[2]
 
     @property
     def host_bytes(self) -> np.ndarray:
         """[R] bytes of graphs each rank keeps in host memory at once (before its backward)."""
-        saved = self.memory_model.token * self.tokens + self.memory_model.context * self.context
-        return np.where(self.host_graphs, saved, 0.0).sum(axis=1)
+        return np.where(self.host_graphs, self.memory_model.saved(self.tokens, self.context), 0.0).sum(axis=1)
 
     @property
     def step_seconds(self) -> float:

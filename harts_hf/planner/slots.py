@@ -14,7 +14,7 @@ from .assign import RankIntervals
 from .balance import step_seconds
 from .cost import CostModel
 from .geometry import Geometry
-from .graphs import graph_slots, host_seconds, host_slots, rerun_slots
+from .graphs import graph_slots, unkept
 from .memory import Budget, MemoryModel
 from .node_parts import node_parts_of
 from .pack import pack_whole_trees
@@ -168,9 +168,7 @@ def _predicted(
     tokens, context = tokens.reshape(shape), _first_depth(geo, pieces, world_size).reshape(shape)
     kept = graph_slots(memory, budget, tokens, context, graphs)
     seconds = table.reshape(shape)
-    host = host_slots(memory, cost, budget, tokens, context, seconds, kept, graphs)
-    rerun = rerun_slots(pieces.num_slots, kept) & (tokens > 0) & ~host
-    copies = np.where(host, host_seconds(memory, cost, tokens, context, seconds), 0.0)
+    rerun, _, copies = unkept(memory, cost, budget, tokens, context, seconds, kept, graphs)
     return step_seconds(seconds, rerun, cost.forward_share, copies), int(kept.min())
 
 
